@@ -1,0 +1,33 @@
+# Two entry points, each doing all of its own set-up on a fresh machine:
+#   make quickstart   trains SmolLM2-135M-Instruct fully asynchronously on this machine's CPU
+#   make test         runs the test suite (everything but the `gpu` tests)
+# TORCH names the torch requirement: the CPU build by default; a GPU cluster passes its own.
+
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+PYTEST_ARGS ?=
+
+.PHONY: setup test quickstart lint clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH)"
+	$(PIP) install -q -e ".[test,nixl]"
+	touch $@
+
+test: setup
+	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
+
+quickstart: setup
+	$(VENV)/bin/slipstream train configs/quickstart.yaml
+
+lint: setup
+	$(VENV)/bin/ruff check slipstream tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache

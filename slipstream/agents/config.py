@@ -1,0 +1,44 @@
+"""Config of the data, the agent loops, their tools and the reward functions."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from slipstream.config_base import ConfigStruct
+
+
+class DataConfig(ConfigStruct):
+    # verl-format parquet or jsonl files (`prompt` as chat messages, `data_source`,
+    # `reward_model.ground_truth`, `extra_info`).
+    train_files: list[str] = []
+    val_files: list[str] = []
+    # Prompts longer than this many tokens (after the chat template) are skipped with a warning.
+    max_prompt_tokens: Annotated[int, msgspec.Meta(ge=1)] = 1024
+    shuffle: bool = True
+    # Passes over the training prompts (the run also stops at run.total_steps).
+    epochs: Annotated[int, msgspec.Meta(ge=1)] = 1
+
+
+class RewardConfig(ConfigStruct):
+    # Worker processes scoring responses off the event loop.
+    num_workers: Annotated[int, msgspec.Meta(ge=1)] = 2
+    # A reward call taking longer than this scores 0 and counts as a reward error.
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
+
+
+class AgentConfig(ConfigStruct):
+    # Agent loop (registry in agents/): single_turn, tool.
+    name: str = "single_turn"
+    # Tools offered to the `tool` loop (registry in agents/tools): python, calculator.
+    tools: list[str] = []
+    max_turns: Annotated[int, msgspec.Meta(ge=1)] = 4
+    # Prompt + every generated and tool token of one episode.
+    max_total_tokens: Annotated[int, msgspec.Meta(ge=1)] = 4096
+    # Tool output beyond this many characters is truncated.
+    max_tool_output_chars: Annotated[int, msgspec.Meta(ge=1)] = 2048
+    # Python sandbox limits.
+    sandbox_cpu_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+    sandbox_wall_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
+    sandbox_memory_mb: Annotated[int, msgspec.Meta(ge=16)] = 512

@@ -1,0 +1,77 @@
+"""What an agent loop needs from an inference server: token ids in, token ids out.
+
+Agent loops import no other role (design.md §2); they receive an object that satisfies
+:class:`InferenceClient`. The rollouter hands them its load-balanced client (embedded, SGLang or vLLM
+servers behind it), wrapped so that partial rollouts are invisible: when a weight update aborts a request,
+the wrapper waits for the new weights, re-submits prompt + partial output with the remaining budget and
+returns the concatenation, each token stamped with the version that produced it. An agent loop therefore
+only sees ``finish_reason`` ``stop`` or ``length``; ``abort`` reaches it only when the run is shutting
+down, and it should then end the episode.
+
+Worked example::
+
+    out = await client.generate(prompt_ids, SamplingParams(max_new_tokens=64), rid="p7-0",
+                                session_id="p7-0")
+    out.output_ids     # [523, 91, 2]
+    out.logprobs       # [-0.41, -1.2, -0.03]   behaviour log-probabilities, one per output token
+    out.versions       # [3, 3, 4]              weight version of each output token
+    out.finish_reason  # "stop"
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol, runtime_checkable
+
+import msgspec
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Per-request sampling, with SGLang's names (`top_k` -1 and `top_p` 1.0 disable those filters)."""
+
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    # Generation stops after any of these (the server's EOS tokens always stop it too).
+    stop_token_ids: list[int] = []
+
+
+class GenerateOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The result of one generate call, always with per-token behaviour log-probabilities and versions."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: FinishReason
+    prompt_tokens: int = 0
+    rid: str = ""
+    # Base URL of the server that produced the last token (for metrics and stickiness).
+    server: str = ""
+    # How many times the request was interrupted by a weight update and resumed.
+    num_resumes: int = 0
+
+
+@runtime_checkable
+class InferenceClient(Protocol):
+    """Token-in/token-out generation against one or many inference servers."""
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        rid: str | None = None,
+        session_id: str | None = None,
+    ) -> GenerateOutput:
+        """Generate a continuation of ``input_ids``.
+
+        ``rid`` names the request (for abort); ``session_id`` keeps the turns of one trajectory on one
+        server so multi-turn episodes reuse its KV cache.
+        """
+        ...
+
+    async def abort(self, rid: str) -> None:
+        """Stop request ``rid``; its pending ``generate`` returns the partial output (finish ``abort``)."""
+        ...

@@ -1,0 +1,90 @@
+"""The `slipstream` command.
+
+Sub-commands are dispatched lazily: only the module of the command that runs is imported (most of them pull
+in torch), so `slipstream --help` is instant. Each target module exposes ``main(argv: list[str]) -> int`` and
+builds its own argparse parser; to add a command, add a row to ``COMMANDS``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# command -> (module, one-line help) or {sub-command: (module, help)}
+COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
+    "train": ("slipstream.pipeline", "train a model: slipstream train CONFIG [key=value ...]"),
+    "serve": ("slipstream.rollouter.serve", "run the embedded inference server: slipstream serve --model PATH"),
+    "bench": {
+        "queue": ("slipstream.queue.bench", "TransferQueue throughput and latency vs Ray and memcpy"),
+        "rollout": ("slipstream.rollouter.bench", "embedded server tokens/s vs transformers generate"),
+        "train": ("slipstream.trainer.bench", "training tokens/s, packed vs padded"),
+        "weightsync": ("slipstream.weightsync.bench", "weight sync GB/s vs raw transport and naive"),
+        "e2e": ("slipstream.bench_e2e", "samples/s of fully_async vs sync on a long-tail workload"),
+    },
+    "models": {
+        "prepare": ("slipstream.rollouter.models", "prepare a known model as a local HF checkpoint"),
+    },
+    "data": {
+        "make": ("slipstream.agents.datagen", "generate a verifiable synthetic dataset"),
+    },
+    "queue": {
+        "serve": ("slipstream.queue.server", "run a TransferQueue server process"),
+    },
+    "config": {
+        "show": ("slipstream.cli", "validate a config and print it resolved"),
+    },
+    "plot": ("slipstream.plot", "write PNG curves of a run: slipstream plot RUN_DIR"),
+}
+
+
+def _usage(table: dict, prefix: str) -> str:
+    width = max(len(k) for k in table) + 2
+    lines = [f"usage: {prefix} <command> [args ...]", "", "commands:"]
+    for name, entry in table.items():
+        text = entry[1] if isinstance(entry, tuple) else "{" + ",".join(entry) + "}"
+        lines.append(f"  {name.ljust(width)}{text}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    table: dict = COMMANDS
+    prefix = "slipstream"
+    while True:
+        if not argv or argv[0] in ("-h", "--help"):
+            print(_usage(table, prefix))
+            return 0 if argv else 2
+        name = argv.pop(0)
+        entry = table.get(name)
+        if entry is None:
+            print(f"{prefix}: unknown command `{name}`\n\n{_usage(table, prefix)}", file=sys.stderr)
+            return 2
+        prefix = f"{prefix} {name}"
+        if isinstance(entry, tuple):
+            break
+        table = entry
+    module_name = entry[0]
+    if module_name == __name__:
+        return config_show(argv)
+    module = importlib.import_module(module_name)
+    return int(module.main(argv) or 0)
+
+
+def config_show(argv: list[str]) -> int:
+    """`slipstream config show CONFIG [key=value ...]`: validate and print the resolved YAML."""
+    from slipstream.config import ConfigError, load_config, to_yaml
+
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: slipstream config show CONFIG [key=value ...]")
+        return 0 if argv else 2
+    try:
+        cfg = load_config(argv[0], argv[1:])
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    print(to_yaml(cfg), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,284 @@
+"""The typed configuration tree: one source of truth for every process of a run.
+
+Each role keeps the config of its own parts next to its code (``slipstream/<role>/config.py``); this module
+assembles them into the root :class:`Config`, loads YAML presets, applies dotted ``key=value`` overrides
+and turns every validation failure into one :class:`ConfigError` that names the key and what was expected.
+
+Why msgspec rather than a hand-written validator: ``msgspec.convert`` already checks types, ``Literal``
+choices and ``Meta`` bounds, rejects unknown keys (``forbid_unknown_fields``) and reports the exact path of
+the first problem; we only reword its message for people and add a "did you mean" hint.
+
+Worked example::
+
+    cfg = load_config("configs/quickstart.yaml", ["trainer.lr=2e-5", "async.mode=sync"])
+    cfg.trainer.lr            # 2e-05
+    load_config(None, ["trainer.lrr=1"])
+    # ConfigError: trainer.lrr: unknown key; did you mean `lr`? (valid keys under `trainer`: ...)
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal, get_args, get_origin
+
+import msgspec
+import yaml
+
+from slipstream.agents.config import AgentConfig, DataConfig, RewardConfig
+from slipstream.config_base import ConfigError, ConfigStruct
+from slipstream.queue.config import QueueConfig
+from slipstream.rollouter.config import RolloutConfig
+from slipstream.trainer.config import TrainerConfig
+from slipstream.weightsync.config import WeightSyncConfig
+
+__all__ = [
+    "AsyncConfig",
+    "Config",
+    "ConfigError",
+    "ConfigStruct",
+    "load_config",
+    "to_dict",
+    "to_yaml",
+]
+
+
+Mode = Literal["sync", "one_step_off", "fully_async"]
+
+
+class AsyncConfig(ConfigStruct):
+    """The knobs users tune to trade freshness for throughput (design.md §3, docs/tuning.md).
+
+    ``mode`` is a preset of the same code path:
+      * ``sync``: the rollouter admits exactly one batch per weight version and waits for it to be trained
+        (staleness 0); the baseline every speed-up is measured against.
+      * ``one_step_off``: generation of step k+1 overlaps training of step k (staleness ≤ 1).
+      * ``fully_async``: admission is bounded by ``staleness_threshold``; weights are pushed every
+        ``sync_every`` trainer steps while generation continues (partial rollouts).
+    """
+
+    mode: Mode = "fully_async"
+    # Admission control: the rollouter may start at most (1 + staleness_threshold) * batch_groups *
+    # sync_every groups per weight version (verl's budget; AReaL's max_head_offpolicyness in batches).
+    staleness_threshold: Annotated[float, msgspec.Meta(ge=0.0)] = 0.5
+    # Hard cap, in weight versions, checked by the trainer when it takes a group:
+    # staleness = trainer_version - min(token versions).
+    max_staleness: Annotated[int, msgspec.Meta(ge=0)] = 4
+    # What the trainer does with a group over `max_staleness`: `drop` it (the prompt is generated again)
+    # or `keep` it (train on it; the off-policy correction handles the gap).
+    stale_policy: Literal["drop", "keep"] = "drop"
+    # Trainer steps between weight pushes.
+    sync_every: Annotated[int, msgspec.Meta(ge=1)] = 1
+    # In-flight requests at a weight push: `abort` (return partial tokens, re-submit prompt + partial after
+    # the update, KV recomputed), `in_place` (generation pauses and continues on the old KV cache), or
+    # `off` (wait for in-flight requests to finish before the update).
+    partial_rollout: Literal["abort", "in_place", "off"] = "abort"
+
+
+class RunConfig(ConfigStruct):
+    """Identity and bookkeeping of one run."""
+
+    name: str = "run"
+    # Every run writes metrics.jsonl, checkpoints and logs under output_dir/name.
+    output_dir: str = "runs"
+    seed: int = 0
+    # Trainer steps to run; 0 means one pass over the training data.
+    total_steps: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # Resume from the latest checkpoint under output_dir/name when one exists.
+    resume: bool = True
+
+
+class ModelConfig(ConfigStruct):
+    """The policy model: a local HF checkpoint directory or a name known to `slipstream models`."""
+
+    path: str = "smollm2-135m-instruct"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    trust_remote_code: bool = False
+
+
+class WandbConfig(ConfigStruct):
+    """Metrics logging; every run also writes a local metrics.jsonl."""
+
+    mode: Literal["offline", "online", "disabled"] = "offline"
+    project: str = "slipstream"
+    entity: str | None = None
+    tags: list[str] = []
+
+
+class ClusterConfig(ConfigStruct):
+    """Where the parts run. On one machine Ray starts locally; on a cluster it joins `ray_address`."""
+
+    # Ray address to join (`auto` on a node started by scripts/launch_*_cluster.sh); null starts Ray locally.
+    ray_address: str | None = None
+    # Custom Ray resources that mark the two node pools (see scripts/launch_*_cluster.sh).
+    rollout_resource: str = "rollout_pool"
+    trainer_resource: str = "trainer_pool"
+    # Restart a dead inference server (re-pushing current weights) instead of failing the run.
+    restart_servers: bool = True
+    max_restarts: Annotated[int, msgspec.Meta(ge=0)] = 3
+    # Seconds between health checks of every part.
+    health_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+
+
+class Config(ConfigStruct):
+    """The root of the tree; YAML presets in configs/ fill it, `key=value` arguments override it."""
+
+    run: RunConfig = msgspec.field(default_factory=RunConfig)
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    async_: AsyncConfig = msgspec.field(default_factory=AsyncConfig, name="async")
+    data: DataConfig = msgspec.field(default_factory=DataConfig)
+    reward: RewardConfig = msgspec.field(default_factory=RewardConfig)
+    agent: AgentConfig = msgspec.field(default_factory=AgentConfig)
+    rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
+    queue: QueueConfig = msgspec.field(default_factory=QueueConfig)
+    trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
+    weightsync: WeightSyncConfig = msgspec.field(default_factory=WeightSyncConfig)
+    wandb: WandbConfig = msgspec.field(default_factory=WandbConfig)
+    cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
+
+
+# ----------------------------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Build a validated :class:`Config` from an optional YAML preset plus dotted overrides.
+
+    A preset may name another with a top-level ``base: other.yaml`` (relative to itself); the preset's keys
+    override its base's. Overrides are ``a.b.c=value``; the value is read as YAML when it looks like a list
+    or mapping (``[a, b]``, ``{k: v}``) and as a string otherwise, which the typed conversion then coerces
+    (``"2e-5"`` → float, ``"true"`` → bool, ``"null"`` → None).
+    """
+    raw: dict[str, Any] = _read_yaml(Path(path)) if path is not None else {}
+    for item in overrides:
+        key, value = _parse_override(item)
+        _set_dotted(raw, key, value)
+    return from_dict(raw)
+
+
+def from_dict(raw: dict[str, Any], cls: type[msgspec.Struct] = Config) -> Any:
+    """Validate a plain mapping into ``cls``; raise :class:`ConfigError` naming the key on failure."""
+    try:
+        return msgspec.convert(raw, cls, strict=False)
+    except msgspec.ValidationError as err:
+        raise ConfigError(_explain(str(err), cls)) from None
+
+
+def to_dict(cfg: msgspec.Struct) -> dict[str, Any]:
+    """The config as plain builtins (YAML/JSON-ready), using the names users write (`async`, not `async_`)."""
+    return msgspec.to_builtins(cfg)
+
+
+def to_yaml(cfg: msgspec.Struct) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def _read_yaml(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    path = path.resolve()
+    if path in _seen:
+        raise ConfigError(f"{path}: `base` presets form a cycle")
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: `base` must be a path to another preset")
+    merged = _read_yaml(path.parent / base, (*_seen, path))
+    _deep_merge(merged, data)
+    return merged
+
+
+def _deep_merge(dst: dict[str, Any], src: dict[str, Any]) -> None:
+    for key, value in src.items():
+        if isinstance(value, dict) and isinstance(dst.get(key), dict):
+            _deep_merge(dst[key], value)
+        else:
+            dst[key] = value
+
+
+_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not _KEY_RE.match(key):
+        raise ConfigError(f"override `{item}`: expected dotted.key=value, e.g. trainer.lr=1e-5")
+    text = text.strip()
+    if text[:1] in "[{":
+        try:
+            return key, yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{key}: value `{text}` is not a valid YAML list/mapping: {err}") from None
+    return key, text
+
+
+def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    node = raw
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            where = ".".join(parts[: i + 1])
+            raise ConfigError(f"{key}: `{where}` is a value, not a section, so it has no key `{parts[i + 1]}`")
+        node = child
+    node[parts[-1]] = value
+
+
+_PATH_RE = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+_UNKNOWN_RE = re.compile(r"Object contains unknown field `(?P<field>[^`]+)`")
+
+
+def _explain(message: str, root: type[msgspec.Struct]) -> str:
+    match = _PATH_RE.match(message)
+    msg, path = (match.group("msg"), match.group("path") or "") if match else (message, "")
+    parts = [p for p in re.split(r"\.|\[(\d+)\]", path) if p]
+    unknown = _UNKNOWN_RE.search(msg)
+    if unknown:
+        field = unknown.group("field")
+        where = ".".join(parts)
+        valid = _field_names(root, parts)
+        hint = difflib.get_close_matches(field, valid, n=1)
+        tip = f"; did you mean `{hint[0]}`?" if hint else ""
+        section = f"under `{where}`" if where else "at the top level"
+        full = f"{where}.{field}" if where else field
+        return f"{full}: unknown key{tip} (valid keys {section}: {', '.join(valid)})"
+    key = ".".join(parts) or "<root>"
+    if msg.startswith("Invalid enum value"):
+        choices = [repr(c) for c in _literal_choices(_field_type(root, parts))]
+        return f"{key}: {msg[len('Invalid enum value '):]} is not one of {', '.join(choices)}"
+    msg = msg.replace("Expected", "expected").replace("`", "")
+    return f"{key}: {msg}"
+
+
+def _field_type(root: type[msgspec.Struct], parts: list[str]) -> Any:
+    """The annotated type at a dotted path, or None when the path leaves the struct tree."""
+    tp: Any = root
+    for part in parts:
+        if not (isinstance(tp, type) and issubclass(tp, msgspec.Struct)):
+            return None
+        info = {f.encode_name: f for f in msgspec.structs.fields(tp)}.get(part)
+        if info is None:
+            return None
+        tp = info.type
+    return tp
+
+
+def _literal_choices(tp: Any) -> list[Any]:
+    if get_origin(tp) is Literal:
+        return list(get_args(tp))
+    return [c for arg in get_args(tp) for c in _literal_choices(arg)]
+
+
+def _field_names(root: type[msgspec.Struct], parts: list[str]) -> list[str]:
+    tp = _field_type(root, parts)
+    if not (isinstance(tp, type) and issubclass(tp, msgspec.Struct)):
+        return []
+    return [f.encode_name for f in msgspec.structs.fields(tp)]

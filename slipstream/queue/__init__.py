@@ -1,0 +1,1 @@
+"""TransferQueue: producers put whole groups, consumers lease and ack them (design.md §3)."""

@@ -1,0 +1,223 @@
+"""The data that flows through the queue: trajectories and the groups they travel in.
+
+A :class:`Trajectory` is what an agent loop produces for one sample: token ids in and out, which tokens the
+policy generated (``loss_mask``), the behaviour log-probabilities and the weight version of every response
+token, and a reward. Token ids are kept exactly as the inference server produced them (never re-tokenised).
+
+A *group* is the ``n`` trajectories of one prompt. GRPO-style estimators need whole groups, so the queue
+only ever moves whole groups. On the wire and in the queue a group is *columnar*: per-sample metadata in a
+msgspec header (:class:`GroupMeta`) and the token-level columns concatenated across samples into one
+tensor each (:class:`TrajectoryGroup`), so a group is a handful of frames however many samples it holds.
+
+Invariants of a :class:`TrajectoryGroup` (checked by :meth:`TrajectoryGroup.validate`):
+  * ``tensors["prompt_ids"]`` has ``sum(s.prompt_len)`` int32 entries;
+  * ``response_ids`` (int32), ``loss_mask`` (uint8), ``logprobs`` (float32) and ``versions`` (int32) have
+    ``sum(s.response_len)`` entries each, sample after sample in ``meta.samples`` order;
+  * extra tensors a producer adds are response-aligned (first dimension ``sum(s.response_len)``).
+
+Worked example::
+
+    trajs = [Trajectory(uid=f"p7-{i}", group_id="p7", prompt_ids=[1, 2], response_ids=[5, 6, 2],
+                        loss_mask=[1, 1, 1], logprobs=[-0.1, -0.5, -0.2], versions=[3, 3, 4], reward=1.0)
+             for i in range(4)]
+    group = TrajectoryGroup.from_trajectories(trajs, extra={"prompt_index": 7})
+    group.min_version        # 3
+    group.to_trajectories() == trajs   # True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import torch
+
+PROMPT_COLUMNS = ("prompt_ids",)
+RESPONSE_COLUMNS = ("response_ids", "loss_mask", "logprobs", "versions")
+COLUMN_DTYPES: dict[str, torch.dtype] = {
+    "prompt_ids": torch.int32,
+    "response_ids": torch.int32,
+    "loss_mask": torch.uint8,
+    "logprobs": torch.float32,
+    "versions": torch.int32,
+}
+
+
+class Trajectory(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    """One sample: a prompt and everything generated after it (all turns, tool output included)."""
+
+    uid: str
+    group_id: str
+    prompt_ids: list[int]
+    # Every token after the prompt: policy tokens (loss_mask 1) and tool/environment tokens (loss_mask 0).
+    response_ids: list[int]
+    loss_mask: list[int]
+    # Behaviour-policy log-probability of each response token (0.0 where loss_mask is 0).
+    logprobs: list[float]
+    # Weight version that generated each response token (tool tokens carry the version of the turn before).
+    versions: list[int]
+    reward: float = 0.0
+    # Named parts of the reward (e.g. {"format": 0.1, "correct": 1.0}); `reward` is what is trained on.
+    reward_components: dict[str, float] = {}
+    # stop | length | abort | error
+    finish_reason: str = "stop"
+    num_turns: int = 1
+    metrics: dict[str, float] = {}
+    # Free-form msgpack-able data carried to the trainer (e.g. data_source); never tensors.
+    extra: dict[str, Any] = {}
+
+    def validate(self) -> None:
+        n = len(self.response_ids)
+        for name in ("loss_mask", "logprobs", "versions"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(
+                    f"trajectory {self.uid}: `{name}` has {len(getattr(self, name))} entries, "
+                    f"`response_ids` has {n}"
+                )
+
+    @property
+    def min_version(self) -> int:
+        """Oldest weight version among the tokens (-1 when the response is empty)."""
+        return min(self.versions) if self.versions else -1
+
+
+class SampleMeta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Per-sample header of a group on the wire; the token columns travel as tensors."""
+
+    uid: str
+    prompt_len: int
+    response_len: int
+    min_version: int
+    max_version: int
+    reward: float = 0.0
+    reward_components: dict[str, float] = {}
+    finish_reason: str = "stop"
+    num_turns: int = 1
+    metrics: dict[str, float] = {}
+    extra: dict[str, Any] = {}
+
+
+class GroupMeta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Header of one group: its id, its samples, and prompt-level data (e.g. the prompt index)."""
+
+    group_id: str
+    samples: list[SampleMeta]
+    extra: dict[str, Any] = {}
+
+
+@dataclass
+class TrajectoryGroup:
+    """The ``n`` trajectories of one prompt in columnar form; the unit of ``put`` and ``lease``.
+
+    Tensors returned by a lease may be read-only views of received buffers: treat them as read-only and
+    copy what you keep past the ack (:func:`slipstream.queue.batch.collate` copies).
+    """
+
+    meta: GroupMeta
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_trajectories(
+        cls, trajectories: list[Trajectory], extra: dict[str, Any] | None = None
+    ) -> TrajectoryGroup:
+        if not trajectories:
+            raise ValueError("a group needs at least one trajectory")
+        group_id = trajectories[0].group_id
+        samples = []
+        for t in trajectories:
+            t.validate()
+            if t.group_id != group_id:
+                raise ValueError(f"trajectory {t.uid} has group_id {t.group_id!r}, expected {group_id!r}")
+            versions = t.versions or [-1]
+            samples.append(
+                SampleMeta(
+                    uid=t.uid,
+                    prompt_len=len(t.prompt_ids),
+                    response_len=len(t.response_ids),
+                    min_version=min(versions),
+                    max_version=max(versions),
+                    reward=float(t.reward),
+                    reward_components=t.reward_components,
+                    finish_reason=t.finish_reason,
+                    num_turns=t.num_turns,
+                    metrics=t.metrics,
+                    extra=t.extra,
+                )
+            )
+        tensors = {
+            name: torch.tensor([x for t in trajectories for x in getattr(t, name)], dtype=dtype)
+            for name, dtype in COLUMN_DTYPES.items()
+        }
+        group = cls(GroupMeta(group_id=group_id, samples=samples, extra=extra or {}), tensors)
+        group.validate()
+        return group
+
+    def to_trajectories(self) -> list[Trajectory]:
+        out = []
+        p_off = r_off = 0
+        cols = {name: self.tensors[name].tolist() for name in COLUMN_DTYPES}
+        for s in self.meta.samples:
+            p_end, r_end = p_off + s.prompt_len, r_off + s.response_len
+            out.append(
+                Trajectory(
+                    uid=s.uid,
+                    group_id=self.meta.group_id,
+                    prompt_ids=cols["prompt_ids"][p_off:p_end],
+                    response_ids=cols["response_ids"][r_off:r_end],
+                    loss_mask=cols["loss_mask"][r_off:r_end],
+                    logprobs=cols["logprobs"][r_off:r_end],
+                    versions=cols["versions"][r_off:r_end],
+                    reward=s.reward,
+                    reward_components=s.reward_components,
+                    finish_reason=s.finish_reason,
+                    num_turns=s.num_turns,
+                    metrics=s.metrics,
+                    extra=s.extra,
+                )
+            )
+            p_off, r_off = p_end, r_end
+        return out
+
+    # ------------------------------------------------------------------ views
+    @property
+    def group_id(self) -> str:
+        return self.meta.group_id
+
+    @property
+    def uids(self) -> list[str]:
+        return [s.uid for s in self.meta.samples]
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.meta.samples)
+
+    @property
+    def min_version(self) -> int:
+        """Oldest weight version of any token in the group; staleness = trainer version - this."""
+        return min(s.min_version for s in self.meta.samples)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def validate(self) -> None:
+        """Check the columnar invariants (see the module docstring); raise ValueError naming the column."""
+        n_prompt = sum(s.prompt_len for s in self.meta.samples)
+        n_resp = sum(s.response_len for s in self.meta.samples)
+        for name in (*PROMPT_COLUMNS, *RESPONSE_COLUMNS):
+            if name not in self.tensors:
+                raise ValueError(f"group {self.group_id}: missing column `{name}`")
+        for name, tensor in self.tensors.items():
+            want = n_prompt if name in PROMPT_COLUMNS else n_resp
+            if tensor.dim() == 0 or tensor.shape[0] != want:
+                raise ValueError(
+                    f"group {self.group_id}: column `{name}` has shape {tuple(tensor.shape)}, "
+                    f"expected first dimension {want}"
+                )
+            expected = COLUMN_DTYPES.get(name)
+            if expected is not None and tensor.dtype != expected:
+                raise ValueError(f"group {self.group_id}: column `{name}` is {tensor.dtype}, expected {expected}")
+        if len(set(self.uids)) != len(self.uids):
+            raise ValueError(f"group {self.group_id}: duplicate uids within the group")

@@ -1,0 +1,49 @@
+"""Config of the rollouter and the inference servers it drives."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from slipstream.config_base import ConfigStruct
+
+
+class SamplingConfig(ConfigStruct):
+    max_new_tokens: Annotated[int, msgspec.Meta(ge=1)] = 256
+    temperature: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    # -1 disables top-k.
+    top_k: Annotated[int, msgspec.Meta(ge=-1)] = -1
+
+
+class EmbeddedServerConfig(ConfigStruct):
+    """The embedded server (transformers continuous batching) used on CPU, in tests and the quickstart."""
+
+    # Largest number of tokens processed in one forward step of the batch.
+    max_batch_tokens: Annotated[int, msgspec.Meta(ge=16)] = 2048
+    # Torch threads for the server process; 0 leaves torch's default.
+    num_threads: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # Largest prompt + response the server accepts, in tokens.
+    max_model_len: Annotated[int, msgspec.Meta(ge=16)] = 4096
+    device: str = "cpu"
+
+
+class RolloutConfig(ConfigStruct):
+    # Inference backend: embedded (our server), vllm or sglang.
+    backend: Literal["embedded", "vllm", "sglang"] = "embedded"
+    # Servers to launch; ignored when `server_urls` lists running servers to use instead.
+    num_servers: Annotated[int, msgspec.Meta(ge=1)] = 1
+    server_urls: list[str] = []
+    # Extra command-line arguments for launched vllm/sglang servers.
+    server_args: list[str] = []
+    # Seconds to wait for a launched server to become healthy.
+    launch_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
+    # Samples per prompt; they form one group.
+    n: Annotated[int, msgspec.Meta(ge=1)] = 8
+    sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
+    # Requests in flight per server at most.
+    max_concurrent_per_server: Annotated[int, msgspec.Meta(ge=1)] = 64
+    # Seconds a single generate request may take before it is retried on another server.
+    request_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 3600.0
+    embedded: EmbeddedServerConfig = msgspec.field(default_factory=EmbeddedServerConfig)

@@ -1,0 +1,1 @@
+"""RL algorithms as pure tensor functions behind registries: advantages and policy losses."""

@@ -1,0 +1,1 @@
+"""Model engines behind one interface (`base.ModelEngine`): FSDP2 and Megatron-core."""

@@ -1,0 +1,1 @@
+"""The checkpoint engine: bucketed, pipelined weight pushes from trainer to inference servers."""
