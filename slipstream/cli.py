@@ -13,7 +13,10 @@ import sys
 # command -> (module, one-line help) or {sub-command: (module, help)}
 COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
     "train": ("slipstream.pipeline", "train a model: slipstream train CONFIG [key=value ...]"),
-    "serve": ("slipstream.rollouter.serve", "run the embedded inference server: slipstream serve --model PATH"),
+    "serve": (
+        "slipstream.rollouter.serve",
+        "run the embedded inference server: slipstream serve --model PATH",
+    ),
     "bench": {
         "queue": ("slipstream.queue.bench", "TransferQueue throughput and latency vs Ray and memcpy"),
         "rollout": ("slipstream.rollouter.bench", "embedded server tokens/s vs transformers generate"),

@@ -227,7 +227,9 @@ def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
             where = ".".join(parts[: i + 1])
-            raise ConfigError(f"{key}: `{where}` is a value, not a section, so it has no key `{parts[i + 1]}`")
+            raise ConfigError(
+                f"{key}: `{where}` is a value, not a section, so it has no key `{parts[i + 1]}`"
+            )
         node = child
     node[parts[-1]] = value
 
@@ -253,7 +255,7 @@ def _explain(message: str, root: type[msgspec.Struct]) -> str:
     key = ".".join(parts) or "<root>"
     if msg.startswith("Invalid enum value"):
         choices = [repr(c) for c in _literal_choices(_field_type(root, parts))]
-        return f"{key}: {msg[len('Invalid enum value '):]} is not one of {', '.join(choices)}"
+        return f"{key}: {msg[len('Invalid enum value ') :]} is not one of {', '.join(choices)}"
     msg = msg.replace("Expected", "expected").replace("`", "")
     return f"{key}: {msg}"
 

@@ -35,7 +35,7 @@ CHAT_TEMPLATE = (
     "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
     "You may call tools. Available tools:\n"
     "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}{{ '\\n' }}"
-    "Call one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.<|im_end|>\n"
+    'Call one as <tool_call>{"name": ..., "arguments": {...}}</tool_call>.<|im_end|>\n'
     "{% elif messages[0]['role'] == 'system' %}"
     "<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n"
     "{% endif %}"

@@ -12,8 +12,16 @@ def test_defaults_validate():
 
 
 def test_overrides_are_typed():
-    cfg = load_config(None, ["trainer.lr=2e-5", "async.mode=sync", "data.train_files=[a.jsonl, b.jsonl]",
-                             "trainer.algorithm.clip_c=null", "rollout.sampling.top_k=20"])
+    cfg = load_config(
+        None,
+        [
+            "trainer.lr=2e-5",
+            "async.mode=sync",
+            "data.train_files=[a.jsonl, b.jsonl]",
+            "trainer.algorithm.clip_c=null",
+            "rollout.sampling.top_k=20",
+        ],
+    )
     assert cfg.trainer.lr == pytest.approx(2e-5)
     assert cfg.async_.mode == "sync"
     assert cfg.data.train_files == ["a.jsonl", "b.jsonl"]
@@ -41,7 +49,9 @@ def test_bad_values_name_the_key(override, needle):
 
 def test_yaml_base_and_roundtrip(tmp_path):
     (tmp_path / "base.yaml").write_text("trainer:\n  lr: 1.0e-5\n  batch_groups: 4\n")
-    (tmp_path / "run.yaml").write_text("base: base.yaml\ntrainer:\n  batch_groups: 6\nasync:\n  sync_every: 2\n")
+    (tmp_path / "run.yaml").write_text(
+        "base: base.yaml\ntrainer:\n  batch_groups: 6\nasync:\n  sync_every: 2\n"
+    )
     cfg = load_config(tmp_path / "run.yaml")
     assert (cfg.trainer.lr, cfg.trainer.batch_groups, cfg.async_.sync_every) == (1e-5, 6, 2)
     (tmp_path / "again.yaml").write_text(to_yaml(cfg))

@@ -218,6 +218,8 @@ class TrajectoryGroup:
                 )
             expected = COLUMN_DTYPES.get(name)
             if expected is not None and tensor.dtype != expected:
-                raise ValueError(f"group {self.group_id}: column `{name}` is {tensor.dtype}, expected {expected}")
+                raise ValueError(
+                    f"group {self.group_id}: column `{name}` is {tensor.dtype}, expected {expected}"
+                )
         if len(set(self.uids)) != len(self.uids):
             raise ValueError(f"group {self.group_id}: duplicate uids within the group")
