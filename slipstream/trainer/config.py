@@ -18,14 +18,15 @@ class AlgorithmConfig(ConfigStruct):
     # Policy loss (registry in trainer/algos/losses): ppo_clip, gspo, cispo, decoupled_ppo.
     policy_loss: str = "ppo_clip"
     # Loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm.
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
-        "token-mean"
-    )
+    loss_agg_mode: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = "token-mean"
     clip_low: Annotated[float, msgspec.Meta(ge=0)] = 0.2
     clip_high: Annotated[float, msgspec.Meta(ge=0)] = 0.28
     # Dual-clip constant (> 1); null disables dual clip.
     clip_c: float | None = None
-    # KL penalty against the reference (behaviour) policy: null (off), k1, k2, k3.
+    # KL penalty (k1, k2, k3 = low-variance; null = off) against the batch's `ref_logprobs` when a producer
+    # supplies them, else against the behaviour logprobs (a penalty on drifting from the sampling policy).
     kl_type: Literal["k1", "k2", "k3"] | None = None
     kl_coef: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     entropy_coef: Annotated[float, msgspec.Meta(ge=0)] = 0.0
@@ -33,8 +34,34 @@ class AlgorithmConfig(ConfigStruct):
     # null (off), token, sequence; weights are clamped at `tis_cap`.
     tis_level: Literal["token", "sequence"] | None = None
     tis_cap: Annotated[float, msgspec.Meta(gt=0)] = 2.0
+    # Rejection mask between the behaviour and proximal policies (trainer/algos/correction.py): null (off),
+    # token_k1/k2/k3, seq_sum_k1/k2/k3, seq_mean_k1/k2/k3, seq_max_k2/k3.
+    rejection: str | None = None
+    # k1 criteria keep ratios in [rejection_low, rejection_high] (low defaults to 1/high); k2/k3 criteria keep
+    # divergences <= rejection_high.
+    rejection_low: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    rejection_high: Annotated[float, msgspec.Meta(gt=0)] = 2.0
+    # decoupled_ppo: tokens whose behaviour importance weight pi_prox/pi_behav exceeds this are dropped
+    # (AReaL's behav_imp_weight_cap); null keeps every token.
+    decoupled_cap: Annotated[float, msgspec.Meta(gt=0)] | None = 5.0
+    # Constant divisor of seq-mean-token-sum-norm (Dr. GRPO); null uses rollout.sampling.max_new_tokens.
+    loss_scale_factor: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    # Critic (adv_estimator=gae): weight of the value loss and the clip range of value updates.
+    value_coef: Annotated[float, msgspec.Meta(ge=0)] = 0.5
+    value_clip: Annotated[float, msgspec.Meta(gt=0)] = 0.2
     gamma: Annotated[float, msgspec.Meta(ge=0, le=1)] = 1.0
     lam: Annotated[float, msgspec.Meta(ge=0, le=1)] = 1.0
+
+    def __post_init__(self) -> None:
+        if self.clip_c is not None and self.clip_c <= 1.0:
+            raise ValueError(f"clip_c must be > 1 (dual clip), got {self.clip_c}")
+        if self.policy_loss == "decoupled_ppo" and self.tis_level is not None:
+            raise ValueError("decoupled_ppo already weights by pi_prox/pi_behav: set tis_level to null")
+
+    @property
+    def needs_proximal(self) -> bool:
+        """Whether the trainer must recompute logprobs with its own weights before updating them."""
+        return self.policy_loss == "decoupled_ppo" or self.tis_level is not None or self.rejection is not None
 
 
 class TrainerConfig(ConfigStruct):
@@ -54,7 +81,21 @@ class TrainerConfig(ConfigStruct):
     betas: tuple[float, float] = (0.9, 0.999)
     warmup_steps: Annotated[int, msgspec.Meta(ge=0)] = 0
     grad_clip: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    # Learning-rate schedule after warmup: constant, or cosine decay to min_lr_ratio * lr over run.total_steps.
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0
     activation_checkpointing: bool = False
+    # Pack samples end to end (no padding; position ids restart per sample). False pads every micro-batch
+    # to the longest sample of the batch: the baseline `slipstream bench train` measures against.
+    pack_sequences: bool = True
+    # Where the engine runs: auto picks cuda when available (NCCL), else cpu (gloo).
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # HF attention kernel; null picks flash_attention_2 on GPU when installed, else sdpa.
+    attn_implementation: str | None = None
+    # Seconds a step waits for a full batch from the queue before it fails.
+    batch_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 3600.0
+    # Peak dense bf16 TFLOP/s of one GPU for MFU; null looks the device name up (H100/H200/A100/...).
+    peak_tflops: Annotated[float, msgspec.Meta(gt=0)] | None = None
     # Mixed precision on GPU: parameters in bf16 for compute, fp32 master weights and reductions.
     mixed_precision: bool = True
     # A checkpoint (with the queue snapshot) every this many steps; 0 disables.

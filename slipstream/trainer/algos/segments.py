@@ -1,0 +1,71 @@
+"""Per-sample reductions on packed (unpadded) token tensors.
+
+The trainer never pads: a batch is one flat token axis with samples laid end to end and ``cu_seqlens``
+(cumulative lengths, ``[0, l0, l0+l1, ...]``) marking where each sample starts. Algorithms that need a
+per-sample quantity (a sequence ratio, a per-sequence token mean) reduce over that axis with the helpers
+here, so every algorithm stays a pure function of flat tensors and no padding token is ever computed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def segment_ids(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """The sample index of every token: ``[0, 0, 1, 1, 1, 2]`` for ``cu_seqlens = [0, 2, 5, 6]``."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    return torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths)
+
+
+def segment_sum(values: torch.Tensor, seg: torch.Tensor, num_segments: int) -> torch.Tensor:
+    """Sum of ``values`` [T] per segment → [num_segments] (differentiable)."""
+    out = torch.zeros(num_segments, dtype=values.dtype, device=values.device)
+    return out.index_add(0, seg, values)
+
+
+def segment_max(
+    values: torch.Tensor, seg: torch.Tensor, num_segments: int, mask: torch.Tensor
+) -> torch.Tensor:
+    """Max of ``values`` over the masked tokens of each segment; 0 for a segment with no masked token."""
+    fill = torch.full((num_segments,), float("-inf"), dtype=values.dtype, device=values.device)
+    masked = torch.where(mask > 0, values, torch.full_like(values, float("-inf")))
+    out = fill.scatter_reduce(0, seg, masked, reduce="amax", include_self=True)
+    return torch.where(torch.isinf(out), torch.zeros_like(out), out)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over masked entries; 0 (not NaN) when nothing is masked in."""
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) over masked entries, with Bessel-corrected variance (as verl).
+
+    With fewer than two masked entries the variance is taken as 0 rather than dividing by zero.
+    """
+    mask = mask.to(values.dtype)
+    count = mask.sum()
+    mean = (values * mask).sum() / count.clamp(min=1)
+    var = (((values - mean) ** 2) * mask).sum() / (count - 1).clamp(min=1)
+    return (values - mean) * torch.rsqrt(var + eps)
+
+
+def to_padded(values: torch.Tensor, cu_seqlens: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+    """Flat [T] → [N, max_len] (right-padded with ``fill``), for the few recurrences that run per step."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    n, width = lengths.numel(), int(lengths.max().item()) if lengths.numel() else 0
+    out = torch.full((n, width), fill, dtype=values.dtype, device=values.device)
+    pos = torch.arange(values.numel(), device=values.device) - cu_seqlens[:-1].long().repeat_interleave(
+        lengths
+    )
+    out[segment_ids(cu_seqlens), pos] = values
+    return out
+
+
+def from_padded(padded: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`to_padded`."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    total = int(lengths.sum().item())
+    pos = torch.arange(total, device=padded.device) - cu_seqlens[:-1].long().repeat_interleave(lengths)
+    return padded[segment_ids(cu_seqlens), pos]
