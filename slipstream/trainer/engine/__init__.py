@@ -1,1 +1,35 @@
-"""Model engines behind one interface (`base.ModelEngine`): FSDP2 and Megatron-core."""
+"""Model engines behind one interface (``base.ModelEngine``): FSDP2 (``fsdp.FSDPEngine``, CPU gloo or GPU
+NCCL) and Megatron-core (``megatron.MegatronEngine``, GPU only).
+
+``make_engine(cfg)`` picks one by ``trainer.engine``; to add a backend, implement ``ModelEngine`` in a new
+module here and add a row to ``ENGINES``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from slipstream.trainer.engine.base import EngineOutput, LossFn, ModelEngine
+
+if TYPE_CHECKING:
+    from slipstream.config import Config
+
+# trainer.engine -> (module, class); imported lazily so CPU-only installs never import megatron.
+ENGINES: dict[str, tuple[str, str]] = {
+    "fsdp": ("slipstream.trainer.engine.fsdp", "FSDPEngine"),
+    "megatron": ("slipstream.trainer.engine.megatron", "MegatronEngine"),
+}
+
+
+def make_engine(cfg: Config, **kwargs: Any) -> ModelEngine:
+    try:
+        module, cls = ENGINES[cfg.trainer.engine]
+    except KeyError:
+        raise KeyError(
+            f"unknown engine {cfg.trainer.engine!r} (trainer.engine); choose one of {sorted(ENGINES)}"
+        )
+    return getattr(importlib.import_module(module), cls)(cfg, **kwargs)
+
+
+__all__ = ["ENGINES", "EngineOutput", "LossFn", "ModelEngine", "make_engine"]

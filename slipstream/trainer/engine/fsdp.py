@@ -1,0 +1,385 @@
+"""FSDP2 engine for Hugging Face causal LMs (and value-head models for a critic).
+
+Parallelism lives here and nowhere else: every decoder layer and then the root module are wrapped with
+``torch.distributed.fsdp.fully_shard`` over one data-parallel mesh (gloo on CPU, NCCL on GPU). On GPU with
+``trainer.mixed_precision`` the sharded parameters stay fp32 (the master weights the optimizer updates)
+and are cast to bf16 for compute, with gradients reduced in fp32 (``MixedPrecisionPolicy``).
+
+Packed sequences: a micro-batch is one row of samples laid end to end, with ``position_ids`` restarting at
+0 for each sample and no attention mask. transformers detects that layout from the position ids and builds a
+block-diagonal causal mask for sdpa/eager (``masking_utils.find_packed_sequence_indices``) or passes
+varlen boundaries to flash-attention, so no token attends across samples and no padding is computed
+(``tests/trainer/test_fsdp_engine.py`` checks packed logits equal per-sample logits). With
+``trainer.pack_sequences=false`` micro-batches are padded to the batch's longest sample instead: the
+baseline of ``slipstream bench train``.
+
+Micro-batches are cut by token budget (``trainer.micro_batch_tokens``); FSDP collectives run inside every
+forward and backward, so all ranks must run the same number of them: a rank with fewer micro-batches runs
+zero-weight ones (one token, loss multiplied by 0) to match the busiest rank. FSDP averages gradients
+over ranks while our loss is each micro-batch's share of the global mean, so the loss is multiplied by the
+world size before backward.
+
+Checkpoints are torch DCP (sharded model + optimizer, any world size can load them), plus the scheduler on
+rank 0 and each rank's RNG state in its own small file.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+from slipstream.trainer.batching import (
+    sample_lengths,
+    select_samples,
+    split_by_token_budget,
+    truncate_to_one_token,
+)
+from slipstream.trainer.engine.base import EngineOutput, LossFn, ModelEngine
+from slipstream.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    from slipstream.config import Config
+
+log = get_logger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class FSDPEngine(ModelEngine):
+    """FSDP2-sharded HF model + AdamW + warmup/cosine schedule.
+
+    Invariants: every public method except the properties is collective over the default process group;
+    parameters keep their HF names (activation checkpointing uses HF's own switch, which adds no wrapper);
+    ``get_per_tensor_param`` yields exactly ``model.named_parameters()`` (tied weights once).
+
+    Example (one process; ``initialize`` starts a 1-rank group when none exists)::
+
+        engine = FSDPEngine(cfg)
+        engine.initialize()
+        out = engine.forward_backward_batch(batch, loss_fn)
+        grad_norm = engine.optimizer_step()
+    """
+
+    def __init__(self, cfg: Config, *, value_head: bool = False, model_path: str | None = None) -> None:
+        self.cfg = cfg
+        self.tcfg = cfg.trainer
+        self.value_head = value_head
+        self.model_path = model_path or cfg.model.path
+        self.temperature = float(cfg.rollout.sampling.temperature) or 1.0
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        self._device = torch.device("cpu")
+        self._num_params = 0
+        self._arch: tuple[int, int] = (0, 0)  # (layers, hidden) for attention FLOPs
+
+    # ---------------------------------------------------------------- setup
+    def initialize(self) -> None:
+        self._init_distributed()
+        model = self._load_model()
+        self._num_params = sum(p.numel() for p in model.parameters())
+        self._shard(model)
+        self.model = model
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=self.tcfg.lr,
+            betas=tuple(self.tcfg.betas),
+            weight_decay=self.tcfg.weight_decay,
+            foreach=True,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda)
+
+    def _init_distributed(self) -> None:
+        want = self.tcfg.device
+        use_cuda = want == "cuda" or (want == "auto" and torch.cuda.is_available())
+        if use_cuda:
+            local = int(os.environ.get("LOCAL_RANK", dist.get_rank() if dist.is_initialized() else 0))
+            torch.cuda.set_device(local % torch.cuda.device_count())
+            self._device = torch.device("cuda", torch.cuda.current_device())
+        if not dist.is_initialized():
+            dist.init_process_group(
+                "nccl" if use_cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1
+            )
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
+    def _load_model(self) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+        on_gpu = self._device.type == "cuda"
+        mixed = on_gpu and self.tcfg.mixed_precision
+        dtype = torch.float32 if mixed else _DTYPES[self.cfg.model.dtype]
+        attn = self.tcfg.attn_implementation or _default_attention(on_gpu)
+        kwargs = dict(
+            dtype=dtype, attn_implementation=attn, trust_remote_code=self.cfg.model.trust_remote_code
+        )
+        if self.value_head:
+            model = AutoModelForTokenClassification.from_pretrained(self.model_path, num_labels=1, **kwargs)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(self.model_path, **kwargs)
+        model.config.use_cache = False
+        if self.tcfg.activation_checkpointing:
+            # HF's own switch keeps parameter names (torch's checkpoint_wrapper would rename them).
+            if hasattr(model, "activation_checkpointing_enable"):
+                model.activation_checkpointing_enable(
+                    activation_checkpointing_kwargs={"use_reentrant": False}
+                )
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        config = model.config
+        self._arch = (int(getattr(config, "num_hidden_layers", 0)), int(getattr(config, "hidden_size", 0)))
+        return model
+
+    def _shard(self, model: torch.nn.Module) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(self._device.type, (self.world_size,))
+        kwargs = {"mesh": mesh}
+        if self._device.type == "cuda" and self.tcfg.mixed_precision:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        block_names = set(getattr(model, "_no_split_modules", None) or [])
+        blocks = [m for m in model.modules() if type(m).__name__ in block_names]
+        if not blocks:
+            raise ValueError(f"{type(model).__name__}: no `_no_split_modules` blocks found to shard")
+        for block in blocks:
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
+
+    def _lr_lambda(self, step: int) -> float:
+        warmup = self.tcfg.warmup_steps
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        total = self.cfg.run.total_steps
+        if self.tcfg.lr_schedule == "constant" or total <= warmup:
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        floor = self.tcfg.min_lr_ratio
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    # ---------------------------------------------------------------- forward / backward
+    def forward_backward_batch(
+        self, data: TensorDict, loss_fn: LossFn | None, forward_only: bool = False
+    ) -> EngineOutput:
+        if self.model is None:
+            raise RuntimeError("FSDPEngine.initialize() must run before forward_backward_batch")
+        if not forward_only and loss_fn is None:
+            raise ValueError("forward_backward_batch needs a loss_fn unless forward_only=True")
+        lengths = sample_lengths(data)
+        if not lengths:
+            raise ValueError("forward_backward_batch: this rank's data has no sample")
+        padded = not self.tcfg.pack_sequences
+        plan = split_by_token_budget(lengths, self.tcfg.micro_batch_tokens, padded=padded)
+        steps = self._max_over_ranks(len(plan))
+        pad_to = max(lengths) if padded else 0
+        entropy = "grad" if getattr(loss_fn, "entropy_grad", False) else None
+        if entropy is None and getattr(loss_fn, "needs_entropy", False):
+            entropy = "metric"
+        sums: dict[str, torch.Tensor] = {}
+        pieces: dict[str, list[torch.Tensor]] = {}
+        self.model.train(not forward_only)
+        for i in range(steps):
+            real = i < len(plan)
+            mb = select_samples(data, plan[i]) if real else truncate_to_one_token(data)
+            mb = mb.to(self._device)
+            with torch.set_grad_enabled(not forward_only):
+                outputs = self._forward(mb, pad_to if real else 0, entropy)
+                loss, metrics = loss_fn(outputs, mb) if loss_fn is not None else (None, {})
+                if not real and loss is not None:
+                    loss = loss * 0.0 + _touch_all(outputs)
+                    metrics = {k: v * 0.0 for k, v in metrics.items()}
+                if not forward_only:
+                    (loss * self.world_size).backward()
+            if loss is not None:
+                metrics = {"loss": loss, **metrics}
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, 0.0) + value.detach().float()
+            if forward_only and real:
+                for key, value in outputs.items():
+                    pieces.setdefault(key, []).append(value.detach().float().cpu())
+        result = EngineOutput(num_micro_batches=steps, num_tokens=sum(lengths))
+        result.metrics = self._sum_over_ranks(sums)
+        result.tokens = {k: torch.cat(v) for k, v in pieces.items()}
+        return result
+
+    def _forward(self, mb: TensorDict, pad_to: int, entropy: str | None) -> dict[str, torch.Tensor]:
+        """Run the model on one micro-batch; return flat per-token outputs aligned with ``mb``'s tokens.
+
+        ``entropy``: None (not computed), "metric" (computed without gradient) or "grad" (differentiable).
+        """
+        ids, pos, cu = mb["input_ids"].long(), mb["position_ids"].long(), mb["cu_seqlens"].long()
+        if pad_to:
+            logits = self._forward_padded(ids, cu, pad_to)
+        else:
+            logits = self.model(input_ids=ids[None], position_ids=pos[None], use_cache=False).logits[0]
+        starts = cu[:-1]
+        if self.value_head:
+            values = torch.cat([logits.new_zeros(1), logits[:-1, 0].float()])
+            values[starts] = 0.0
+            return {"values": values}
+        logits = logits.float() / self.temperature
+        logp_next = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[1:, None])[:, 0]
+        logp = torch.cat([logp_next.new_zeros(1), logp_next])
+        logp = logp.index_fill(0, starts, 0.0)
+        out = {"logprobs": logp}
+        if entropy is not None:
+            from slipstream.trainer.algos.kl import entropy_from_logits
+
+            source = logits[:-1] if entropy == "grad" else logits[:-1].detach()
+            ent = torch.cat([logits.new_zeros(1), entropy_from_logits(source)])
+            out["entropy"] = ent.index_fill(0, starts, 0.0)
+        return out
+
+    def _forward_padded(self, ids: torch.Tensor, cu: torch.Tensor, pad_to: int) -> torch.Tensor:
+        """The padded baseline: rows of ``pad_to`` tokens with an attention mask; logits re-flattened."""
+        n = cu.numel() - 1
+        lengths = cu[1:] - cu[:-1]
+        grid = torch.zeros(n, pad_to, dtype=torch.long, device=ids.device)
+        attn = torch.arange(pad_to, device=ids.device)[None, :] < lengths[:, None]
+        grid[attn] = ids
+        pos = torch.arange(pad_to, device=ids.device).expand(n, -1)
+        logits = self.model(
+            input_ids=grid, attention_mask=attn.long(), position_ids=pos, use_cache=False
+        ).logits
+        return logits[attn]
+
+    def _max_over_ranks(self, n: int) -> int:
+        if self.world_size == 1:
+            return n
+        t = torch.tensor([n], dtype=torch.int64, device=self._device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def _sum_over_ranks(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        keys = sorted(sums)
+        if not keys:
+            return {}
+        vec = torch.stack([torch.as_tensor(sums[k], dtype=torch.float32, device=self._device) for k in keys])
+        if self.world_size > 1:
+            dist.all_reduce(vec)
+        return dict(zip(keys, vec.tolist(), strict=True))
+
+    # ---------------------------------------------------------------- optimisation
+    def optimizer_step(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.tcfg.grad_clip) if params else torch.tensor(0.0)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        value = float(norm)
+        if math.isfinite(value):
+            self.optimizer.step()
+        else:
+            log.warning("non-finite grad norm %s: update skipped", value)
+        self.optimizer.zero_grad(set_to_none=True)
+        return value
+
+    def lr_scheduler_step(self) -> float:
+        self.scheduler.step()
+        return float(self.scheduler.get_last_lr()[0])
+
+    @property
+    def lr(self) -> float:
+        return float(self.scheduler.get_last_lr()[0])
+
+    # ---------------------------------------------------------------- weights out
+    def get_per_tensor_param(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, param in self.model.named_parameters():
+            full = param.full_tensor() if hasattr(param, "full_tensor") else param.data
+            full = full.detach()
+            yield name, (full.to(dtype) if dtype is not None else full)
+            del full
+
+    def to(
+        self, device: str | torch.device, model: bool = True, optimizer: bool = True, grad: bool = True
+    ) -> None:
+        device = torch.device(device)
+        if model:
+            self.model.to(device)
+        if grad:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad = p.grad.to(device)
+        if optimizer:
+            for state in self.optimizer.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and key != "step":
+                        state[key] = value.to(device)
+
+    # ---------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, path: str | Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / "dcp"))
+        if self.rank == 0:
+            torch.save({"scheduler": self.scheduler.state_dict()}, path / "engine_extra.pt")
+        torch.save(_rng_state(), path / f"rng_rank{self.rank}.pt")
+        dist.barrier()
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        path = Path(path)
+        if not (path / "dcp").is_dir():
+            raise FileNotFoundError(f"{path}: no engine checkpoint (missing dcp/)")
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(path / "dcp"))
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+        extra = torch.load(path / "engine_extra.pt", weights_only=True)
+        self.scheduler.load_state_dict(extra["scheduler"])
+        rng_file = path / f"rng_rank{self.rank}.pt"
+        if rng_file.is_file():
+            _set_rng_state(torch.load(rng_file, weights_only=True))
+        dist.barrier()
+
+    # ---------------------------------------------------------------- introspection
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def model_flops(self, lengths: list[int]) -> float:
+        """6 * params per token (forward + backward) plus causal attention, 6 * layers * hidden * len^2 / 1."""
+        layers, hidden = self._arch
+        tokens = sum(lengths)
+        return 6.0 * self._num_params * tokens + 6.0 * layers * hidden * sum(n * n for n in lengths)
+
+
+def _touch_all(outputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A zero that depends on every output, so backward visits every FSDP module (zero-weight micro-batch)."""
+    return sum(v.sum() for v in outputs.values()) * 0.0
+
+
+def _default_attention(on_gpu: bool) -> str:
+    if on_gpu:
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except ImportError:
+            pass
+    return "sdpa"
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
