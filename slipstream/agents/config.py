@@ -26,6 +26,9 @@ class RewardConfig(ConfigStruct):
     num_workers: Annotated[int, msgspec.Meta(ge=1)] = 2
     # A reward call taking longer than this scores 0 and counts as a reward error.
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
+    # data_source -> reward function (a name registered in agents/rewards, or `package.module:function`
+    # for your own). Sources not listed here use the function registered under their own name or alias.
+    sources: dict[str, str] = {}
 
 
 class AgentConfig(ConfigStruct):

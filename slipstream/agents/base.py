@@ -1,0 +1,102 @@
+"""The agent-loop interface: one sample in, one token-level trajectory out.
+
+An agent loop turns a prompt into the tokens a trajectory is made of, talking to an inference server
+through an :class:`~slipstream.agents.protocol.InferenceClient`. It works in token ids end to end: the
+ids the server generated are kept exactly (re-tokenising decoded text can give different ids, and the
+trainer would then compute log-probabilities of tokens the policy never sampled); text is decoded only to
+parse tool calls and for the reward.
+
+Lifecycle: the rollouter builds one loop per run (:func:`slipstream.agents.registry.make_agent_loop`) and
+calls :meth:`AgentLoop.run` concurrently for every sample of every group; a loop keeps no per-episode
+state on ``self``.
+
+Invariants of an :class:`AgentLoopOutput`: ``response_ids``, ``loss_mask``, ``logprobs`` and
+``versions`` have one entry per response token; ``loss_mask`` is 1 exactly for the tokens the server
+generated and 0 for tokens the loop inserted (chat-template glue, tool results), whose ``logprobs`` are
+0.0 and whose ``versions`` repeat the version of the last generated token before them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import msgspec
+
+from slipstream.agents.config import AgentConfig
+from slipstream.agents.data import Sample
+from slipstream.agents.protocol import GenerateOutput, InferenceClient, SamplingParams
+
+
+class AgentLoopOutput(msgspec.Struct, kw_only=True):
+    """Everything one episode produced (see the module docstring for the invariants)."""
+
+    prompt_ids: list[int]
+    response_ids: list[int] = []
+    loss_mask: list[int] = []
+    logprobs: list[float] = []
+    versions: list[int] = []
+    # stop | length (a token, turn or total budget ran out) | abort (the run is stopping)
+    finish_reason: str = "stop"
+    num_turns: int = 0
+    # The text the reward function scores: the final assistant turn without special tokens.
+    response_text: str = ""
+    # Times a weight update interrupted a request of this episode and it was resumed.
+    num_resumes: int = 0
+    metrics: dict[str, float] = {}
+
+    def validate(self) -> None:
+        n = len(self.response_ids)
+        for name in ("loss_mask", "logprobs", "versions"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(
+                    f"agent loop output: `{name}` has {len(getattr(self, name))} entries, expected {n}"
+                )
+
+    def add_generated(self, out: GenerateOutput) -> None:
+        """Append the server's tokens exactly as generated (loss_mask 1)."""
+        if not (len(out.output_ids) == len(out.logprobs) == len(out.versions)):
+            raise ValueError(
+                f"server returned {len(out.output_ids)} tokens but {len(out.logprobs)} logprobs and "
+                f"{len(out.versions)} versions"
+            )
+        self.response_ids.extend(out.output_ids)
+        self.loss_mask.extend([1] * len(out.output_ids))
+        self.logprobs.extend(out.logprobs)
+        self.versions.extend(out.versions)
+        self.num_resumes += out.num_resumes
+
+    def add_inserted(self, token_ids: list[int]) -> None:
+        """Append tokens the loop inserted (template glue, tool output): loss_mask 0, logprob 0.0, and the
+        version of the last generated token."""
+        version = self.versions[-1] if self.versions else -1
+        self.response_ids.extend(token_ids)
+        self.loss_mask.extend([0] * len(token_ids))
+        self.logprobs.extend([0.0] * len(token_ids))
+        self.versions.extend([version] * len(token_ids))
+
+
+class AgentLoop(ABC):
+    """Base of the agent loops; subclasses set ``name`` and implement :meth:`run`."""
+
+    name: ClassVar[str]
+
+    def __init__(self, cfg: AgentConfig, client: InferenceClient, tokenizer: Any) -> None:
+        self.cfg = cfg
+        self.client = client
+        self.tokenizer = tokenizer
+
+    @abstractmethod
+    def prompt_ids(self, sample: Sample) -> list[int]:
+        """The prompt's token ids as the loop will send them (the rollouter checks their length)."""
+
+    @abstractmethod
+    async def run(self, sample: Sample, sampling_params: SamplingParams, *, uid: str = "") -> AgentLoopOutput:
+        """Run one episode. ``uid`` names the trajectory: requests use it as rid prefix and session id."""
+
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_budget(self, used: int, sampling: SamplingParams) -> int:
+        """New tokens the next request may generate: its own cap and what is left of max_total_tokens."""
+        return min(sampling.max_new_tokens, self.cfg.max_total_tokens - used)

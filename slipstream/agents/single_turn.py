@@ -1,0 +1,38 @@
+"""The ``single_turn`` agent loop: render the prompt, generate once, keep the tokens."""
+
+from __future__ import annotations
+
+import msgspec
+
+from slipstream.agents.base import AgentLoop, AgentLoopOutput
+from slipstream.agents.chat import ChatRenderer
+from slipstream.agents.data import Sample
+from slipstream.agents.protocol import SamplingParams
+
+
+class SingleTurnAgentLoop(AgentLoop):
+    """One request per episode; ``finish_reason`` is the server's (stop, length or abort)."""
+
+    name = "single_turn"
+
+    def __init__(self, cfg, client, tokenizer) -> None:
+        super().__init__(cfg, client, tokenizer)
+        self.renderer = ChatRenderer(tokenizer)
+
+    def prompt_ids(self, sample: Sample) -> list[int]:
+        return self.renderer.prompt_ids(sample.messages)
+
+    async def run(self, sample: Sample, sampling_params: SamplingParams, *, uid: str = "") -> AgentLoopOutput:
+        prompt_ids = self.prompt_ids(sample)
+        out = AgentLoopOutput(prompt_ids=prompt_ids)
+        budget = self.token_budget(len(prompt_ids), sampling_params)
+        if budget <= 0:
+            out.finish_reason = "length"
+            return out
+        params = msgspec.structs.replace(sampling_params, max_new_tokens=budget)
+        result = await self.client.generate(prompt_ids, params, rid=uid or None, session_id=uid or None)
+        out.add_generated(result)
+        out.num_turns = 1
+        out.finish_reason = result.finish_reason
+        out.response_text = self.decode(result.output_ids)
+        return out
