@@ -24,9 +24,30 @@ class EmbeddedServerConfig(ConfigStruct):
     max_batch_tokens: Annotated[int, msgspec.Meta(ge=16)] = 2048
     # Torch threads for the server process; 0 leaves torch's default.
     num_threads: Annotated[int, msgspec.Meta(ge=0)] = 0
-    # Largest prompt + response the server accepts, in tokens.
+    # Largest prompt + response the server accepts, in tokens. Longer prompts get a 400; a larger
+    # max_new_tokens is clamped to what fits (the request then finishes with `length`).
     max_model_len: Annotated[int, msgspec.Meta(ge=16)] = 4096
     device: str = "cpu"
+    # Weights and KV cache dtype. float32 keeps returned logprobs within 1e-3 of a teacher-forced pass.
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # Attention kernel: sdpa on CPU; flash_attention_2 on GPUs that have it.
+    attn_implementation: Literal["sdpa", "paged|eager", "flash_attention_2", "flash_attention_3"] = "sdpa"
+    # Tokens the paged KV cache holds in total (all requests together); at least max_model_len. When full,
+    # the scheduler evicts a request's cache and recomputes it later, so this bounds memory, not correctness.
+    kv_cache_tokens: Annotated[int, msgspec.Meta(ge=16)] = 32768
+    # Tokens per KV cache page.
+    kv_page_size: Annotated[int, msgspec.Meta(ge=4)] = 128
+    # Most requests decoded together in one step.
+    max_running_requests: Annotated[int, msgspec.Meta(ge=1)] = 256
+    # Sampling seed of the server; -1 picks a random one.
+    seed: int = -1
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_tokens < self.max_model_len:
+            raise ValueError(
+                f"kv_cache_tokens ({self.kv_cache_tokens}) must be at least max_model_len ({self.max_model_len}):"
+                " one request of the longest allowed length has to fit in the cache"
+            )
 
 
 class RolloutConfig(ConfigStruct):

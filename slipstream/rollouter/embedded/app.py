@@ -1,0 +1,280 @@
+"""HTTP front of the embedded engine: SGLang's native RL subset, OpenAI routes, weight-update routes.
+
+The native routes use SGLang 0.5.23's paths, field names and response shapes, so one client
+(:class:`slipstream.rollouter.clients.sglang.SGLangClient`) drives this server and real SGLang servers:
+
+=========================  ==========================================================================
+``POST /generate``         ``input_ids`` (or ``text``), ``sampling_params``, ``return_logprob``, ``stream``
+                           (SSE, cumulative chunks), ``rid`` → ``output_ids``, ``text``, ``meta_info``
+``POST /abort_request``    ``{"rid"}`` or ``{"abort_all": true}``: the pending ``/generate`` returns its
+                           partial output with ``finish_reason.type == "abort"``
+``POST /pause_generation`` ``{"mode": "abort" | "in_place"}``; new requests wait until continue
+``POST /continue_generation``
+``POST /flush_cache``      accepted; there is no prefix cache to flush (see engine.py)
+``GET /model_info``        ``model_path``, ``weight_version``, limits
+``GET /health``            200 while the generation loop runs, else 503
+=========================  ==========================================================================
+
+Versions are strings on the wire, as SGLang sends them (``"3"``); clients turn them back into ints.
+Errors are ``{"error": {"message", "type", "code"}}`` with 400 for bad input, 503 when the engine is down.
+Request bodies are decoded with msgspec (schemas.py) rather than pydantic so unknown fields are rejected
+with the offending path in the message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+
+from slipstream.agents.protocol import SamplingParams
+from slipstream.rollouter.embedded.engine import EmbeddedEngine, EngineUnavailable, RequestError, RequestState
+from slipstream.rollouter.embedded.schemas import AbortReq, ContinueReq, GenerateReqInput, PauseReq
+from slipstream.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+
+def json_response(payload: object, status_code: int = 200) -> Response:
+    return Response(
+        content=msgspec.json.encode(payload), status_code=status_code, media_type="application/json"
+    )
+
+
+def error_response(message: str, status_code: int, err_type: str = "invalid_request_error") -> Response:
+    return json_response({"error": {"message": message, "type": err_type, "code": status_code}}, status_code)
+
+
+async def decode_body(request: Request, body_type: type):
+    """Decode the JSON body into ``body_type``; an empty body means all defaults."""
+    raw = await request.body()
+    return msgspec.json.decode(raw or b"{}", type=body_type)
+
+
+def sse(payload: object) -> bytes:
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+async def wait_or_abort_on_disconnect(engine: EmbeddedEngine, state: RequestState, request: Request) -> None:
+    """Wait for ``state`` to finish; if the client goes away first, abort it (as SGLang does)."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    waiter = asyncio.ensure_future(engine.wait(state))
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not waiter.done():
+            engine.abort(state.rid, "client disconnected")
+            await waiter
+
+
+def meta_info(engine: EmbeddedEngine, state: RequestState, return_logprob: bool, with_text: bool) -> dict:
+    spans = state.version_spans()
+    meta = {
+        "id": state.rid,
+        "finish_reason": state.finish.to_json() if state.finish else None,
+        "prompt_tokens": len(state.input_ids),
+        "completion_tokens": len(state.output_ids),
+        "cached_tokens": 0,
+        "weight_version": str(spans[-1]["version"] if spans else engine.weight_version),
+        "weight_versions": [{**s, "version": str(s["version"])} for s in spans],
+        "e2e_latency": time.perf_counter() - state.created,
+    }
+    if return_logprob:
+        texts = _token_texts(engine, state.output_ids) if with_text else [None] * len(state.output_ids)
+        meta["input_token_logprobs"] = []
+        meta["output_token_logprobs"] = [
+            [lp, tok, txt] for lp, tok, txt in zip(state.logprobs, state.output_ids, texts, strict=True)
+        ]
+    return meta
+
+
+def _token_texts(engine: EmbeddedEngine, ids: list[int]) -> list[str | None]:
+    tok = engine.tokenizer
+    return [tok.decode([i]) for i in ids] if tok is not None else [None] * len(ids)
+
+
+def generate_payload(engine: EmbeddedEngine, state: RequestState, req: GenerateReqInput) -> dict:
+    out: dict = {"output_ids": list(state.output_ids)}
+    if engine.tokenizer is not None:
+        skip = req.sampling_params.skip_special_tokens
+        out["text"] = engine.tokenizer.decode(state.output_ids, skip_special_tokens=skip)
+    out["meta_info"] = meta_info(engine, state, req.return_logprob, req.return_text_in_logprobs)
+    return out
+
+
+def prompt_ids_of(engine: EmbeddedEngine, req: GenerateReqInput) -> list[int]:
+    if (req.input_ids is None) == (req.text is None):
+        raise RequestError("give exactly one of input_ids and text")
+    if req.input_ids is not None:
+        return req.input_ids
+    if engine.tokenizer is None:
+        raise RequestError("this model has no tokenizer: send input_ids instead of text")
+    return engine.tokenizer.encode(req.text, add_special_tokens=False)
+
+
+def check_generate_options(req: GenerateReqInput) -> None:
+    if req.logprob_start_len != -1:
+        raise RequestError("logprob_start_len: only -1 (output tokens only) is supported")
+    if req.top_logprobs_num != 0:
+        raise RequestError("top_logprobs_num: only 0 is supported (the sampled token's logprob is returned)")
+
+
+async def run_generate(engine: EmbeddedEngine, req: GenerateReqInput, request: Request) -> Response:
+    check_generate_options(req)
+    sp = req.sampling_params
+    sampling = SamplingParams(
+        max_new_tokens=sp.max_new_tokens,
+        temperature=sp.temperature,
+        top_p=sp.top_p,
+        top_k=sp.top_k,
+        stop_token_ids=sp.stop_token_ids,
+    )
+    rid = req.rid or uuid.uuid4().hex
+    state = await engine.submit(prompt_ids_of(engine, req), sampling, rid=rid, ignore_eos=sp.ignore_eos)
+    if req.stream:
+        return StreamingResponse(_stream_generate(engine, state, req), media_type="text/event-stream")
+    await wait_or_abort_on_disconnect(engine, state, request)
+    return json_response(generate_payload(engine, state, req))
+
+
+async def _stream_generate(
+    engine: EmbeddedEngine, state: RequestState, req: GenerateReqInput
+) -> AsyncIterator[bytes]:
+    try:
+        async for _ in engine.stream(state):
+            yield sse(generate_payload(engine, state, req))
+        yield SSE_DONE
+    finally:
+        if not state.done:  # the client went away mid-stream
+            engine.abort(state.rid, "client disconnected")
+
+
+def build_app(engine: EmbeddedEngine) -> FastAPI:
+    """The FastAPI app; the engine is started and stopped by the app's lifespan."""
+    from contextlib import asynccontextmanager
+
+    from slipstream.rollouter.embedded.openai_api import build_openai_router
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        await engine.start()
+        try:
+            yield
+        finally:
+            engine.stop()
+
+    app = FastAPI(title="slipstream embedded inference server", lifespan=lifespan)
+    app.state.engine = engine
+    _install_error_handlers(app)
+    _add_native_routes(app, engine)
+    app.include_router(build_openai_router(engine))
+    include_weight_sync_routes(app, engine)
+    return app
+
+
+def include_weight_sync_routes(app: FastAPI, engine: EmbeddedEngine) -> None:
+    """The single place where the weight-sync HTTP receiver's routes join the app.
+
+    ``slipstream.weightsync.http_receiver.build_router(target)`` serves SGLang's weight-update endpoints
+    (``/init_weights_update_group``, ``/begin_weight_update``, ``/update_weights_from_distributed``,
+    ``/end_weight_update``, ...) and drives the engine through the ``WeightTarget`` protocol.
+    """
+    try:
+        from slipstream.weightsync.http_receiver import build_router
+    except ModuleNotFoundError as err:
+        if err.name != "slipstream.weightsync.http_receiver":
+            raise
+        log.info("weight-sync routes not available (slipstream.weightsync.http_receiver is missing)")
+        return
+    app.include_router(build_router(engine))
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestError)
+    async def _bad_request(_req: Request, err: RequestError) -> Response:
+        return error_response(str(err), 400)
+
+    @app.exception_handler(msgspec.ValidationError)
+    async def _invalid(_req: Request, err: msgspec.ValidationError) -> Response:
+        return error_response(f"invalid request body: {err}", 400)
+
+    @app.exception_handler(msgspec.DecodeError)
+    async def _malformed(_req: Request, err: msgspec.DecodeError) -> Response:
+        return error_response(f"malformed JSON body: {err}", 400)
+
+    @app.exception_handler(EngineUnavailable)
+    async def _unavailable(_req: Request, err: EngineUnavailable) -> Response:
+        return error_response(str(err), 503, "service_unavailable")
+
+    @app.exception_handler(Exception)
+    async def _internal(_req: Request, err: Exception) -> Response:
+        log.exception("request failed")
+        return error_response(f"internal error: {type(err).__name__}: {err}", 500, "internal_error")
+
+
+def _add_native_routes(app: FastAPI, engine: EmbeddedEngine) -> None:
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        return await run_generate(engine, await decode_body(request, GenerateReqInput), request)
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        body = await decode_body(request, AbortReq)
+        if body.abort_all:
+            engine.abort_all()
+        elif body.rid:
+            engine.abort(body.rid)
+        return Response(status_code=200)
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request) -> Response:
+        body = await decode_body(request, PauseReq)
+        await engine.pause(body.mode)
+        return json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    @app.post("/continue_generation")
+    async def continue_generation(request: Request) -> Response:
+        await decode_body(request, ContinueReq)
+        await engine.resume()
+        return json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        return Response(content="Cache flushed.", status_code=200)
+
+    @app.get("/model_info")
+    async def model_info() -> Response:
+        return json_response(model_info_payload(engine))
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if engine.healthy else 503)
+
+
+def model_info_payload(engine: EmbeddedEngine) -> dict:
+    return {
+        "model_path": engine.model_path,
+        "tokenizer_path": engine.model_path if engine.tokenizer is not None else None,
+        "is_generation": True,
+        "weight_version": str(engine.weight_version),
+        "paused": engine.paused,
+        "max_model_len": engine.cfg.max_model_len,
+        "vocab_size": engine.vocab_size,
+        "eos_token_ids": list(engine.eos_token_ids),
+        "num_running_requests": engine.num_running,
+        "server": "slipstream-embedded",
+    }

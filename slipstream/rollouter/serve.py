@@ -1,0 +1,94 @@
+"""`slipstream serve --model PATH`: run the embedded inference server (engine + HTTP) in this process.
+
+The model is loaded before the port is bound, so ``GET /health`` answering means the server can generate;
+launchers (launch.py) wait for exactly that. Every field of :class:`EmbeddedServerConfig` is also a flag
+(``--max-model-len 2048``, ``--kv-cache-tokens 65536`` ...), generated from the struct so the two never
+drift apart. The server binds loopback unless ``--host`` says otherwise.
+
+Example::
+
+    slipstream serve --model ~/.cache/slipstream/models/smollm2-135m-instruct --port 30000 --num-threads 2
+    curl -s localhost:30000/generate -d '{"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 8}}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import typing
+
+import msgspec
+
+from slipstream.rollouter.config import EmbeddedServerConfig
+from slipstream.utils.net import LOOPBACK
+
+
+def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    hints = typing.get_type_hints(EmbeddedServerConfig, include_extras=True)
+    for field in msgspec.structs.fields(EmbeddedServerConfig):
+        base = (
+            typing.get_args(hints[field.name])[0]
+            if typing.get_origin(hints[field.name])
+            else hints[field.name]
+        )
+        kind = base if base in (int, float) else str
+        flag = "--" + field.name.replace("_", "-")
+        parser.add_argument(flag, dest=field.name, type=kind, default=None, help=f"(default {field.default})")
+
+
+def config_to_args(cfg: EmbeddedServerConfig) -> list[str]:
+    """The flags that reproduce ``cfg`` on the command line (used by the launcher)."""
+    args: list[str] = []
+    for name, value in msgspec.structs.asdict(cfg).items():
+        args += ["--" + name.replace("_", "-"), str(value)]
+    return args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="slipstream serve", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True, help="HF checkpoint directory or a known model name")
+    parser.add_argument("--host", default=LOOPBACK, help="address to bind (default loopback)")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument(
+        "--weight-version", type=int, default=0, help="version stamped on tokens until an update"
+    )
+    parser.add_argument("--log-level", default="warning", help="uvicorn log level")
+    _add_config_flags(parser)
+    return parser
+
+
+def parse_config(ns: argparse.Namespace) -> EmbeddedServerConfig:
+    given = {f.name: getattr(ns, f.name) for f in msgspec.structs.fields(EmbeddedServerConfig)}
+    return msgspec.convert({k: v for k, v in given.items() if v is not None}, EmbeddedServerConfig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        cfg = parse_config(ns)
+    except (msgspec.ValidationError, ValueError) as err:
+        print(f"slipstream serve: invalid option: {err}", file=sys.stderr)
+        return 2
+    import torch
+    import uvicorn
+
+    from slipstream.rollouter.embedded.app import build_app
+    from slipstream.rollouter.embedded.engine import EmbeddedEngine
+    from slipstream.rollouter.models import resolve_model_path
+
+    if cfg.num_threads > 0:
+        torch.set_num_threads(cfg.num_threads)
+    try:
+        model_path = resolve_model_path(ns.model)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"slipstream serve: {err}", file=sys.stderr)
+        return 2
+    engine = EmbeddedEngine(model_path, cfg, weight_version=ns.weight_version)
+    app = build_app(engine)
+    print(f"slipstream serve: {model_path} on http://{ns.host}:{ns.port}", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level, timeout_graceful_shutdown=5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
