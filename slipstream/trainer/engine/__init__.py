@@ -28,7 +28,7 @@ def make_engine(cfg: Config, **kwargs: Any) -> ModelEngine:
     except KeyError:
         raise KeyError(
             f"unknown engine {cfg.trainer.engine!r} (trainer.engine); choose one of {sorted(ENGINES)}"
-        )
+        ) from None
     return getattr(importlib.import_module(module), cls)(cfg, **kwargs)
 
 

@@ -1,0 +1,349 @@
+"""The trainer loop: queue → batch → advantages → mini-batch updates → ack → publish → checkpoint.
+
+One :class:`Trainer` runs on every data-parallel rank (SPMD). Rank 0 alone talks to the queue: it leases
+whole groups until it holds ``trainer.batch_groups`` fresh enough ones, collates them and broadcasts the
+packed tensors (``trainer/dist.py``; no pickle). Every rank then derives the same plan from the same full
+batch, so results do not depend on the number of ranks:
+
+  1. staleness: ``version - min(token versions)`` per group; over ``async.max_staleness`` with
+     ``stale_policy=drop`` the group is set aside (acked as dropped, so the rollouter regenerates its
+     prompt) and more groups are leased until the batch is full; ``keep`` trains on it;
+  2. proximal logprobs (decoupled PPO, truncated IS, rejection) and critic values (GAE) by forward passes
+     on rank shards, all-gathered back into full-batch order;
+  3. advantages per group over the full batch (``algos/advantages``);
+  4. ``trainer.epochs`` passes over ``trainer.mini_batches`` mini-batches of whole groups; each mini-batch is
+     split over ranks by token count and is one optimizer step, its loss normalised by its global counts;
+  5. rank 0 acks the leases (with the dropped group ids); ``version`` += 1; every ``async.sync_every``
+     steps ``publish_fn(version, engine.get_per_tensor_param())`` runs on every rank (rank 0 sends, the
+     others drive the all-gathers); every ``trainer.checkpoint_every`` steps a checkpoint is written.
+
+Nothing is lost or trained twice: leases are acked only after the optimizer steps (a failed step nacks
+them back), and a checkpoint holds the queue snapshot taken right after the ack, so resuming restores
+exactly the samples the saved weights have not seen.
+
+Worked example (one process; ``run_trainer_rank`` does the same for N processes)::
+
+    engine = FSDPEngine(cfg); engine.initialize()
+    trainer = Trainer(cfg, engine, QueueClient(address), rank=0, world_size=1, publish_fn=push)
+    trainer.fit(100)           # or trainer.step() -> {"trainer/loss": ..., "trainer/staleness_mean": ...}
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+from slipstream.trainer.algos import ADVANTAGES, AdvantageInputs, global_counts
+from slipstream.trainer.batching import partition_for_ranks, sample_lengths, select_samples, split_groups
+from slipstream.trainer.dist import broadcast_batch, gather_tokens
+from slipstream.trainer.engine.base import ModelEngine
+from slipstream.trainer.loss import GlobalCounts, PolicyLoss, ValueLoss
+from slipstream.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    from slipstream.config import Config
+
+log = get_logger(__name__)
+
+PublishFn = Callable[[int, Iterator[tuple[str, torch.Tensor]]], None]
+STATE_FILE = "trainer_state.json"
+COMPLETE_MARKER = "COMPLETE"
+
+# Peak dense bf16 TFLOP/s per GPU, by a substring of torch.cuda.get_device_name(); for MFU.
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0}
+
+
+class Trainer:
+    """Runs RL steps on one rank. Every public method is collective: all ranks call it together.
+
+    ``queue`` is only used on rank 0 (other ranks may pass None). ``critic`` is a value-head engine,
+    required when ``trainer.algorithm.adv_estimator`` is ``gae``. ``collate_fn`` turns leased groups into
+    a packed batch (default: ``slipstream.queue.batch.collate``).
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        engine: ModelEngine,
+        queue: Any,
+        *,
+        rank: int,
+        world_size: int,
+        publish_fn: PublishFn | None = None,
+        critic: ModelEngine | None = None,
+        collate_fn: Callable[[list], TensorDict] | None = None,
+    ) -> None:
+        algo = cfg.trainer.algorithm
+        if algo.adv_estimator == "gae" and critic is None:
+            raise ValueError("adv_estimator `gae` needs a critic engine (Trainer(..., critic=...))")
+        ADVANTAGES.get(algo.adv_estimator)  # fail at construction on an unknown name
+        if rank == 0 and queue is None:
+            raise ValueError("rank 0 needs a queue client")
+        self.cfg, self.engine, self.queue, self.critic = cfg, engine, queue, critic
+        self.rank, self.world_size = rank, world_size
+        self.publish_fn = publish_fn
+        self._collate = collate_fn
+        self.version = 0  # weight version = completed trainer steps
+        self.last_batch_uids: list[str] = []  # rank 0: the samples the last step trained on
+        self.checkpoint_root = Path(cfg.run.output_dir) / cfg.run.name / "checkpoints"
+
+    # ---------------------------------------------------------------- the loop
+    def fit(
+        self, num_steps: int, on_step: Callable[[int, dict], None] | None = None
+    ) -> list[dict[str, float]]:
+        history = []
+        for _ in range(num_steps):
+            metrics = self.step()
+            history.append(metrics)
+            if on_step is not None:
+                on_step(self.version, metrics)
+        return history
+
+    def step(self) -> dict[str, float]:
+        """One trainer step (module docstring); returns ``trainer/*`` metrics (identical on every rank)."""
+        t0 = time.perf_counter()
+        leases, dropped, batch = self._next_batch()
+        try:
+            metrics = self._train_on(batch)
+        except BaseException:
+            if self.rank == 0:
+                for lease in leases:
+                    self.queue.nack(lease)
+            raise
+        if self.rank == 0:
+            for lease in leases:
+                self.queue.ack(lease, dropped=dropped.get(lease.lease_id, ()))
+        self.version += 1
+        metrics["trainer/dropped_groups"] = float(self._bcast_scalar(sum(len(v) for v in dropped.values())))
+        if self.publish_fn is not None and self.version % self.cfg.async_.sync_every == 0:
+            t_pub = time.perf_counter()
+            self.publish_fn(self.version, self.engine.get_per_tensor_param())
+            metrics["trainer/publish_s"] = time.perf_counter() - t_pub
+        every = self.cfg.trainer.checkpoint_every
+        if every and self.version % every == 0:
+            self.save(self.checkpoint_root / f"step_{self.version:08d}")
+            self._prune_checkpoints()
+        elapsed = time.perf_counter() - t0
+        metrics["trainer/step_s"] = elapsed
+        metrics["trainer/tokens_per_s"] = metrics["trainer/tokens"] / elapsed
+        metrics["trainer/version"] = float(self.version)
+        self._add_mfu(metrics, batch, elapsed)
+        return metrics
+
+    # ---------------------------------------------------------------- batch in
+    def _next_batch(self) -> tuple[list, dict[str, list[str]], TensorDict]:
+        leases, dropped, batch = [], {}, None
+        if self.rank == 0:
+            leases, dropped, groups = self._lease_groups()
+            batch = self._collate_groups(groups)
+            self.last_batch_uids = list(batch.get_non_tensor("uids"))
+        if self.world_size > 1:
+            batch = broadcast_batch(batch, device=self._comm_device())
+        return leases, dropped, batch
+
+    def _lease_groups(self) -> tuple[list, dict[str, list[str]], list]:
+        """Lease until ``batch_groups`` groups within the staleness bound are held (rank 0)."""
+        tcfg, acfg = self.cfg.trainer, self.cfg.async_
+        need = tcfg.batch_groups
+        deadline = time.monotonic() + tcfg.batch_timeout_s
+        leases, groups, dropped = [], [], {}
+        while len(groups) < need:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                for lease in leases:
+                    self.queue.nack(lease)
+                raise TimeoutError(
+                    f"trainer: only {len(groups)} of {need} groups arrived within {tcfg.batch_timeout_s:.0f} s "
+                    "(trainer.batch_timeout_s); is the rollouter running?"
+                )
+            lease = self.queue.lease(
+                need - len(groups),
+                partition="train",
+                timeout_s=min(remaining, 30.0),
+                consumer_version=self.version,
+            )
+            if lease is None:
+                continue
+            stale = [
+                g.group_id
+                for g in lease.groups
+                if acfg.stale_policy == "drop" and self.version - g.min_version > acfg.max_staleness
+            ]
+            groups.extend(g for g in lease.groups if g.group_id not in set(stale))
+            if stale and len(stale) == len(lease.groups):
+                self.queue.ack(lease, dropped=stale)  # nothing of it is trained: release it now
+                continue
+            leases.append(lease)
+            if stale:
+                dropped[lease.lease_id] = stale
+        return leases, dropped, groups
+
+    def _collate_groups(self, groups: list) -> TensorDict:
+        if self._collate is None:
+            from slipstream.queue.batch import collate
+
+            self._collate = collate
+        return self._collate(groups)
+
+    # ---------------------------------------------------------------- compute
+    def _train_on(self, batch: TensorDict) -> dict[str, float]:
+        algo, tcfg = self.cfg.trainer.algorithm, self.cfg.trainer
+        lengths = sample_lengths(batch)
+        if algo.needs_proximal:
+            batch["prox_logprobs"] = self._forward_full(self.engine, batch, "logprobs")
+        if self.critic is not None:
+            batch["values"] = self._forward_full(self.critic, batch, "values")
+        out = ADVANTAGES.get(algo.adv_estimator)(
+            AdvantageInputs(
+                rewards=batch["rewards"].float(),
+                group_index=batch["group_index"],
+                loss_mask=batch["loss_mask"].bool(),
+                cu_seqlens=batch["cu_seqlens"],
+                values=batch.get("values", None),
+                gamma=algo.gamma,
+                lam=algo.lam,
+                norm_by_std=algo.norm_adv_by_std,
+            )
+        )
+        batch["advantages"], batch["returns"] = out.advantages, out.returns
+        minis = [select_samples(batch, idx) for idx in split_groups(batch["group_index"], tcfg.mini_batches)]
+        plans = [self._mini_plan(mini) for mini in minis]
+        sums: dict[str, float] = {}
+        norms = []
+        for _ in range(tcfg.epochs):
+            for shard, counts in plans:
+                res = self.engine.forward_backward_batch(shard, PolicyLoss(algo, counts))
+                norms.append(self.engine.optimizer_step())
+                _accumulate(sums, res.metrics)
+                if self.critic is not None:
+                    _accumulate(
+                        sums, self.critic.forward_backward_batch(shard, ValueLoss(algo, counts)).metrics
+                    )
+                    self.critic.optimizer_step()
+        lr = self.engine.lr_scheduler_step()
+        if self.critic is not None:
+            self.critic.lr_scheduler_step()
+        updates = len(plans) * tcfg.epochs
+        metrics = {f"trainer/{k}": v / updates for k, v in sums.items()}
+        metrics.update(self._batch_metrics(batch, lengths))
+        metrics["trainer/grad_norm"] = sum(norms) / len(norms)
+        metrics["trainer/grad_norm_max"] = max(norms)
+        metrics["trainer/lr"] = lr
+        return metrics
+
+    def _mini_plan(self, mini: TensorDict) -> tuple[TensorDict, GlobalCounts]:
+        tokens, seqs = global_counts(mini["loss_mask"].bool(), mini["cu_seqlens"])
+        algo = self.cfg.trainer.algorithm
+        scale = algo.loss_scale_factor or float(self.cfg.rollout.sampling.max_new_tokens)
+        parts = partition_for_ranks(sample_lengths(mini), self.world_size)
+        return select_samples(mini, parts[self.rank]), GlobalCounts(tokens, seqs, scale)
+
+    def _forward_full(self, engine: ModelEngine, batch: TensorDict, key: str) -> torch.Tensor:
+        """Per-token ``key`` of the whole batch: forward passes on rank shards, gathered back."""
+        lengths = sample_lengths(batch)
+        parts = partition_for_ranks(lengths, self.world_size)
+        local = engine.forward_backward_batch(
+            select_samples(batch, parts[self.rank]), None, forward_only=True
+        )
+        return gather_tokens(local.tokens[key], parts, lengths, device=self._comm_device())
+
+    def _batch_metrics(self, batch: TensorDict, lengths: list[int]) -> dict[str, float]:
+        staleness = (self.version - batch["min_versions"].float()).clamp(min=0)
+        mask = batch["loss_mask"].bool()
+        return {
+            "trainer/reward_mean": float(batch["rewards"].float().mean()),
+            "trainer/staleness_mean": float(staleness.mean()),
+            "trainer/staleness_max": float(staleness.max()),
+            "trainer/response_len_mean": float(batch["response_lens"].float().mean()),
+            "trainer/samples": float(len(lengths)),
+            "trainer/tokens": float(sum(lengths)),
+            "trainer/policy_tokens": float(mask.sum()),
+            "trainer/advantage_mean": float(batch["advantages"][mask].mean()) if mask.any() else 0.0,
+        }
+
+    def _add_mfu(self, metrics: dict[str, float], batch: TensorDict, elapsed: float) -> None:
+        if self.engine.device.type != "cuda":
+            return
+        peak = self.cfg.trainer.peak_tflops or _lookup_peak_tflops(torch.cuda.get_device_name())
+        if peak is None:
+            return
+        passes = self.cfg.trainer.epochs + (1 / 3 if self.cfg.trainer.algorithm.needs_proximal else 0)
+        flops = self.engine.model_flops(sample_lengths(batch)) * passes
+        metrics["trainer/mfu"] = flops / (elapsed * peak * 1e12 * self.world_size)
+
+    # ---------------------------------------------------------------- checkpoints
+    def save(self, path: str | Path) -> Path:
+        """Engine (+ critic) state, trainer state and the queue snapshot under ``path``. Collective."""
+        path = Path(path)
+        self.engine.save_checkpoint(path / "engine")
+        if self.critic is not None:
+            self.critic.save_checkpoint(path / "critic")
+        if self.rank == 0:
+            self.queue.snapshot(str(path / "queue"))
+            (path / STATE_FILE).write_text(json.dumps({"version": self.version, "format": 1}))
+            (path / COMPLETE_MARKER).write_text("")
+        self._barrier()
+        log.info("checkpoint at version %d written to %s", self.version, path)
+        return path
+
+    def resume(self, path: str | Path, *, restore_queue: bool = True) -> None:
+        """Load a checkpoint written by :meth:`save`; with ``restore_queue`` rank 0 restores the queue's
+        unconsumed samples from its snapshot (the samples these weights have not been trained on)."""
+        path = Path(path)
+        if not (path / COMPLETE_MARKER).is_file():
+            raise FileNotFoundError(
+                f"{path}: not a complete trainer checkpoint (no {COMPLETE_MARKER} marker)"
+            )
+        self.engine.load_checkpoint(path / "engine")
+        if self.critic is not None:
+            self.critic.load_checkpoint(path / "critic")
+        self.version = int(json.loads((path / STATE_FILE).read_text())["version"])
+        if self.rank == 0 and restore_queue:
+            self.queue.restore(str(path / "queue"))
+        self._barrier()
+
+    def _prune_checkpoints(self) -> None:
+        if self.rank != 0:
+            return
+        complete = sorted(p for p in self.checkpoint_root.glob("step_*") if (p / COMPLETE_MARKER).is_file())
+        for old in complete[: -self.cfg.trainer.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    # ---------------------------------------------------------------- collectives
+    def _comm_device(self) -> torch.device:
+        return self.engine.device
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    def _bcast_scalar(self, value: float) -> float:
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([float(value)], device=self._comm_device())
+        dist.broadcast(t, 0)
+        return float(t.item())
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete ``step_*`` checkpoint under ``root``, or None."""
+    root = Path(root)
+    complete = sorted(p for p in root.glob("step_*") if (p / COMPLETE_MARKER).is_file())
+    return complete[-1] if complete else None
+
+
+def _accumulate(into: dict[str, float], metrics: dict[str, float]) -> None:
+    for key, value in metrics.items():
+        into[key] = into.get(key, 0.0) + value
+
+
+def _lookup_peak_tflops(name: str) -> float | None:
+    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
