@@ -69,20 +69,21 @@ def main(argv: list[str] | None = None) -> int:
     except (msgspec.ValidationError, ValueError) as err:
         print(f"slipstream serve: invalid option: {err}", file=sys.stderr)
         return 2
+    from slipstream.rollouter.models import resolve_model_path
+
+    try:  # before the heavy imports, so a wrong path fails in a fraction of a second
+        model_path = resolve_model_path(ns.model)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"slipstream serve: {err}", file=sys.stderr)
+        return 2
     import torch
     import uvicorn
 
     from slipstream.rollouter.embedded.app import build_app
     from slipstream.rollouter.embedded.engine import EmbeddedEngine
-    from slipstream.rollouter.models import resolve_model_path
 
     if cfg.num_threads > 0:
         torch.set_num_threads(cfg.num_threads)
-    try:
-        model_path = resolve_model_path(ns.model)
-    except (FileNotFoundError, ValueError) as err:
-        print(f"slipstream serve: {err}", file=sys.stderr)
-        return 2
     engine = EmbeddedEngine(model_path, cfg, weight_version=ns.weight_version)
     app = build_app(engine)
     print(f"slipstream serve: {model_path} on http://{ns.host}:{ns.port}", file=sys.stderr, flush=True)

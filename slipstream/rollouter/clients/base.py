@@ -1,0 +1,176 @@
+"""One inference client interface over every server we drive (embedded, SGLang, vLLM).
+
+A :class:`ServerClient` satisfies :class:`slipstream.agents.protocol.InferenceClient` (``generate`` and
+``abort``) and adds the control calls the rollouter and the weight-sync path need: pause/resume in the
+modes of design.md §3, health, weight version. Each client keeps one long-lived ``httpx.AsyncClient``
+(connection pooling, keep-alive), never a connection per request; create and use it inside one event loop
+and ``await aclose()`` at the end.
+
+Errors: :class:`ServerUnavailable` when the server cannot be reached or the connection breaks (the load
+balancer then moves the request to another replica), :class:`ServerError` when it answered with an error
+status (the message is the server's own).
+
+Pause modes are named as in SGLang (``abort``, ``in_place``, ``retract``) plus vLLM's ``wait``; each
+client maps them to its server's names and raises ``ValueError`` for a mode its server lacks.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import httpx
+
+from slipstream.agents.protocol import GenerateOutput, SamplingParams
+
+PAUSE_MODES = ("abort", "in_place", "retract", "wait")
+
+
+class ServerError(RuntimeError):
+    """The server answered with an error status."""
+
+    def __init__(self, url: str, status: int, message: str) -> None:
+        super().__init__(f"{url}: HTTP {status}: {message}")
+        self.url = url
+        self.status = status
+        self.message = message
+
+
+class ServerUnavailable(ServerError):
+    """The server could not be reached, or the connection broke mid-request."""
+
+    def __init__(self, url: str, message: str) -> None:
+        super().__init__(url, 0, message)
+
+
+def parse_version(value: Any) -> int:
+    """A weight version from the wire (SGLang and vLLM send strings; ``"default"`` is version 0)."""
+    if isinstance(value, bool):
+        raise ValueError(f"not a weight version: {value!r}")
+    if isinstance(value, int):
+        return value
+    text = str(value).strip()
+    if text in ("", "default", "None"):
+        return 0
+    try:
+        return int(text)
+    except ValueError:
+        return int(float(text))
+
+
+def expand_spans(spans: list[dict] | None, n: int, fallback: int) -> list[int]:
+    """Per-token versions from ``[{version, start, end}]`` spans (``end`` exclusive) over ``n`` tokens."""
+    versions = [fallback] * n
+    for span in spans or []:
+        v = parse_version(span["version"])
+        for i in range(max(0, int(span["start"])), min(n, int(span["end"]))):
+            versions[i] = v
+    return versions
+
+
+def error_message(response: httpx.Response) -> str:
+    """The server's own error text: ``error.message``, ``error``, ``detail`` or the raw body."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:2000] or response.reason_phrase
+    if isinstance(body, dict):
+        err = body.get("error", body.get("detail", body.get("message")))
+        if isinstance(err, dict):
+            return str(err.get("message", err))
+        if err is not None:
+            return str(err)
+    return str(body)[:2000]
+
+
+class ServerClient(ABC):
+    """Token-in/token-out client of one inference server (see the module docstring).
+
+    Example::
+
+        client = make_client("sglang", "http://127.0.0.1:30000")
+        out = await client.generate([1, 2, 3], SamplingParams(max_new_tokens=8), rid="r0")
+        await client.pause("in_place"); ...; await client.resume()
+        await client.aclose()
+    """
+
+    kind: ClassVar[str]
+
+    def __init__(self, base_url: str, *, timeout_s: float = 3600.0, max_connections: int = 1024) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url,
+            timeout=httpx.Timeout(timeout_s, connect=10.0),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.base_url!r})"
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        params: dict | None = None,
+        timeout: float | None = None,
+    ) -> httpx.Response:
+        """Send one request; raise :class:`ServerUnavailable` / :class:`ServerError` on failure."""
+        kwargs: dict[str, Any] = {"json": json, "params": params}
+        if timeout is not None:
+            kwargs["timeout"] = timeout
+        try:
+            response = await self._http.request(method, path, **kwargs)
+        except (httpx.TransportError, httpx.TimeoutException) as err:
+            raise ServerUnavailable(self.base_url, f"{method} {path}: {type(err).__name__}: {err}") from err
+        if response.status_code >= 400:
+            raise ServerError(self.base_url, response.status_code, error_message(response))
+        return response
+
+    @abstractmethod
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        rid: str | None = None,
+        session_id: str | None = None,
+    ) -> GenerateOutput:
+        """Generate a continuation with per-token logprobs and versions; ``server`` is this base URL."""
+
+    @abstractmethod
+    async def abort(self, rid: str) -> None:
+        """Stop request ``rid``; its pending generate returns the partial output (finish ``abort``)."""
+
+    @abstractmethod
+    async def abort_all(self) -> None:
+        """Stop every request on the server."""
+
+    @abstractmethod
+    async def pause(self, mode: str) -> None:
+        """Pause generation (``abort``, ``in_place``, ...); new requests wait (or are retried) until resume."""
+
+    @abstractmethod
+    async def resume(self) -> None:
+        """Resume after :meth:`pause`."""
+
+    @abstractmethod
+    async def weight_version(self) -> int:
+        """The weight version the server serves now."""
+
+    @abstractmethod
+    async def model_info(self) -> dict:
+        """What the server says about its model (path, weight_version, limits)."""
+
+    async def health(self) -> bool:
+        """True when ``GET /health`` answers 200 within 5 s."""
+        try:
+            response = await self._http.get("/health", timeout=5.0)
+        except (httpx.TransportError, httpx.TimeoutException):
+            return False
+        return response.status_code == 200
+
+    async def aclose(self) -> None:
+        await self._http.aclose()

@@ -1,0 +1,112 @@
+"""Client of SGLang's native API (pinned: sglang 0.5.23), which our embedded server also speaks.
+
+Request: ``POST /generate`` with ``input_ids``, ``sampling_params`` (``max_new_tokens``, ``temperature``,
+``top_p``, ``top_k``, ``stop_token_ids``), ``return_logprob: true`` and ``rid``. Response: ``output_ids`` and
+``meta_info`` with ``finish_reason.type``, ``output_token_logprobs`` (``[logprob, token_id, text|null]``
+per token) and ``weight_versions`` spans (``{version, start, end}``, end exclusive; SGLang >= 0.5.23).
+A server without spans gets every token stamped with ``meta_info.weight_version``.
+
+Abort is ``POST /abort_request {"rid"}``: SGLang then returns the pending request with its partial output
+and ``finish_reason.type == "abort"``. Pause is ``POST /pause_generation {"mode"}``; during a pause SGLang
+holds new requests until ``/continue_generation`` (no retry needed here).
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from slipstream.agents.protocol import GenerateOutput, SamplingParams
+from slipstream.rollouter.clients.base import ServerClient, ServerError, expand_spans, parse_version
+
+SGLANG_PAUSE_MODES = ("abort", "in_place", "retract")
+_FINISH_TYPES = ("stop", "length", "abort")
+
+
+def build_generate_payload(input_ids: list[int], sampling: SamplingParams, rid: str) -> dict:
+    params: dict = {
+        "max_new_tokens": sampling.max_new_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+    }
+    if sampling.stop_token_ids:
+        params["stop_token_ids"] = list(sampling.stop_token_ids)
+    return {
+        "input_ids": list(input_ids),
+        "sampling_params": params,
+        "return_logprob": True,
+        "rid": rid,
+        "stream": False,
+    }
+
+
+def parse_generate_response(body: dict, *, rid: str, server: str) -> GenerateOutput:
+    """A :class:`GenerateOutput` from SGLang's ``/generate`` response; raises ``ValueError`` if malformed."""
+    try:
+        output_ids = [int(t) for t in body["output_ids"]]
+        meta = body["meta_info"]
+        entries = meta.get("output_token_logprobs") or []
+        finish = meta.get("finish_reason") or {}
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"malformed /generate response from {server}: missing {err}") from err
+    if len(entries) != len(output_ids):
+        raise ValueError(
+            f"/generate response from {server} has {len(output_ids)} output_ids but "
+            f"{len(entries)} output_token_logprobs (was return_logprob sent?)"
+        )
+    finish_type = finish.get("type") if isinstance(finish, dict) else finish
+    if finish_type not in _FINISH_TYPES:
+        finish_type = "abort"
+    fallback = parse_version(meta.get("weight_version", 0))
+    return GenerateOutput(
+        output_ids=output_ids,
+        logprobs=[float(e[0]) for e in entries],
+        versions=expand_spans(meta.get("weight_versions"), len(output_ids), fallback),
+        finish_reason=finish_type,
+        prompt_tokens=int(meta.get("prompt_tokens", 0)),
+        rid=str(meta.get("id", rid)),
+        server=server,
+    )
+
+
+class SGLangClient(ServerClient):
+    """Client of a real SGLang server or of ``slipstream serve`` (same API)."""
+
+    kind = "sglang"
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        rid: str | None = None,
+        session_id: str | None = None,
+    ) -> GenerateOutput:
+        rid = rid or uuid.uuid4().hex
+        response = await self._request(
+            "POST", "/generate", json=build_generate_payload(input_ids, sampling, rid)
+        )
+        try:
+            return parse_generate_response(response.json(), rid=rid, server=self.base_url)
+        except ValueError as err:
+            raise ServerError(self.base_url, response.status_code, str(err)) from err
+
+    async def abort(self, rid: str) -> None:
+        await self._request("POST", "/abort_request", json={"rid": rid})
+
+    async def abort_all(self) -> None:
+        await self._request("POST", "/abort_request", json={"rid": "", "abort_all": True})
+
+    async def pause(self, mode: str) -> None:
+        if mode not in SGLANG_PAUSE_MODES:
+            raise ValueError(f"SGLang pause modes are {list(SGLANG_PAUSE_MODES)}, got {mode!r}")
+        await self._request("POST", "/pause_generation", json={"mode": mode})
+
+    async def resume(self) -> None:
+        await self._request("POST", "/continue_generation", json={})
+
+    async def model_info(self) -> dict:
+        return (await self._request("GET", "/model_info", timeout=30.0)).json()
+
+    async def weight_version(self) -> int:
+        return parse_version((await self.model_info()).get("weight_version", 0))

@@ -1,0 +1,201 @@
+"""Start inference servers as subprocesses, wait until they are healthy, stop them cleanly.
+
+One launcher per kind, in :data:`LAUNCHERS` (the ``rollout.backend`` strings):
+
+* ``embedded``: ``python -m slipstream.rollouter.serve`` with the flags of ``cfg.embedded``;
+* ``vllm``: ``vllm serve`` with ``VLLM_SERVER_DEV_MODE=1`` (pause/resume/abort and the weight-transfer
+  routes exist only in dev mode), ``--logprobs-mode processed_logprobs`` (logprobs after temperature, like
+  the other servers) and ``--weight-transfer-config {"backend": "nccl"}`` unless given;
+* ``sglang``: ``python -m sglang.launch_server`` with ``--weight-version 0``.
+
+``cfg.server_args`` and ``extra_args`` are appended. Each server runs in its own process group (vLLM and
+SGLang start workers of their own), writes stdout and stderr to a log file, and is stopped with SIGTERM to
+the group, then SIGKILL after a grace period. When a server exits or never becomes healthy,
+:meth:`ServerProcess.wait_healthy` raises :class:`ServerLaunchError` carrying the end of its own output.
+
+Example::
+
+    with launch_server("embedded", model_path, cfg=rollout_cfg) as server:
+        server.wait_healthy(120)
+        client = make_client("embedded", server.url)
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from slipstream.rollouter.config import RolloutConfig
+from slipstream.utils.logging import get_logger
+from slipstream.utils.net import LOOPBACK, free_port
+
+log = get_logger(__name__)
+
+
+class ServerLaunchError(RuntimeError):
+    """A launched server exited or did not become healthy; the message ends with its own output."""
+
+
+@dataclass
+class ServerProcess:
+    """A running server subprocess (see the module docstring for the lifecycle)."""
+
+    kind: str
+    url: str
+    command: list[str]
+    log_path: Path
+    popen: subprocess.Popen
+    _log_file: object = field(default=None, repr=False)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(collections.deque(f, maxlen=n))
+        except OSError:
+            return ""
+
+    def wait_healthy(self, timeout_s: float = 600.0, poll_s: float = 0.25) -> None:
+        """Block until ``GET /health`` answers 200; raise :class:`ServerLaunchError` (and stop the server)
+        when it exits first or ``timeout_s`` passes."""
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=2.0) as http:
+            while True:
+                if not self.is_alive():
+                    raise ServerLaunchError(
+                        f"{self.kind} server ({' '.join(self.command[:6])} ...) exited with code "
+                        f"{self.popen.returncode} before becoming healthy. Its last output:\n{self.log_tail()}"
+                    )
+                try:
+                    if http.get(f"{self.url}/health").status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    tail = self.log_tail()
+                    self.stop()
+                    raise ServerLaunchError(
+                        f"{self.kind} server at {self.url} was not healthy after {timeout_s:.0f} s (stopped it). "
+                        f"Its last output:\n{tail}"
+                    )
+                time.sleep(poll_s)
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """SIGTERM the process group, SIGKILL it after ``timeout_s``; return the exit code."""
+        if self.is_alive():
+            self._signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning(
+                    "%s server pid %d ignored SIGTERM for %.0f s; killing it", self.kind, self.pid, timeout_s
+                )
+                self._signal(signal.SIGKILL)
+                self.popen.wait(timeout=30)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        return self.popen.returncode
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.popen.pid, sig)  # its own group: start_new_session=True
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _embedded_command(model: str, host: str, port: int, cfg: RolloutConfig) -> list[str]:
+    from slipstream.rollouter.serve import config_to_args
+
+    base = [sys.executable, "-m", "slipstream.rollouter.serve", "--model", model, "--host", host]
+    return base + ["--port", str(port), *config_to_args(cfg.embedded)]
+
+
+def _vllm_command(model: str, host: str, port: int, cfg: RolloutConfig) -> list[str]:
+    exe = shutil.which(
+        "vllm", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    )
+    if exe is None:
+        raise ServerLaunchError("vllm is not installed here (pip install 'slipstream[vllm]', vllm==0.33.0)")
+    cmd = [exe, "serve", model, "--host", host, "--port", str(port), "--logprobs-mode", "processed_logprobs"]
+    if not any(a.startswith("--weight-transfer-config") for a in cfg.server_args):
+        cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
+    return cmd
+
+
+def _sglang_command(model: str, host: str, port: int, cfg: RolloutConfig) -> list[str]:
+    base = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", host]
+    return base + ["--port", str(port), "--weight-version", "0"]
+
+
+LAUNCHERS: dict[str, Callable[[str, str, int, RolloutConfig], list[str]]] = {
+    "embedded": _embedded_command,
+    "vllm": _vllm_command,
+    "sglang": _sglang_command,
+}
+_KIND_ENV = {"vllm": {"VLLM_SERVER_DEV_MODE": "1"}, "embedded": {"TOKENIZERS_PARALLELISM": "false"}}
+
+
+def launch_server(
+    kind: str,
+    model_path: str | Path,
+    *,
+    host: str = LOOPBACK,
+    port: int = 0,
+    cfg: RolloutConfig | None = None,
+    extra_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    log_path: str | Path | None = None,
+) -> ServerProcess:
+    """Start a ``kind`` server for ``model_path`` (``port=0`` picks a free one); returns at once.
+
+    Call :meth:`ServerProcess.wait_healthy` before sending requests.
+    """
+    if kind not in LAUNCHERS:
+        raise ValueError(f"unknown inference server kind {kind!r}; known: {', '.join(LAUNCHERS)}")
+    cfg = cfg or RolloutConfig()
+    port = port or free_port(host)
+    command = LAUNCHERS[kind](str(model_path), host, port, cfg) + list(cfg.server_args) + list(extra_args)
+    if log_path is None:
+        fd, name = tempfile.mkstemp(prefix=f"slipstream-{kind}-{port}-", suffix=".log")
+        os.close(fd)
+        log_path = name
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    full_env = {**os.environ, **_KIND_ENV.get(kind, {}), **(env or {})}
+    log_file = open(log_path, "ab")  # noqa: SIM115 - closed by ServerProcess.stop
+    popen = subprocess.Popen(
+        command,
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=full_env,
+        start_new_session=True,
+    )
+    log.info("started %s server pid %d on %s:%d (log %s)", kind, popen.pid, host, port, log_path)
+    url_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
+    return ServerProcess(kind, f"http://{url_host}:{port}", command, log_path, popen, log_file)
