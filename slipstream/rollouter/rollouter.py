@@ -1,0 +1,449 @@
+"""The rollouter: streams prompts through agent loops into the queue, under staleness control.
+
+One asyncio task admits groups through the :class:`~slipstream.rollouter.gate.StalenessGate` and starts
+a task per group: ``n`` agent-loop episodes of one prompt run concurrently against the inference servers
+(through the :class:`~slipstream.rollouter.partial.PartialRolloutClient`, which resumes requests aborted
+by a weight update), each trajectory is scored off the event loop, and the finished group is ``put`` into
+the queue (waiting on back-pressure). A finished group frees nothing in the gate: the budget is about
+versions, not about what is in flight. A background task collects groups the trainer dropped as too
+stale (``queue.pop_dropped``): their budget is refunded and their prompts generated again first.
+
+Identity: group ``e<epoch>-p<index>`` (``-a<k>`` for the k-th re-generation after a drop, since the
+queue refuses ids it has seen), trajectories ``<group_id>-<i>``; the group's ``extra`` carries
+``prompt_index``, ``epoch``, ``attempt`` and ``data_source``.
+
+Modes (``async.partial_rollout``): ``abort`` and ``in_place`` need nothing from the rollouter (the
+controller pauses the servers; the wrapper resumes aborted requests); ``off``: the controller calls
+:meth:`Rollouter.drain` before a weight push (admission stops, in-flight groups finish) and
+:meth:`Rollouter.set_version` after it (admission reopens). The ``sync`` mode is the gate with
+threshold 0 and ``sync_every`` 1 plus a drain before each push.
+
+Nothing is lost: a group whose generation fails is refunded and retried (up to ``MAX_GROUP_FAILURES``
+times, then :meth:`run` raises); :meth:`state_dict` records the prompt position and every prompt admitted
+but not yet put, which a resumed run generates again (the queue's de-duplication drops a group that was
+in fact put).
+
+Worked example (the controller's side)::
+
+    rollouter = Rollouter(cfg, balancer, queue, tokenizer, PromptSource.from_config(cfg.data))
+    task = asyncio.create_task(rollouter.run())
+    ...                                   # trainer steps; every sync_every steps:
+    await rollouter.drain()               # only with partial_rollout = off (and sync)
+    push_weights(version=step)
+    rollouter.set_version(step)
+    log.log(step, rollouter.metrics())
+    await rollouter.stop(); await task
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from typing import Any
+
+import msgspec
+
+from slipstream.agents.base import AgentLoopOutput
+from slipstream.agents.data import PromptRef, PromptSource, Sample
+from slipstream.agents.protocol import InferenceClient, SamplingParams
+from slipstream.agents.registry import make_agent_loop
+from slipstream.agents.rewards.runner import RewardResult, RewardRunner
+from slipstream.queue.client import QueueFull
+from slipstream.queue.types import Trajectory, TrajectoryGroup
+from slipstream.rollouter.gate import StalenessGate
+from slipstream.rollouter.partial import PartialRolloutClient
+from slipstream.rollouter.stats import RolloutStats
+from slipstream.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+# A prompt whose group fails this many times in a row stops the run (a bug, not bad luck).
+MAX_GROUP_FAILURES = 3
+# Seconds between polls of the queue for groups the trainer dropped as too stale.
+DROPPED_POLL_S = 1.0
+
+
+class _Work(msgspec.Struct, kw_only=True):
+    """A prompt to generate a group for; ``attempt`` counts re-generations after the trainer dropped it."""
+
+    ref: PromptRef
+    attempt: int = 0
+    failures: int = 0
+    # Just taken from the prompt source (owed work, e.g. a dropped group, goes before it).
+    fresh: bool = False
+
+    @property
+    def group_id(self) -> str:
+        base = f"e{self.ref.epoch}-p{self.ref.index}"
+        return f"{base}-a{self.attempt}" if self.attempt else base
+
+
+class GroupInterrupted(RuntimeError):
+    """A group ended with an aborted episode while the run was not stopping (generate it again)."""
+
+
+class Rollouter:
+    """Generates groups of trajectories and streams them into the queue (see the module docstring).
+
+    Lifecycle: construct, ``await run()`` in a task, ``set_version`` after each weight push, ``drain``
+    around pushes without partial rollouts, ``await stop()`` to end early; ``metrics()`` any time.
+    All methods must be called from the event loop that runs :meth:`run`.
+    """
+
+    def __init__(
+        self, cfg: Any, client: InferenceClient, queue: Any, tokenizer: Any, prompts: PromptSource
+    ) -> None:
+        self.cfg = cfg
+        num_servers = len(cfg.rollout.server_urls) or cfg.rollout.num_servers
+        self.client = PartialRolloutClient(
+            client, max_in_flight=cfg.rollout.max_concurrent_per_server * num_servers
+        )
+        self.agent = make_agent_loop(cfg.agent, self.client, tokenizer)
+        self.rewards = RewardRunner(cfg.reward)
+        self.rewards.check({s.data_source for s in prompts.samples})
+        self.gate = StalenessGate.from_config(cfg)
+        self.queue = queue
+        self.prompts = prompts
+        s = cfg.rollout.sampling
+        self.sampling = SamplingParams(
+            max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k
+        )
+        self.stats = RolloutStats()
+        self.version = 0
+        self._todo: deque[_Work] = deque()  # before new prompts: dropped groups, resumed in-flight ones
+        self._in_flight: dict[str, _Work] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._changed = asyncio.Event()
+        self._stopping = False
+        self._running = False
+        self._fatal: BaseException | None = None
+        # Seconds between polls for dropped groups (and the longest an idle admission wait sleeps).
+        self.poll_s = DROPPED_POLL_S
+
+    # ------------------------------------------------------------------ controller API
+    async def run(self) -> None:
+        """Generate until every prompt is served and every group put, or until :meth:`stop`."""
+        if self._running:
+            raise RuntimeError("Rollouter.run is already running")
+        self._running = True
+        poller = asyncio.create_task(self._poll_dropped())
+        try:
+            await self._admit_loop()
+        except BaseException:
+            await self.stop()  # no group task outlives a failed run
+            raise
+        finally:
+            poller.cancel()
+            await asyncio.gather(poller, return_exceptions=True)
+            self._running = False
+            self._changed.set()
+        self._raise_fatal()
+
+    async def stop(self) -> None:
+        """Stop admitting, abort in-flight requests and end :meth:`run`. In-flight prompts stay in
+        :meth:`state_dict` to be generated again."""
+        self._stopping = True
+        self.gate.shutdown()
+        self._changed.set()
+        try:
+            await self.client.abort_all()
+        except TimeoutError:
+            log.warning("aborting in-flight requests timed out; cancelling their tasks")
+        tasks = set(self._tasks)
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=10.0)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        self.rewards.close()
+
+    def set_version(self, version: int) -> None:
+        """The servers now serve ``version``: open the gate (its budget grows with the version)."""
+        self.version = max(self.version, version)
+        self.gate.set_version(version)
+        self._changed.set()
+
+    async def drain(self) -> None:
+        """Stop admitting until the next :meth:`set_version` and wait until no group is in flight."""
+        self.gate.close()
+        deadline = time.monotonic() + self._drain_timeout_s()
+        while self._in_flight and self._running:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"drain: {len(self._in_flight)} groups still in flight")
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), min(remaining, 1.0))
+            except TimeoutError:
+                pass
+            self._raise_fatal()
+
+    def metrics(self) -> dict[str, float]:
+        gauges = {
+            "requests_active": self.client.active,
+            "requests_queued": self.client.queued,
+            "groups_in_flight": len(self._in_flight),
+            "gate_admitted": self.gate.admitted,
+            "gate_budget": self.gate.budget,
+            "version": self.version,
+        }
+        return self.stats.collect(
+            tokens=self.client.generated_tokens, busy_s=self.client.busy_seconds(), gauges=gauges
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The prompt position, the gate's count and every prompt owed but not yet put.
+
+        Groups in flight are saved as pending prompts and their gate units as refunded, so a resumed run
+        admits them again exactly once."""
+        pending = [*self._in_flight.values(), *self._todo]
+        gate = self.gate.state_dict()
+        gate["admitted"] -= len(self._in_flight)
+        return {
+            "prompts": self.prompts.state_dict(),
+            "gate": gate,
+            "pending": [[w.ref.epoch, w.ref.index, w.attempt] for w in pending],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self._running:
+            raise RuntimeError("load_state_dict must be called before run()")
+        self.prompts.load_state_dict(state["prompts"])
+        self.gate.load_state_dict(state["gate"])
+        self._todo = deque(
+            _Work(ref=PromptRef(int(e), int(i)), attempt=int(a)) for e, i, a in state.get("pending", [])
+        )
+
+    # ------------------------------------------------------------------ admission
+    async def _admit_loop(self) -> None:
+        while not self._stopping:
+            self._raise_fatal()
+            work = self._next_work()
+            if work is None:
+                if not self._in_flight and not self._todo:
+                    await self._collect_dropped()  # a last look: the trainer may have dropped the tail
+                    if not self._todo:
+                        return
+                await self._wait_for_change()
+                continue
+            if not await self._admit():
+                self._todo.appendleft(work)
+                continue
+            if self._todo and work.fresh:
+                # A dropped group arrived while this new prompt waited: the re-generation goes first.
+                self._todo.append(msgspec.structs.replace(work, fresh=False))
+                work = self._todo.popleft()
+            self._start(work)
+
+    async def _admit(self) -> bool:
+        """Wait for the gate; wake up for dropped groups too (they go first once refunded)."""
+        while not self._stopping:
+            if await self.gate.admit(timeout_s=self.poll_s):
+                return True
+            self._raise_fatal()
+        return False
+
+    def _next_work(self) -> _Work | None:
+        if self._todo:
+            return self._todo.popleft()
+        while (item := self.prompts.next()) is not None:
+            ref, sample = item
+            if self._prompt_fits(sample):
+                return _Work(ref=ref, fresh=True)
+            self.stats.count("prompts_skipped")
+        return None
+
+    def _prompt_fits(self, sample: Sample) -> bool:
+        length = len(self.agent.prompt_ids(sample))
+        if length <= self.cfg.data.max_prompt_tokens:
+            return True
+        log.warning(
+            "prompt %d is %d tokens, over data.max_prompt_tokens=%d; skipped",
+            sample.index,
+            length,
+            self.cfg.data.max_prompt_tokens,
+        )
+        return False
+
+    async def _wait_for_change(self) -> None:
+        self._changed.clear()
+        try:
+            await asyncio.wait_for(self._changed.wait(), self.poll_s)
+        except TimeoutError:
+            pass
+
+    def _start(self, work: _Work) -> None:
+        self._in_flight[work.group_id] = work
+        task = asyncio.create_task(self._run_group(work), name=f"group {work.group_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------------ one group
+    async def _run_group(self, work: _Work) -> None:
+        try:
+            group = await self._generate_group(work)
+            if group is None:
+                return  # stopping: stays in _in_flight, so state_dict keeps the prompt
+            await self._put(group)
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:
+            self._group_failed(work, err)
+            return
+        finally:
+            self._changed.set()
+        self._in_flight.pop(work.group_id, None)
+
+    async def _generate_group(self, work: _Work) -> TrajectoryGroup | None:
+        sample = self.prompts.get(work.ref.index)
+        gid = work.group_id
+        async with asyncio.TaskGroup() as tg:
+            episodes = [
+                tg.create_task(self.agent.run(sample, self.sampling, uid=f"{gid}-{i}"))
+                for i in range(self.cfg.rollout.n)
+            ]
+        outputs = [e.result() for e in episodes]
+        if self._stopping:
+            return None
+        if any(o.finish_reason == "abort" for o in outputs):
+            raise GroupInterrupted(f"group {gid}: an episode was aborted")
+        async with asyncio.TaskGroup() as tg:
+            scores = [
+                tg.create_task(
+                    self.rewards.score(
+                        sample.data_source, o.response_text, sample.ground_truth, sample.extra_info
+                    )
+                )
+                for o in outputs
+            ]
+        trajectories = [
+            self._trajectory(gid, i, sample, out, score.result())
+            for i, (out, score) in enumerate(zip(outputs, scores, strict=True))
+        ]
+        extra = {
+            "prompt_index": work.ref.index,
+            "epoch": work.ref.epoch,
+            "attempt": work.attempt,
+            "data_source": sample.data_source,
+        }
+        return TrajectoryGroup.from_trajectories(trajectories, extra=extra)
+
+    def _trajectory(
+        self, gid: str, i: int, sample: Sample, out: AgentLoopOutput, score: RewardResult
+    ) -> Trajectory:
+        out.validate()
+        metrics = {
+            **out.metrics,
+            "num_resumes": float(out.num_resumes),
+            "reward_error": float(bool(score.error)),
+        }
+        self.stats.record_trajectory(
+            versions=out.versions,
+            current_version=self.version,
+            num_resumes=out.num_resumes,
+            reward=score.score,
+            reward_error=bool(score.error),
+            response_len=len(out.response_ids),
+            num_turns=out.num_turns,
+            finish_reason=out.finish_reason,
+        )
+        extra: dict[str, Any] = {"data_source": sample.data_source, "prompt_index": sample.index}
+        if score.error:
+            extra["reward_error"] = score.error
+        return Trajectory(
+            uid=f"{gid}-{i}",
+            group_id=gid,
+            prompt_ids=out.prompt_ids,
+            response_ids=out.response_ids,
+            loss_mask=out.loss_mask,
+            logprobs=out.logprobs,
+            versions=out.versions,
+            reward=score.score,
+            reward_components=score.components,
+            finish_reason=out.finish_reason,
+            num_turns=out.num_turns,
+            metrics=metrics,
+            extra=extra,
+        )
+
+    async def _put(self, group: TrajectoryGroup) -> None:
+        """Put, waiting on back-pressure; a put that times out (queue full for put_timeout_s) is retried."""
+        while True:
+            try:
+                stored = await self.queue.put(group, timeout_s=self.cfg.queue.put_timeout_s)
+                break
+            except QueueFull:
+                if self._stopping:
+                    raise
+                log.warning(
+                    "queue full for %.0fs; still waiting to put group %s",
+                    self.cfg.queue.put_timeout_s,
+                    group.group_id,
+                )
+        self.stats.count("groups_put" if stored else "groups_duplicate")
+
+    def _group_failed(self, work: _Work, err: Exception) -> None:
+        """Refund the group's unit and queue its prompt again; too many failures in a row end the run."""
+        if isinstance(err, BaseExceptionGroup) and len(err.exceptions) == 1:
+            err = err.exceptions[0]  # the TaskGroup's wrapper says nothing; its one cause does
+        self._in_flight.pop(work.group_id, None)
+        self.gate.refund(1)
+        self.stats.count("groups_failed")
+        if self._stopping:
+            self._todo.appendleft(work)
+            return
+        work = msgspec.structs.replace(work, failures=work.failures + 1)
+        log.warning(
+            "group %s failed (%d/%d): %s: %s",
+            work.group_id,
+            work.failures,
+            MAX_GROUP_FAILURES,
+            type(err).__name__,
+            err,
+        )
+        if work.failures >= MAX_GROUP_FAILURES:
+            self._fatal = RuntimeError(
+                f"group {work.group_id} failed {work.failures} times; last error: {err!r}"
+            )
+            self._fatal.__cause__ = err
+        self._todo.appendleft(work)
+
+    def _raise_fatal(self) -> None:
+        if self._fatal is not None:
+            raise self._fatal
+
+    # ------------------------------------------------------------------ dropped groups
+    async def _poll_dropped(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_s)
+            await self._collect_dropped()
+
+    async def _collect_dropped(self) -> None:
+        try:
+            metas = await self.queue.pop_dropped(max_groups=1024)
+        except Exception as err:  # the queue being briefly unreachable must not end generation
+            log.warning("could not fetch dropped groups: %s", err)
+            return
+        for meta in metas:
+            extra = meta.extra or {}
+            if "prompt_index" not in extra:
+                log.warning("dropped group %s has no prompt_index; it was not produced here", meta.group_id)
+                continue
+            work = _Work(
+                ref=PromptRef(int(extra.get("epoch", 0)), int(extra["prompt_index"])),
+                attempt=int(extra.get("attempt", 0)) + 1,
+            )
+            if work.group_id in self._in_flight or any(w.group_id == work.group_id for w in self._todo):
+                log.warning("group %s was reported dropped twice; generating it again once", meta.group_id)
+                continue
+            if self.gate.admitted > 0:  # 0 only when the group was admitted before a restart
+                self.gate.refund(1)
+            self._todo.append(work)
+            self.stats.count("groups_dropped")
+        if metas:
+            self._changed.set()
+
+    def _drain_timeout_s(self) -> float:
+        per_episode = self.cfg.rollout.request_timeout_s * self.cfg.agent.max_turns
+        return per_episode + self.cfg.reward.timeout_s + self.cfg.queue.put_timeout_s
