@@ -13,7 +13,9 @@ class WeightSyncConfig(ConfigStruct):
     # Transport: `torch_dist` (gloo on CPU, NCCL on GPU), `nixl` (UCX; DRAM or GPU memory), or `naive`
     # (one broadcast per tensor; the baseline).
     backend: Literal["torch_dist", "nixl", "naive"] = "torch_dist"
-    # Bucket size in MiB; tensors larger than a bucket are split into chunks.
+    # Bucket size in MiB; tensors larger than a bucket are split into chunks. The sender holds two
+    # buckets (one being packed while the other is on the wire); receivers keep one staging copy of the
+    # model.
     bucket_mb: Annotated[int, msgspec.Meta(ge=1)] = 256
     # Every wait (rendezvous, each bucket, each HTTP call) gives up after this many seconds; a cut-short
     # transfer is discarded and the old weights keep serving.
@@ -22,3 +24,20 @@ class WeightSyncConfig(ConfigStruct):
     master_address: str = "127.0.0.1"
     # Rendezvous port; 0 picks a free one.
     master_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    # Where transfer buffers live: `cpu` (gloo, NIXL DRAM), `cuda` (NCCL, NIXL VRAM), or `auto` (cuda
+    # when a GPU is visible). torch_dist picks gloo for cpu and NCCL for cuda.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # How a real SGLang/vLLM server treats in-flight requests while it loads weights (it cannot stage):
+    # `in_place` keeps them on the old KV cache, `abort` returns partial output, `retract` (SGLang) requeues
+    # them. The pipeline sets it from `async.partial_rollout`. Embedded servers stage the new version and
+    # pause only for the final copy, whatever this says.
+    pause_mode: Literal["in_place", "abort", "retract"] = "in_place"
+    # Keep a CPU copy of the last published version on the trainer, so that a server that joins late or
+    # restarts gets the current weights at once, and a push cut short by one dead server is retried for
+    # the others. Costs one model's worth of trainer CPU memory.
+    keep_last: bool = True
+    # Receivers refuse a version that does not cover every parameter they serve (a sender bug would
+    # otherwise leave a model that mixes two versions).
+    require_all_weights: bool = True
+    # Name of the trainer↔servers process group (several may coexist on one server).
+    group_name: str = "slipstream_weights"

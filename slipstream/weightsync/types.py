@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
+import msgspec
 import torch
 
 
@@ -37,5 +38,153 @@ class WeightTarget(Protocol):
         Raises (and leaves the old weights serving) when a name is unknown or a shape does not match.
         If generation was already paused (``/pause_generation``) it stays paused; otherwise the update
         runs under an in-place pause and generation resumes afterwards.
+
+        The tensors are views of the receiver's staging memory, which the next version reuses: copy
+        them in and keep no reference to them after returning.
         """
         ...
+
+
+# ------------------------------------------------------------------------------------------ wire types
+#
+# Everything below travels between processes: msgspec Structs read by typed decoders, never pickle. Tensor
+# dtypes travel as torch's attribute names ("bfloat16", "float8_e4m3fn"); shapes as lists of ints.
+
+
+class TensorEntry(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """Where one tensor (or one chunk of a tensor larger than a bucket) lies in a bucket's payload.
+
+    The full tensor has ``prod(shape) * itemsize(dtype)`` bytes; this entry carries ``nbytes`` of them,
+    starting at byte ``chunk_offset`` of the tensor, stored at byte ``offset`` of the bucket. A tensor that
+    fits a bucket has ``chunk_offset == 0`` and ``nbytes`` equal to its full size.
+    """
+
+    name: str
+    dtype: str
+    shape: list[int]
+    offset: int
+    nbytes: int
+    chunk_offset: int = 0
+
+
+class BucketMeta(msgspec.Struct, kw_only=True, gc=False, omit_defaults=True):
+    """One bucket of one weight version: a flat byte payload holding ``entries``.
+
+    ``index`` counts buckets from 0 within the version; ``last`` marks the bucket that completes it, so a
+    receiver knows a version is whole without knowing its size in advance (the sender streams).
+    """
+
+    version: int
+    index: int
+    nbytes: int
+    entries: list[TensorEntry]
+    last: bool = False
+
+
+class Rendezvous(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What one side of a checkpoint engine publishes before the group is built (``prepare()``).
+
+    torch_dist / naive: the sender names the store address and port it listens on; receivers publish
+    nothing but their backend. nixl: every side publishes its agent name and NIXL's agent metadata
+    (an opaque blob produced by NIXL's own serializer, not a pickle); the sender also lists the address,
+    length and device of each registered send buffer so receivers can READ from them.
+    """
+
+    backend: str
+    address: str = ""
+    port: int = 0
+    agent_name: str = ""
+    agent_metadata: bytes = b""
+    mem_type: str = ""
+    buffers: list[tuple[int, int, int]] = []
+
+
+class InitInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What ``build_topology`` hands each rank for ``init_process_group``: its rank and its peers."""
+
+    backend: str
+    rank: int
+    world_size: int
+    group_name: str
+    address: str = ""
+    port: int = 0
+    peers: list[Rendezvous] = []
+
+
+# --- the SGLang-compatible HTTP surface of a receiving server (weightsync/http_receiver.py) -----------
+
+
+class InitWeightsUpdateGroupReq(msgspec.Struct, kw_only=True):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    # "nccl" (GPU) or "gloo" (CPU).
+    backend: str = "nccl"
+
+
+class DestroyWeightsUpdateGroupReq(msgspec.Struct, kw_only=True):
+    group_name: str = "weight_update_group"
+
+
+class BeginWeightUpdateReq(msgspec.Struct, kw_only=True):
+    selector: str = "all"
+    # Extension: the version about to arrive (SGLang learns it from the update calls).
+    weight_version: str | int | None = None
+    # Extension: "nixl" receives the whole version in-band from a connected NIXL sender (stream mode).
+    stream: str | None = None
+
+
+class UpdateWeightsFromDistributedReq(msgspec.Struct, kw_only=True):
+    """One broadcast's worth of tensors: SGLang's request, plus one optional extension field.
+
+    With ``load_format="flattened_bucket"`` the broadcast is one flat buffer holding the tensors back to
+    back in ``names`` order; otherwise each tensor is its own broadcast. ``slipstream_bucket`` (ours)
+    gives the exact layout instead (aligned offsets, mixed dtypes, chunks of tensors larger than a
+    bucket); when present it wins over ``names``/``dtypes``/``shapes``.
+    """
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | int | None = None
+    load_format: str | None = None
+    selector: str = "all"
+    torch_empty_cache: bool = False
+    slipstream_bucket: BucketMeta | None = None
+
+
+class EndWeightUpdateReq(msgspec.Struct, kw_only=True):
+    # Extension: a receiver checks the staged version against it before applying.
+    weight_version: str | int | None = None
+
+
+class WeightUpdateResp(msgspec.Struct, kw_only=True, omit_defaults=True):
+    success: bool
+    message: str = ""
+    weight_version: int | None = None
+
+
+class NixlStreamReq(msgspec.Struct, kw_only=True):
+    """``/weightsync/nixl/connect``: the sender's rendezvous, once per group."""
+
+    sender: Rendezvous
+    group_name: str = "weight_update_group"
+
+
+class ReceiverStatus(msgspec.Struct, kw_only=True):
+    """``GET /weightsync/status``: what a receiving server holds and what went wrong last."""
+
+    weight_version: int
+    staging_version: int | None
+    groups: list[str]
+    applied_versions: int
+    failed_versions: int
+    last_error: str = ""
+    # Seconds the last applied version took to apply (generation paused) and to receive (it was not).
+    last_apply_s: float = 0.0
+    last_receive_s: float = 0.0

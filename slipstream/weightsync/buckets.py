@@ -1,0 +1,490 @@
+"""Buckets: how a stream of named tensors becomes a few large flat transfers, and back again.
+
+One collective per tensor is slow (a model has hundreds of small tensors, and every collective pays a fixed
+latency), so the sender packs tensors as raw bytes into buckets of a fixed size and sends one flat buffer
+per bucket. Bytes, because a bucket then mixes dtypes freely (fp8 included, which gloo cannot broadcast as
+such) and the receiver rebuilds each tensor as a typed view of the bytes.
+
+Sender side, :class:`BucketPacker` streams: it pulls one tensor at a time from the trainer's iterator,
+copies it into a buffer of a :class:`BufferPool` (two buffers: one on the wire, one being packed) and drops
+it, so the sender never holds more than two buckets beyond the model. Receiver side, :class:`StagingArea`
+tells the transport where each payload must land (receive memory kept from one version to the next, so it
+is never page-faulted again) and turns landed payloads into tensors without copying them.
+
+Three layouts (:class:`Layout`), one packer:
+  * ``slipstream`` (ours): 64-byte aligned entries, mixed dtypes, tensors larger than a bucket split into
+    bucket-sized chunks (each chunk its own bucket, received straight into the full tensor);
+  * ``sglang``: SGLang's ``flattened_bucket``: entries back to back, one dtype per bucket (its receiver
+    concatenates typed empties, so a mixed bucket would be type-promoted), a tensor larger than the
+    bucket alone in an oversized bucket;
+  * ``vllm``: vLLM's packed broadcast: entries back to back, a bucket closes as soon as its size
+    *exceeds* the capacity, exactly as ``packed_nccl_broadcast_consumer`` re-derives it from the names.
+
+Why by hand: SGLang's ``FlattenedTensorBucket`` and vLLM's ``packed_tensor`` live inside those servers (not
+importable by a CPU trainer), neither splits large tensors nor streams into reusable buffers; this module
+reproduces their byte layouts so the adapters talk to real servers exactly.
+
+Worked example::
+
+    pool = BufferPool("cpu")
+    for bucket in BucketPacker(model.named_parameters(), version=3, layout=Layout.slipstream(64 << 20),
+                               pool=pool):
+        transport.send(bucket.meta, bucket.data)   # then, once the payload has left:
+        pool.release(bucket.slot)
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from slipstream.weightsync.types import BucketMeta, TensorEntry
+
+
+class BucketError(ValueError):
+    """A bucket (or its metadata) that cannot be packed or unpacked as described."""
+
+
+# ------------------------------------------------------------------------------------------------ dtypes
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch's attribute name of a dtype: ``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """The torch dtype called ``name`` (``"bfloat16"``, ``"torch.float8_e4m3fn"``); ValueError if none."""
+    value = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(value, torch.dtype):
+        raise BucketError(f"unknown dtype `{name}` (expected a torch dtype name such as `bfloat16`)")
+    return value
+
+
+def tensor_nbytes(shape: Iterable[int], dtype: torch.dtype) -> int:
+    dims = list(shape)
+    if any(d < 0 for d in dims):
+        raise BucketError(f"negative dimension in shape {dims}")
+    return math.prod(dims) * dtype.itemsize
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 view (a contiguous copy first if it is not contiguous)."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    return flat.view(torch.uint8)
+
+
+def _round_up(value: int, align: int) -> int:
+    return (value + align - 1) // align * align
+
+
+# ------------------------------------------------------------------------------------------------ layout
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How tensors are placed in buckets (see the module docstring for the three named layouts)."""
+
+    capacity: int
+    align: int = 64
+    split_large: bool = True
+    single_dtype: bool = False
+    overflow: bool = False
+
+    def __post_init__(self) -> None:
+        if self.capacity < self.align or self.capacity % self.align:
+            raise BucketError(f"bucket capacity {self.capacity} must be a positive multiple of {self.align}")
+
+    @classmethod
+    def slipstream(cls, capacity: int) -> Layout:
+        return cls(capacity=_round_up(capacity, 64))
+
+    @classmethod
+    def sglang(cls, capacity: int) -> Layout:
+        return cls(capacity=capacity, align=1, split_large=False, single_dtype=True)
+
+    @classmethod
+    def vllm(cls, capacity: int) -> Layout:
+        return cls(capacity=capacity, align=1, split_large=False, overflow=True)
+
+
+# ----------------------------------------------------------------------------------------------- buffers
+
+
+class BufferPool:
+    """A few reusable transfer buffers on one device; :meth:`acquire` blocks until one is free.
+
+    Buffers grow when a bucket needs more room and are otherwise kept for the engine's lifetime, so after
+    the first version no page is faulted in again. ``on_alloc`` sees every new buffer (NIXL registers it).
+    """
+
+    def __init__(
+        self,
+        device: str | torch.device = "cpu",
+        slots: int = 2,
+        on_alloc: Callable[[torch.Tensor], None] | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        self._buffers: list[torch.Tensor | None] = [None] * slots
+        self._free = list(range(slots))
+        self._cond = threading.Condition()
+        self._on_alloc = on_alloc
+
+    def preallocate(self, nbytes: int) -> None:
+        for slot in range(len(self._buffers)):
+            self._grow(slot, nbytes, keep=0)
+
+    def buffer(self, slot: int) -> torch.Tensor:
+        buf = self._buffers[slot]
+        assert buf is not None
+        return buf
+
+    def acquire(self, nbytes: int, timeout: float | None = None) -> int:
+        """A free slot whose buffer holds at least ``nbytes``; TimeoutError when none frees in time."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: bool(self._free), timeout=timeout):
+                raise TimeoutError(f"no transfer buffer was released within {timeout} s")
+            slot = self._free.pop(0)
+        self._grow(slot, nbytes, keep=0)
+        return slot
+
+    def ensure(self, slot: int, nbytes: int, keep: int) -> torch.Tensor:
+        """Grow ``slot`` to ``nbytes`` if needed, keeping its first ``keep`` bytes."""
+        return self._grow(slot, nbytes, keep)
+
+    def release(self, slot: int) -> None:
+        with self._cond:
+            if slot not in self._free:
+                self._free.append(slot)
+            self._cond.notify()
+
+    def _grow(self, slot: int, nbytes: int, keep: int) -> torch.Tensor:
+        buf = self._buffers[slot]
+        if buf is None or buf.numel() < nbytes:
+            new = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
+            if buf is not None and keep:
+                new[:keep].copy_(buf[:keep])
+            self._buffers[slot] = buf = new
+            if self._on_alloc is not None:
+                self._on_alloc(new)
+        return buf
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        return [b for b in self._buffers if b is not None]
+
+
+# ----------------------------------------------------------------------------------------------- packing
+
+
+@dataclass
+class PackedBucket:
+    """A bucket ready to send: ``data`` is ``meta.nbytes`` bytes of pool slot ``slot``."""
+
+    meta: BucketMeta
+    data: torch.Tensor
+    slot: int
+
+
+@dataclass
+class _Pending:
+    name: str
+    data: torch.Tensor  # flat uint8 bytes of the whole tensor
+    dtype: torch.dtype
+    shape: list[int]
+
+
+@dataclass
+class _Open:
+    slot: int
+    entries: list[TensorEntry] = field(default_factory=list)
+    cursor: int = 0
+    dtype: torch.dtype | None = None
+
+
+class BucketPacker:
+    """Iterator of :class:`PackedBucket` for one version, pulled lazily from ``named_tensors``.
+
+    Invariants: at most ``pool`` slots are held (the caller releases each bucket's slot once its payload
+    has left); every tensor appears in exactly one bucket, or, when larger than the capacity in the
+    ``slipstream`` layout, in consecutive single-entry chunk buckets; the last bucket has ``last=True``
+    (a version with no tensors is one empty bucket, so receivers still see it complete).
+    """
+
+    def __init__(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        layout: Layout,
+        pool: BufferPool,
+        timeout_s: float | None = None,
+    ) -> None:
+        self._source: Iterator[tuple[str, torch.Tensor]] = iter(named_tensors)
+        self.version = version
+        self.layout = layout
+        self.pool = pool
+        self.timeout_s = timeout_s
+        self._carry: _Pending | None = None
+        self._chunk: tuple[_Pending, int] | None = None
+        self._index = 0
+        self._done = False
+        self.tensors = 0
+        self.bytes = 0
+
+    def __iter__(self) -> BucketPacker:
+        return self
+
+    def __next__(self) -> PackedBucket:
+        if self._done:
+            raise StopIteration
+        if self._chunk is not None:
+            return self._next_chunk()
+        bucket: _Open | None = None
+        while True:
+            item = self._take()
+            if item is None:
+                self._done = True
+                return self._close(bucket or self._open(0), last=True)
+            if bucket is not None and not self._fits(bucket, item):
+                self._carry = item
+                return self._close(bucket, last=False)
+            if item.data.numel() > self.layout.capacity and not self.layout.overflow:
+                if self.layout.split_large:
+                    self._chunk = (item, 0)
+                    return self._next_chunk()
+                return self._close(self._place(self._open(item.data.numel()), item), last=self._peek_end())
+            bucket = self._place(bucket or self._open(self.layout.capacity), item)
+            if self.layout.overflow and bucket.cursor > self.layout.capacity:
+                return self._close(bucket, last=self._peek_end())
+
+    # -- helpers
+
+    def _take(self) -> _Pending | None:
+        if self._carry is not None:
+            item, self._carry = self._carry, None
+            return item
+        try:
+            name, tensor = next(self._source)
+        except StopIteration:
+            return None
+        if not isinstance(tensor, torch.Tensor):
+            raise BucketError(f"`{name}`: expected a tensor, got {type(tensor).__name__}")
+        self.tensors += 1
+        return _Pending(name, as_bytes(tensor), tensor.dtype, list(tensor.shape))
+
+    def _peek_end(self) -> bool:
+        """True when the source is exhausted (one item is pulled ahead and carried)."""
+        if self._carry is None:
+            self._carry = self._take()
+        if self._carry is None:
+            self._done = True
+            return True
+        return False
+
+    def _fits(self, bucket: _Open, item: _Pending) -> bool:
+        if self.layout.single_dtype and bucket.dtype not in (None, item.dtype):
+            return False
+        if self.layout.overflow:
+            return True
+        start = _round_up(bucket.cursor, self.layout.align)
+        return start + item.data.numel() <= self.layout.capacity
+
+    def _open(self, nbytes: int) -> _Open:
+        return _Open(slot=self.pool.acquire(nbytes, timeout=self.timeout_s))
+
+    def _place(self, bucket: _Open, item: _Pending) -> _Open:
+        start = _round_up(bucket.cursor, self.layout.align)
+        end = start + item.data.numel()
+        buf = self.pool.ensure(bucket.slot, end, keep=bucket.cursor)
+        buf[start:end].copy_(item.data)
+        bucket.entries.append(TensorEntry(item.name, dtype_name(item.dtype), item.shape, start, end - start))
+        bucket.cursor = end
+        bucket.dtype = item.dtype
+        return bucket
+
+    def _next_chunk(self) -> PackedBucket:
+        assert self._chunk is not None
+        item, offset = self._chunk
+        size = min(self.layout.capacity, item.data.numel() - offset)
+        bucket = self._open(size)
+        self.pool.buffer(bucket.slot)[:size].copy_(item.data[offset : offset + size])
+        entry = TensorEntry(item.name, dtype_name(item.dtype), item.shape, 0, size, offset)
+        bucket.entries.append(entry)
+        bucket.cursor = size
+        offset += size
+        if offset < item.data.numel():
+            self._chunk = (item, offset)
+            return self._close(bucket, last=False)
+        self._chunk = None
+        return self._close(bucket, last=self._peek_end())
+
+    def _close(self, bucket: _Open, last: bool) -> PackedBucket:
+        meta = BucketMeta(
+            version=self.version, index=self._index, nbytes=bucket.cursor, entries=bucket.entries, last=last
+        )
+        self._index += 1
+        self.bytes += bucket.cursor
+        return PackedBucket(meta=meta, data=self.pool.buffer(bucket.slot)[: bucket.cursor], slot=bucket.slot)
+
+
+# ----------------------------------------------------------------------------------------------- staging
+
+
+def check_meta(meta: BucketMeta) -> None:
+    """Raise :class:`BucketError` naming the first entry that does not fit the bucket it claims."""
+    for entry in meta.entries:
+        full = tensor_nbytes(entry.shape, parse_dtype(entry.dtype))
+        if entry.offset < 0 or entry.nbytes < 0 or entry.offset + entry.nbytes > meta.nbytes:
+            raise BucketError(
+                f"bucket {meta.index} of version {meta.version}: `{entry.name}` bytes "
+                f"[{entry.offset}, {entry.offset + entry.nbytes}) lie outside the {meta.nbytes}-byte payload"
+            )
+        if entry.chunk_offset < 0 or entry.chunk_offset + entry.nbytes > full:
+            raise BucketError(
+                f"bucket {meta.index}: `{entry.name}` chunk [{entry.chunk_offset}, "
+                f"{entry.chunk_offset + entry.nbytes}) exceeds the tensor's {full} bytes"
+            )
+
+
+def flattened_meta(
+    names: list[str], dtypes: list[str], shapes: list[list[int]], version: int, index: int
+) -> BucketMeta:
+    """The layout SGLang's ``flattened_bucket`` implies: tensors back to back in ``names`` order."""
+    if not (len(names) == len(dtypes) == len(shapes)):
+        raise BucketError(
+            f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})"
+        )
+    entries, cursor = [], 0
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        nbytes = tensor_nbytes(shape, parse_dtype(dtype))
+        entries.append(TensorEntry(name, dtype_name(parse_dtype(dtype)), list(shape), cursor, nbytes))
+        cursor += nbytes
+    return BucketMeta(version=version, index=index, nbytes=cursor, entries=entries)
+
+
+class StagingArea:
+    """Receive memory of one receiver, reused version after version, and the tensors staged so far.
+
+    Lifecycle per version: :meth:`begin`; for each bucket :meth:`destination` (where the transport must
+    put the payload) then :meth:`commit` (the tensors it completed); :attr:`staged` once ``last`` has been
+    committed and :attr:`complete` is true; :meth:`begin` again for the next version.
+
+    Staged tensors are views of this area's buffers: they stay valid until the next :meth:`begin`, so a
+    target must copy them in (``apply_weights``) before the next version is received.
+    """
+
+    def __init__(
+        self, device: str | torch.device = "cpu", on_alloc: Callable[[torch.Tensor], None] | None = None
+    ) -> None:
+        self.device = torch.device(device)
+        self._on_alloc = on_alloc
+        self._buckets: dict[int, torch.Tensor] = {}
+        self._full: dict[str, torch.Tensor] = {}
+        self._direct: set[int] = set()
+        self._partial: dict[str, int] = {}
+        self.staged: dict[str, torch.Tensor] = {}
+        self.version: int | None = None
+        self.nbytes = 0
+        self.saw_last = False
+
+    def begin(self, version: int) -> None:
+        self.version = version
+        self.staged = {}
+        self._partial = {}
+        self._direct = set()
+        self.nbytes = 0
+        self.saw_last = False
+
+    @property
+    def complete(self) -> bool:
+        return self.saw_last and not self._partial
+
+    @property
+    def partial_names(self) -> list[str]:
+        """Tensors of which some chunks, but not all, have arrived."""
+        return sorted(self._partial)
+
+    def destination(self, meta: BucketMeta) -> torch.Tensor:
+        """A uint8 tensor of ``meta.nbytes`` where this bucket's payload must land."""
+        check_meta(meta)
+        if meta.version != self.version:
+            raise BucketError(
+                f"bucket of version {meta.version} arrived while staging version {self.version}"
+            )
+        if len(meta.entries) == 1 and self._is_chunk(meta.entries[0]):
+            entry = meta.entries[0]
+            self._direct.add(meta.index)
+            full = self._full_tensor(entry)
+            return full.reshape(-1).view(torch.uint8)[entry.chunk_offset : entry.chunk_offset + entry.nbytes]
+        buf = self._buckets.get(meta.index)
+        if buf is None or buf.numel() < meta.nbytes:
+            buf = self._alloc(meta.nbytes)
+            self._buckets[meta.index] = buf
+        return buf[: meta.nbytes]
+
+    def commit(self, meta: BucketMeta) -> list[tuple[str, torch.Tensor]]:
+        """Record a landed payload; return the tensors it completed, in bucket order."""
+        done: list[tuple[str, torch.Tensor]] = []
+        direct = meta.index in self._direct
+        buf = None if direct else self._buckets[meta.index][: meta.nbytes]
+        for entry in meta.entries:
+            dtype = parse_dtype(entry.dtype)
+            if not self._is_chunk(entry):
+                assert buf is not None
+                tensor = _typed_view(buf[entry.offset : entry.offset + entry.nbytes], dtype, entry.shape)
+                self.staged[entry.name] = tensor
+                done.append((entry.name, tensor))
+                continue
+            full = self._full_tensor(entry)
+            if not direct:
+                assert buf is not None
+                dst = full.reshape(-1).view(torch.uint8)
+                dst[entry.chunk_offset : entry.chunk_offset + entry.nbytes].copy_(
+                    buf[entry.offset : entry.offset + entry.nbytes]
+                )
+            got = self._partial.get(entry.name, 0) + entry.nbytes
+            if got >= tensor_nbytes(entry.shape, dtype):
+                self._partial.pop(entry.name, None)
+                self.staged[entry.name] = full
+                done.append((entry.name, full))
+            else:
+                self._partial[entry.name] = got
+        self.nbytes += meta.nbytes
+        self.saw_last = self.saw_last or meta.last
+        return done
+
+    # -- helpers
+
+    @staticmethod
+    def _is_chunk(entry: TensorEntry) -> bool:
+        return entry.chunk_offset > 0 or entry.nbytes < tensor_nbytes(entry.shape, parse_dtype(entry.dtype))
+
+    def _full_tensor(self, entry: TensorEntry) -> torch.Tensor:
+        dtype = parse_dtype(entry.dtype)
+        full = self._full.get(entry.name)
+        if full is None or full.dtype != dtype or list(full.shape) != list(entry.shape):
+            full = torch.empty(entry.shape, dtype=dtype, device=self.device)
+            if self._on_alloc is not None:
+                self._on_alloc(full)
+            self._full[entry.name] = full
+        return full
+
+    def _alloc(self, nbytes: int) -> torch.Tensor:
+        buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
+        if self._on_alloc is not None:
+            self._on_alloc(buf)
+        return buf
+
+
+def _typed_view(raw: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    """``raw`` (uint8) seen as ``dtype``/``shape``; a copy only when the bytes are misaligned for it."""
+    try:
+        return raw.view(dtype).view(shape)
+    except RuntimeError:
+        out = torch.empty(shape, dtype=dtype, device=raw.device)
+        out.reshape(-1).view(torch.uint8).copy_(raw)
+        return out

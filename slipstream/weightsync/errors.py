@@ -1,0 +1,15 @@
+"""Errors of a weight transfer. Every one of them means: this version did not arrive, the old one serves."""
+
+from __future__ import annotations
+
+
+class TransferError(RuntimeError):
+    """A transfer was cut short (a peer died, a wait timed out, a payload did not match its metadata).
+
+    Whoever sees it discards what it staged for that version and tears the group down; the weights that
+    were serving before keep serving.
+    """
+
+
+class TransferAborted(TransferError):
+    """The sender gave up on a version on purpose (its tensor iterator raised) and said so."""

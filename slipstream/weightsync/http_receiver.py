@@ -1,0 +1,432 @@
+"""The receiving side of weight sync inside a serving process, behind SGLang's HTTP weight-update API.
+
+A server mounts :func:`build_router` (``app.include_router(build_router(engine))``) and gets SGLang's
+endpoints, so the trainer drives our embedded server and a real SGLang server with the same sequence:
+
+  ``/init_weights_update_group``       join the trainer's process group (gloo on CPU, NCCL on GPU)
+  ``/begin_weight_update``             start staging a version
+  ``/update_weights_from_distributed`` receive one broadcast (``load_format: flattened_bucket``: one flat
+                                       bucket; otherwise one broadcast per tensor) into staging memory
+  ``/end_weight_update``               apply the staged version at once through ``WeightTarget``
+  ``/destroy_weights_update_group``    leave the group
+
+The difference from SGLang, and the reason this module exists: a version is *staged*. Broadcasts land in
+receive memory the receiver keeps (the model keeps serving meanwhile, since every blocking wait runs in a
+worker thread), and only ``/end_weight_update`` touches the model, through ``WeightTarget.apply_weights``
+(atomic under an in-place pause). A transfer cut short (a peer died, a timeout, a bad request) is
+discarded and reported in ``GET /weightsync/status``; the old version keeps serving. A request this side
+cannot take part in (so that the sender's broadcast would never be matched) closes the group, which makes
+the sender fail at once instead of hanging.
+
+Extensions (ignored by nothing, since only our adapters send them): ``weight_version`` on begin/end,
+``slipstream_bucket`` on updates (exact layout: aligned offsets, mixed dtypes, chunks), and the NIXL
+stream mode: ``POST /weightsync/nixl/prepare`` returns this side's NIXL rendezvous, ``/weightsync/nixl/
+connect`` takes the sender's, and ``/begin_weight_update`` with ``stream: "nixl"`` receives the whole
+version in-band while ``/end_weight_update`` waits for it and applies it.
+
+Worked example (what the trainer's adapter sends, per version, after one ``init``)::
+
+    POST /begin_weight_update {"weight_version": 7}
+    POST /update_weights_from_distributed {"names": [...], "dtypes": [...], "shapes": [...],
+         "group_name": "slipstream_weights", "load_format": "flattened_bucket", "weight_version": "7",
+         "flush_cache": false}                            # × buckets, each while rank 0 broadcasts it
+    POST /end_weight_update {"weight_version": 7}  ->  {"success": true, "weight_version": 7}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import torch
+from fastapi import APIRouter, Request, Response
+
+from slipstream.utils.logging import get_logger
+from slipstream.weightsync.buckets import BucketError, StagingArea, flattened_meta, parse_dtype
+from slipstream.weightsync.config import WeightSyncConfig
+from slipstream.weightsync.errors import TransferError
+from slipstream.weightsync.groups import DistGroup, open_group
+from slipstream.weightsync.types import (
+    BeginWeightUpdateReq,
+    BucketMeta,
+    DestroyWeightsUpdateGroupReq,
+    EndWeightUpdateReq,
+    InitInfo,
+    InitWeightsUpdateGroupReq,
+    NixlStreamReq,
+    ReceiverStatus,
+    UpdateWeightsFromDistributedReq,
+    WeightTarget,
+    WeightUpdateResp,
+)
+
+log = get_logger(__name__)
+
+
+class RequestError(ValueError):
+    """A request that names something wrong (reported to the caller as success=false)."""
+
+
+def parse_version(value: str | int | None) -> int | None:
+    if value is None or isinstance(value, int):
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise RequestError(f"weight_version must be an integer, got {value!r}") from None
+
+
+@dataclass
+class _Session:
+    """One version being staged."""
+
+    version: int | None
+    staging: StagingArea | None = None
+    next_index: int = 0
+    error: str | None = None
+    started: float = field(default_factory=time.perf_counter)
+    receive_s: float = 0.0
+    stream_task: asyncio.Task | None = None
+
+
+class WeightReceiver:
+    """Stages weight versions for one :class:`WeightTarget` and applies each one whole.
+
+    Invariants: at most one version is being staged; the target sees a version only through one
+    ``apply_weights`` call, after every bucket of it arrived; weight operations run one at a time (an
+    asyncio lock), while the event loop stays free to serve generation.
+    """
+
+    def __init__(self, target: WeightTarget, cfg: WeightSyncConfig | None = None) -> None:
+        self.target = target
+        self.cfg = cfg or WeightSyncConfig()
+        self.groups: dict[str, DistGroup] = {}
+        self.session: _Session | None = None
+        self._staging: dict[str, StagingArea] = {}
+        self._lock = asyncio.Lock()
+        self._nixl = None  # a receiving NixlEngine once /weightsync/nixl/prepare ran
+        self.applied_versions = 0
+        self.failed_versions = 0
+        self.last_error = ""
+        self.last_apply_s = 0.0
+        self.last_receive_s = 0.0
+
+    # -- groups
+
+    async def init_group(self, req: InitWeightsUpdateGroupReq) -> WeightUpdateResp:
+        backend = req.backend if req.backend in ("gloo", "nccl") else ""
+        if not backend:
+            raise RequestError(f"backend `{req.backend}` is not supported here (use `gloo` or `nccl`)")
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise RequestError("backend `nccl` needs a GPU on this server; use `gloo`")
+        if not 0 < req.rank_offset < req.world_size:
+            raise RequestError(f"rank_offset {req.rank_offset} is outside a group of {req.world_size}")
+        old = self.groups.pop(req.group_name, None)
+        if old is not None:
+            await asyncio.to_thread(old.close, 0)
+        group = await asyncio.to_thread(
+            open_group,
+            master_address=req.master_address,
+            master_port=req.master_port,
+            rank=req.rank_offset,
+            world_size=req.world_size,
+            group_name=req.group_name,
+            backend=backend,
+            timeout_s=self.cfg.timeout_s,
+        )
+        self.groups[req.group_name] = group
+        return WeightUpdateResp(success=True, message=f"joined `{req.group_name}` as rank {req.rank_offset}")
+
+    async def destroy_group(self, req: DestroyWeightsUpdateGroupReq) -> WeightUpdateResp:
+        group = self.groups.pop(req.group_name, None)
+        if group is None:
+            return WeightUpdateResp(success=False, message=f"no group `{req.group_name}`")
+        await asyncio.to_thread(group.close, min(10.0, self.cfg.timeout_s))
+        return WeightUpdateResp(success=True, message=f"left `{req.group_name}`")
+
+    # -- versions
+
+    async def begin(self, req: BeginWeightUpdateReq) -> WeightUpdateResp:
+        if self.session is not None:
+            self._fail(self.session, "superseded by a new begin_weight_update before it ended")
+        session = _Session(version=parse_version(req.weight_version))
+        self.session = session
+        if req.stream == "nixl":
+            if self._nixl is None:
+                raise RequestError("stream `nixl` needs /weightsync/nixl/prepare and /connect first")
+            session.stream_task = asyncio.create_task(self._receive_stream(session))
+        elif req.stream is not None:
+            raise RequestError(f"unknown stream `{req.stream}` (expected `nixl` or none)")
+        return WeightUpdateResp(success=True, weight_version=session.version)
+
+    async def update(self, req: UpdateWeightsFromDistributedReq) -> WeightUpdateResp:
+        session = self.session
+        group = self.groups.get(req.group_name)
+        if session is None or session.stream_task is not None or group is None:
+            why = (
+                f"no group `{req.group_name}` (call /init_weights_update_group first)"
+                if group is None
+                else "must run between begin_weight_update() and end_weight_update()"
+            )
+            await self._close_group(req.group_name)  # the sender is broadcasting: make it fail, not hang
+            raise RequestError(why)
+        try:
+            metas = self._metas(session, req)
+        except (RequestError, BucketError) as err:
+            await self._close_group(req.group_name)
+            self._fail(session, str(err))
+            raise RequestError(str(err)) from err
+        problem = self._check_specs(metas)
+        start = time.perf_counter()
+        for meta in metas:
+            try:
+                dest = session.staging.destination(meta)
+                if meta.nbytes:
+                    await asyncio.to_thread(group.broadcast, dest, self.cfg.timeout_s)
+            except (TransferError, BucketError) as err:
+                await self._close_group(req.group_name)
+                self._fail(session, f"bucket {meta.index}: {err}")
+                raise TransferError(self.last_error) from err
+            session.staging.commit(meta)
+            session.next_index = max(session.next_index, meta.index + 1)
+        session.receive_s += time.perf_counter() - start
+        if problem:
+            self._fail(session, problem)
+            raise RequestError(problem)
+        return WeightUpdateResp(success=True, weight_version=session.version)
+
+    async def end(self, req: EndWeightUpdateReq) -> WeightUpdateResp:
+        session = self.session
+        if session is None:
+            raise RequestError("no weight update in progress (call /begin_weight_update first)")
+        version = parse_version(req.weight_version)
+        if session.stream_task is not None:
+            try:
+                await asyncio.wait_for(session.stream_task, self.cfg.timeout_s)
+            except (TransferError, TimeoutError) as err:
+                self._fail(session, f"stream: {err or 'timed out'}")
+        if session.error is not None:
+            self.session = None
+            raise TransferError(f"version {session.version} was discarded: {session.error}")
+        if version is not None and session.version is not None and version != session.version:
+            self._fail(session, f"end names version {version} but version {session.version} was staged")
+            raise RequestError(self.last_error)
+        version = session.version if session.version is not None else version
+        problem = self._check_complete(session, version)
+        if problem:
+            self._fail(session, problem)
+            raise RequestError(problem)
+        assert version is not None and session.staging is not None
+        staged = list(session.staging.staged.items())
+        start = time.perf_counter()
+        try:
+            await asyncio.to_thread(self.target.apply_weights, staged, version)
+        except Exception as err:
+            self._fail(session, f"apply_weights refused version {version}: {err}")
+            raise RequestError(self.last_error) from err
+        self.last_apply_s = time.perf_counter() - start
+        self.last_receive_s = session.receive_s
+        self.applied_versions += 1
+        self.session = None
+        mb = session.staging.nbytes / 2**20
+        msg = (
+            f"applied version {version}: {len(staged)} tensors, {mb:.1f} MiB, apply {self.last_apply_s:.3f} s"
+        )
+        return WeightUpdateResp(success=True, message=msg, weight_version=version)
+
+    def status(self) -> ReceiverStatus:
+        return ReceiverStatus(
+            weight_version=self.target.weight_version,
+            staging_version=self.session.version if self.session else None,
+            groups=sorted(self.groups),
+            applied_versions=self.applied_versions,
+            failed_versions=self.failed_versions,
+            last_error=self.last_error,
+            last_apply_s=self.last_apply_s,
+            last_receive_s=self.last_receive_s,
+        )
+
+    def router(self) -> APIRouter:
+        """The HTTP endpoints of this receiver (see the module docstring)."""
+        return _router(self)
+
+    def close(self) -> None:
+        """Leave every group and release NIXL resources (call at server shutdown)."""
+        for group in self.groups.values():
+            group.close(barrier_timeout_s=0)
+        self.groups.clear()
+        if self._nixl is not None:
+            self._nixl.finalize()
+            self._nixl = None
+
+    # -- NIXL stream mode
+
+    async def nixl_prepare(self):
+        from slipstream.weightsync.nixl_engine import NixlEngine
+
+        if self._nixl is None:
+            self._nixl = NixlEngine(self.cfg, is_sender=False)
+        return await asyncio.to_thread(self._nixl.prepare)
+
+    async def nixl_connect(self, req: NixlStreamReq) -> WeightUpdateResp:
+        if self._nixl is None:
+            raise RequestError("call /weightsync/nixl/prepare first")
+        info = InitInfo(backend="nixl", rank=1, world_size=2, group_name=req.group_name, peers=[req.sender])
+        await asyncio.to_thread(self._nixl.init_process_group, info)
+        return WeightUpdateResp(success=True, message=f"connected to {req.sender.agent_name}")
+
+    async def _receive_stream(self, session: _Session) -> None:
+        start = time.perf_counter()
+        stream = self._nixl.receive_weights()
+        staged = await stream.collect()
+        if session.version is not None and stream.version != session.version:
+            raise TransferError(f"received version {stream.version}, expected {session.version}")
+        session.version = stream.version
+        session.staging = _Collected(staged, stream.nbytes)
+        session.receive_s = time.perf_counter() - start
+
+    # -- helpers
+
+    def _metas(self, session: _Session, req: UpdateWeightsFromDistributedReq) -> list[BucketMeta]:
+        version = parse_version(req.weight_version)
+        bucket = req.slipstream_bucket
+        if bucket is not None:
+            version = bucket.version if version is None else version
+        if version is None:
+            version = session.version
+        if version is None:
+            raise RequestError("no weight_version: give it on begin_weight_update or on each update")
+        if session.version is None:
+            session.version = version
+        elif version != session.version:
+            raise RequestError(f"update for version {version} while staging version {session.version}")
+        if session.staging is None:
+            session.staging = self._staging_for(req.group_name)
+            session.staging.begin(version)
+        if bucket is not None:
+            if bucket.version != version:
+                raise RequestError(f"slipstream_bucket is for version {bucket.version}, not {version}")
+            return [bucket]
+        if req.load_format == "flattened_bucket":
+            return [flattened_meta(req.names, req.dtypes, req.shapes, version, session.next_index)]
+        if req.load_format not in (None, "auto"):
+            raise RequestError(f"load_format `{req.load_format}` is not supported (use `flattened_bucket`)")
+        return [
+            flattened_meta([n], [d], [s], version, session.next_index + i)
+            for i, (n, d, s) in enumerate(zip(req.names, req.dtypes, req.shapes, strict=False))
+        ]
+
+    def _staging_for(self, group_name: str) -> StagingArea:
+        device = self.groups[group_name].device
+        key = str(device)
+        if key not in self._staging:
+            self._staging[key] = StagingArea(device)
+        return self._staging[key]
+
+    def _check_specs(self, metas: list[BucketMeta]) -> str:
+        specs = self.target.weight_specs()
+        for meta in metas:
+            for entry in meta.entries:
+                spec = specs.get(entry.name)
+                if spec is None:
+                    return f"unknown parameter `{entry.name}`"
+                shape, dtype = spec
+                if list(shape) != list(entry.shape) or parse_dtype(entry.dtype) != dtype:
+                    return (
+                        f"`{entry.name}`: sent {entry.dtype}{list(entry.shape)}, "
+                        f"serving {str(dtype).removeprefix('torch.')}{list(shape)}"
+                    )
+        return ""
+
+    def _check_complete(self, session: _Session, version: int | None) -> str:
+        if version is None:
+            return "no weight_version was given for the staged update"
+        if session.staging is None:
+            return f"version {version}: nothing was received"
+        if isinstance(session.staging, StagingArea) and session.staging.partial_names:
+            return f"version {version}: tensors only partly received: {session.staging.partial_names}"
+        if self.cfg.require_all_weights:
+            missing = set(self.target.weight_specs()) - set(session.staging.staged)
+            if missing:
+                shown = ", ".join(sorted(missing)[:5])
+                return f"version {version} misses {len(missing)} parameters (e.g. {shown})"
+        return ""
+
+    def _fail(self, session: _Session, reason: str) -> None:
+        if session.error is None:
+            session.error = reason
+            self.failed_versions += 1
+            self.last_error = f"version {session.version}: {reason}"
+            log.warning("weight update discarded, old weights keep serving: %s", self.last_error)
+
+    async def _close_group(self, name: str) -> None:
+        group = self.groups.pop(name, None)
+        if group is not None:
+            group.broken = True
+            await asyncio.to_thread(group.close, 0)
+
+
+@dataclass
+class _Collected:
+    """Staged tensors of a version received in-band (stream mode), shaped like a finished StagingArea."""
+
+    staged: dict[str, torch.Tensor]
+    nbytes: int
+
+
+# ------------------------------------------------------------------------------------------------ router
+
+
+_JSON = "application/json"
+
+
+def build_router(target: WeightTarget, cfg: WeightSyncConfig | None = None) -> APIRouter:
+    """The weight-update endpoints for ``target``; the receiver is at ``router.weight_receiver``."""
+    return WeightReceiver(target, cfg).router()
+
+
+def _router(receiver: WeightReceiver) -> APIRouter:
+    router = APIRouter()
+
+    def endpoint(path: str, req_type: type | None, handler, method: str = "POST") -> None:
+        async def handle(request: Request) -> Response:
+            try:
+                body = await request.body()
+                args = [msgspec.json.decode(body or b"{}", type=req_type)] if req_type is not None else []
+                async with receiver._lock:  # weight operations run one at a time, like SGLang's
+                    result = await handler(*args)
+                return Response(msgspec.json.encode(result), media_type=_JSON)
+            except (msgspec.ValidationError, msgspec.DecodeError) as err:
+                return _error(400, f"{path}: bad request body: {err}")
+            except RequestError as err:
+                return _error(400, str(err))
+            except TransferError as err:
+                return _error(500, str(err))
+
+        router.add_api_route(path, handle, methods=[method])
+
+    endpoint("/init_weights_update_group", InitWeightsUpdateGroupReq, receiver.init_group)
+    endpoint("/destroy_weights_update_group", DestroyWeightsUpdateGroupReq, receiver.destroy_group)
+    endpoint("/begin_weight_update", BeginWeightUpdateReq, receiver.begin)
+    endpoint("/update_weights_from_distributed", UpdateWeightsFromDistributedReq, receiver.update)
+    endpoint("/end_weight_update", EndWeightUpdateReq, receiver.end)
+    router.add_api_route("/weightsync/status", _status(receiver), methods=["GET"])
+    endpoint("/weightsync/nixl/prepare", None, receiver.nixl_prepare)
+    endpoint("/weightsync/nixl/connect", NixlStreamReq, receiver.nixl_connect)
+    router.weight_receiver = receiver  # type: ignore[attr-defined]
+    return router
+
+
+def _status(receiver: WeightReceiver):
+    async def status() -> Response:  # never waits for the weight lock: it must answer mid-transfer
+        return Response(msgspec.json.encode(receiver.status()), media_type=_JSON)
+
+    return status
+
+
+def _error(status: int, message: str) -> Response:
+    return Response(
+        msgspec.json.encode(WeightUpdateResp(success=False, message=message)), status, media_type=_JSON
+    )
