@@ -276,5 +276,6 @@ def model_info_payload(engine: EmbeddedEngine) -> dict:
         "vocab_size": engine.vocab_size,
         "eos_token_ids": list(engine.eos_token_ids),
         "num_running_requests": engine.num_running,
+        "generated_tokens": engine.generated_tokens,
         "server": "slipstream-embedded",
     }

@@ -186,6 +186,8 @@ class EmbeddedEngine:
         self._gate: asyncio.Event | None = None
         self._pause_mode: PauseMode | None = None
         self._holder: _PauseHolder | None = None
+        # Tokens generated since start, all requests together (a progress counter for /model_info).
+        self.generated_tokens = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -366,6 +368,7 @@ class EmbeddedEngine:
         state.output_ids.extend(new)
         state.logprobs.extend(out.logprobs[n : n + len(new)])
         state.versions.extend([self._stamp] * len(new))
+        self.generated_tokens += len(new)
         if out.is_finished():
             last = state.output_ids[-1] if state.output_ids else None
             if last is not None and last in state.stop_ids:
