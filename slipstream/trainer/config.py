@@ -90,7 +90,8 @@ class TrainerConfig(ConfigStruct):
     pack_sequences: bool = True
     # Where the engine runs: auto picks cuda when available (NCCL), else cpu (gloo).
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    # HF attention kernel; null picks flash_attention_2 on GPU when installed, else sdpa.
+    # HF attention kernel; null picks flash_attention_2 on GPU when installed, else sdpa_varlen (per-sample
+    # causal sdpa on packed rows, trainer/engine/varlen.py); sdpa and eager also work.
     attn_implementation: str | None = None
     # Seconds a step waits for a full batch from the queue before it fails.
     batch_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 3600.0

@@ -28,8 +28,12 @@ def _nll(outputs, mb):
     return -(outputs["logprobs"] * mask).sum() / 20.0, {"tokens": mask.sum()}
 
 
-def test_packed_logprobs_equal_per_sample_and_padded(tiny_model_path, single_process_group):
-    engine = _engine(tiny_model_path, "trainer.micro_batch_tokens=4096")
+@pytest.mark.parametrize("attn", ["sdpa_varlen", "sdpa"])
+def test_packed_logprobs_equal_per_sample_and_padded(tiny_model_path, single_process_group, attn):
+    engine = _engine(
+        tiny_model_path, "trainer.micro_batch_tokens=4096", f"trainer.attn_implementation={attn}"
+    )
+    assert engine.model.config._attn_implementation == attn
     batch = _batch()
     packed = engine.forward_backward_batch(batch, None, forward_only=True).tokens["logprobs"]
     alone = torch.cat(

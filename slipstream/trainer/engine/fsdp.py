@@ -6,10 +6,12 @@ Parallelism lives here and nowhere else: every decoder layer and then the root m
 and are cast to bf16 for compute, with gradients reduced in fp32 (``MixedPrecisionPolicy``).
 
 Packed sequences: a micro-batch is one row of samples laid end to end, with ``position_ids`` restarting at
-0 for each sample and no attention mask. transformers detects that layout from the position ids and builds a
-block-diagonal causal mask for sdpa/eager (``masking_utils.find_packed_sequence_indices``) or passes
-varlen boundaries to flash-attention, so no token attends across samples and no padding is computed
-(``tests/trainer/test_fsdp_engine.py`` checks packed logits equal per-sample logits). With
+0 for each sample and no attention mask. The sample boundaries go to every attention layer as
+``cu_seq_lens_q/k``: flash-attention (GPU) and our ``sdpa_varlen`` kernel (the default elsewhere,
+``engine/varlen.py``) attend within each sample only, at sum(len^2) cost; with plain sdpa/eager
+transformers builds a block-diagonal causal mask from the restarting position ids instead. Either way no
+token attends across samples and no padding is computed (``tests/trainer/test_fsdp_engine.py`` checks that
+packed logits equal per-sample logits, for sdpa_varlen and for sdpa). With
 ``trainer.pack_sequences=false`` micro-batches are padded to the batch's longest sample instead: the
 baseline of ``slipstream bench train``.
 
@@ -116,6 +118,8 @@ class FSDPEngine(ModelEngine):
         mixed = on_gpu and self.tcfg.mixed_precision
         dtype = torch.float32 if mixed else _DTYPES[self.cfg.model.dtype]
         attn = self.tcfg.attn_implementation or _default_attention(on_gpu)
+        if attn == "sdpa_varlen":
+            from slipstream.trainer.engine import varlen  # noqa: F401  (registers the kernel)
         kwargs = dict(
             dtype=dtype, attn_implementation=attn, trust_remote_code=self.cfg.model.trust_remote_code
         )
@@ -217,7 +221,11 @@ class FSDPEngine(ModelEngine):
         if pad_to:
             logits = self._forward_padded(ids, cu, pad_to)
         else:
-            logits = self.model(input_ids=ids[None], position_ids=pos[None], use_cache=False).logits[0]
+            # cu_seq_lens_q reaches every attention layer: flash-attention and sdpa_varlen use it as varlen
+            # boundaries; other kernels ignore it and rely on the restarting position ids.
+            logits = self.model(
+                input_ids=ids[None], position_ids=pos[None], use_cache=False, **self._varlen_kwargs(cu)
+            ).logits[0]
         starts = cu[:-1]
         if self.value_head:
             values = torch.cat([logits.new_zeros(1), logits[:-1, 0].float()])
@@ -235,6 +243,22 @@ class FSDPEngine(ModelEngine):
             ent = torch.cat([logits.new_zeros(1), entropy_from_logits(source)])
             out["entropy"] = ent.index_fill(0, starts, 0.0)
         return out
+
+    def _varlen_kwargs(self, cu: torch.Tensor) -> dict:
+        if self.model.config._attn_implementation not in (
+            "sdpa_varlen",
+            "flash_attention_2",
+            "flash_attention_3",
+        ):
+            return {}
+        cu32 = cu.to(torch.int32)
+        longest = int((cu[1:] - cu[:-1]).max())
+        return {
+            "cu_seq_lens_q": cu32,
+            "cu_seq_lens_k": cu32,
+            "max_length_q": longest,
+            "max_length_k": longest,
+        }
 
     def _forward_padded(self, ids: torch.Tensor, cu: torch.Tensor, pad_to: int) -> torch.Tensor:
         """The padded baseline: rows of ``pad_to`` tokens with an attention mask; logits re-flattened."""
@@ -369,7 +393,7 @@ def _default_attention(on_gpu: bool) -> str:
             return "flash_attention_2"
         except ImportError:
             pass
-    return "sdpa"
+    return "sdpa_varlen"
 
 
 def _rng_state() -> dict[str, torch.Tensor]:

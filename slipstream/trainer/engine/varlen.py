@@ -1,0 +1,58 @@
+"""``sdpa_varlen``: an attention kernel for packed micro-batches on CPU (and any device without flash-attn).
+
+transformers' own answer to packed position ids under sdpa is a dense block-diagonal causal mask over the
+whole row, which costs O(T^2) for T packed tokens and sends CPU sdpa down its masked path. This kernel
+instead runs causal sdpa on each sample's slice (boundaries from ``cu_seq_lens_q``, the keyword
+transformers forwards from the model call to every attention layer), so attention costs sum(len_i^2) and
+never looks at a mask. Calls without boundaries (the padded baseline, generation) fall through to
+transformers' regular sdpa with its regular mask, so one loaded model serves both layouts.
+
+Registered under the name ``sdpa_varlen`` in transformers' ``AttentionInterface`` (and its mask builder
+under the same name) on import; pass ``attn_implementation="sdpa_varlen"`` when loading a model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+NAME = "sdpa_varlen"
+
+
+def sdpa_varlen_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """query/key/value: [1, heads, T, dim] (kv heads may be fewer: GQA). Returns ([1, T, heads, dim], None)."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None or query.shape[0] != 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    bounds = cu.tolist()
+    gqa = query.shape[1] != key.shape[1]
+    out = torch.empty_like(query)
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        if end <= start:
+            continue
+        out[:, :, start:end] = F.scaled_dot_product_attention(
+            query[:, :, start:end],
+            key[:, :, start:end],
+            value[:, :, start:end],
+            is_causal=True,
+            dropout_p=dropout if module.training else 0.0,
+            scale=scaling,
+            enable_gqa=gqa,
+        )
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(NAME, sdpa_varlen_forward)
+AttentionMaskInterface.register(NAME, sdpa_mask)
