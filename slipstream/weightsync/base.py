@@ -41,13 +41,14 @@ import asyncio
 import importlib
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from typing import ClassVar
 
 import msgspec
 import torch
 
 from slipstream.utils.logging import get_logger
+from slipstream.weightsync.buckets import PackedBucket
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.errors import TransferError
 from slipstream.weightsync.types import InitInfo, Rendezvous, WeightTarget
@@ -188,6 +189,61 @@ def make_engine(
     cfg: WeightSyncConfig, *, is_sender: bool, device: str | torch.device | None = None
 ) -> CheckpointEngine:
     return get_engine_class(cfg.backend)(cfg, is_sender=is_sender, device=device)
+
+
+# ------------------------------------------------------------------------------------------- pipelining
+
+
+async def send_pipelined(
+    buckets: Iterator[PackedBucket],
+    send: Callable[[PackedBucket], Awaitable[None]],
+    release: Callable[[PackedBucket], None],
+    stats: SendStats,
+) -> None:
+    """Send every bucket with ``send``, packing the next one in a worker thread meanwhile.
+
+    At most two buckets exist at a time (the one being sent and the one being packed); ``release`` gives
+    each bucket's buffer back once ``send`` returned (or failed). Exceptions from packing (the caller's
+    tensor iterator) and from ``send`` propagate; a packing thread still running is waited for first, so
+    no buffer is left held. The worker thread uses the caller's CUDA device (the tensor iterator may run
+    collectives on it).
+    """
+    cuda = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+    def pack_next() -> PackedBucket | None:
+        if cuda is not None:
+            torch.cuda.set_device(cuda)
+        return next(buckets, None)
+
+    async def pack() -> PackedBucket | None:
+        t0 = time.perf_counter()
+        try:
+            return await asyncio.to_thread(pack_next)
+        finally:
+            stats.pack_s += time.perf_counter() - t0
+
+    pending: asyncio.Task | None = asyncio.create_task(pack())
+    try:
+        while pending is not None:
+            bucket = await pending
+            pending = None
+            if bucket is None:
+                return
+            if not bucket.meta.last:
+                pending = asyncio.create_task(pack())
+            try:
+                await send(bucket)
+            finally:
+                release(bucket)
+            stats.buckets += 1
+    finally:
+        if pending is not None:
+            try:
+                leftover = await pending
+            except Exception:  # the packing error is secondary to the one already propagating
+                leftover = None
+            if leftover is not None:
+                release(leftover)
 
 
 # ------------------------------------------------------------------------------------------- receiving

@@ -157,6 +157,8 @@ class BufferPool:
         return self._grow(slot, nbytes, keep)
 
     def release(self, slot: int) -> None:
+        if slot < 0:  # a bucket that never came from the pool
+            return
         with self._cond:
             if slot not in self._free:
                 self._free.append(slot)
@@ -488,3 +490,28 @@ def _typed_view(raw: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> torc
         out = torch.empty(shape, dtype=dtype, device=raw.device)
         out.reshape(-1).view(torch.uint8).copy_(raw)
         return out
+
+
+def per_tensor_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, device: torch.device
+) -> Iterator[PackedBucket]:
+    """One bucket per tensor, without packing (the ``naive`` baseline); ``slot`` is -1 (no pool)."""
+    source = iter(named_tensors)
+    item = next(source, None)
+    if item is None:
+        yield PackedBucket(BucketMeta(version=version, index=0, nbytes=0, entries=[], last=True), _EMPTY, -1)
+        return
+    index = 0
+    while item is not None:
+        following = next(source, None)
+        name, tensor = item
+        data = as_bytes(tensor).to(device)
+        entry = TensorEntry(name, dtype_name(tensor.dtype), list(tensor.shape), 0, data.numel())
+        meta = BucketMeta(
+            version=version, index=index, nbytes=data.numel(), entries=[entry], last=following is None
+        )
+        yield PackedBucket(meta, data, -1)
+        index, item = index + 1, following
+
+
+_EMPTY = torch.empty(0, dtype=torch.uint8)

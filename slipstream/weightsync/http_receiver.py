@@ -134,7 +134,7 @@ class WeightReceiver:
             world_size=req.world_size,
             group_name=req.group_name,
             backend=backend,
-            timeout_s=self.cfg.timeout_s,
+            timeout_s=req.timeout_s or self.cfg.timeout_s,
         )
         self.groups[req.group_name] = group
         return WeightUpdateResp(success=True, message=f"joined `{req.group_name}` as rank {req.rank_offset}")

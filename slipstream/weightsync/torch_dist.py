@@ -25,7 +25,13 @@ import msgspec
 import torch
 
 from slipstream.utils.logging import get_logger
-from slipstream.weightsync.base import CheckpointEngine, SendStats, WeightStream, register_engine
+from slipstream.weightsync.base import (
+    CheckpointEngine,
+    SendStats,
+    WeightStream,
+    register_engine,
+    send_pipelined,
+)
 from slipstream.weightsync.buckets import (
     BucketError,
     BucketPacker,
@@ -127,42 +133,25 @@ class TorchDistEngine(CheckpointEngine):
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
     ) -> SendStats:
         group = self._require_group()
-        assert self.pool is not None, "send_weights on a receiver"
-        packer = BucketPacker(named_tensors, version, self.layout(), self.pool, timeout_s=self.cfg.timeout_s)
+        pool = self.pool
+        assert pool is not None, "send_weights on a receiver"
+        packer = BucketPacker(named_tensors, version, self.layout(), pool, timeout_s=self.cfg.timeout_s)
         stats = SendStats(version=version)
         start = time.perf_counter()
-        pending: asyncio.Task | None = asyncio.create_task(self._pack(packer, stats))
+
+        async def send(bucket: PackedBucket) -> None:
+            await asyncio.to_thread(self._send_bucket, group, bucket.meta, bucket.data)
+
         try:
-            while pending is not None:
-                bucket = await pending
-                pending = None
-                if bucket is None:
-                    break
-                if not bucket.meta.last:
-                    pending = asyncio.create_task(self._pack(packer, stats))
-                try:
-                    await asyncio.to_thread(self._send_bucket, group, bucket.meta, bucket.data)
-                finally:
-                    self.pool.release(bucket.slot)
-                stats.buckets += 1
+            await send_pipelined(packer, send, lambda b: pool.release(b.slot), stats)
         except TransferError:
             raise
         except Exception as err:
             await asyncio.to_thread(self._send_abort, group)
             raise TransferError(f"version {version}: packing failed ({err}); receivers dropped it") from err
-        finally:
-            await _drain(pending, self.pool)
         stats.tensors, stats.bytes = packer.tensors, packer.bytes
         stats.seconds = time.perf_counter() - start
         return stats
-
-    @staticmethod
-    async def _pack(packer: BucketPacker, stats: SendStats) -> PackedBucket | None:
-        t0 = time.perf_counter()
-        try:
-            return await asyncio.to_thread(next, packer, None)
-        finally:
-            stats.pack_s += time.perf_counter() - t0
 
     def _send_bucket(self, group: DistGroup, meta: BucketMeta, data: torch.Tensor) -> None:
         """Header, metadata and payload of one bucket (runs in a worker thread)."""
@@ -236,15 +225,3 @@ class TorchDistEngine(CheckpointEngine):
                 f"bucket {meta.index}: header says {payload_len} bytes, metadata {meta.nbytes}"
             )
         return meta
-
-
-async def _drain(task: asyncio.Task | None, pool: BufferPool | None) -> None:
-    """Wait for a packing thread still running after a failure, and give its buffer back."""
-    if task is None:
-        return
-    try:
-        bucket = await task
-    except Exception:
-        return
-    if bucket is not None and pool is not None:
-        pool.release(bucket.slot)

@@ -122,6 +122,8 @@ class InitWeightsUpdateGroupReq(msgspec.Struct, kw_only=True):
     group_name: str = "weight_update_group"
     # "nccl" (GPU) or "gloo" (CPU).
     backend: str = "nccl"
+    # Extension: the sender's wait limit, which the receiver then uses for this group too.
+    timeout_s: float | None = None
 
 
 class DestroyWeightsUpdateGroupReq(msgspec.Struct, kw_only=True):
@@ -188,3 +190,20 @@ class ReceiverStatus(msgspec.Struct, kw_only=True):
     # Seconds the last applied version took to apply (generation paused) and to receive (it was not).
     last_apply_s: float = 0.0
     last_receive_s: float = 0.0
+
+
+class NixlNotice(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A NIXL notification between sender and receivers (sent as msgpack bytes in ``send_notif``).
+
+    kind ``bucket`` (sender → receivers): bucket ``meta`` waits in the sender's buffer ``slot``; READ it.
+    kind ``ack`` (receiver → sender): bucket ``index`` of ``version`` has landed (``ok``) or failed.
+    kind ``abort`` (sender → receivers): drop ``version``.
+    """
+
+    kind: str
+    version: int
+    index: int = 0
+    slot: int = 0
+    meta: BucketMeta | None = None
+    ok: bool = True
+    error: str = ""

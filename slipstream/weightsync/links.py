@@ -1,0 +1,245 @@
+"""The publisher's data planes: how rank 0 reaches a set of servers, opened together with their control calls.
+
+A link is opened for a fixed set of servers (adding or losing one means a new link) and carries buckets:
+
+* :class:`DistLink`: a torch.distributed group (``groups.open_group``; gloo on CPU, NCCL on GPU); each
+  server joins through its adapter's ``init_group`` while rank 0 joins here, concurrently, since both
+  block until everyone has arrived. SGLang and our embedded server.
+* :class:`NcclUidLink`: an NCCL communicator built from a unique id we mint and post (vLLM 0.33's
+  torch-free rendezvous); after ``ncclCommInitRank`` both sides run a one-element all-reduce (vLLM's
+  warm-up handshake) before any broadcast. GPU only.
+* :class:`NixlLink`: a NIXL sender engine; each embedded server prepares a receiving engine over HTTP and
+  the whole version then travels in-band (``send_weights``).
+
+Worked example (what the publisher does)::
+
+    link = await DistLink.open(adapters, cfg, group_name="slipstream_weights")
+    await asyncio.to_thread(link.send, bucket)   # while every adapter's update(bucket.meta) is in flight
+    await link.close(adapters)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from collections.abc import Iterable, Sequence
+
+import msgspec
+import torch
+
+from slipstream.utils.logging import get_logger
+from slipstream.weightsync.adapters import GroupSpec, ServerAdapter
+from slipstream.weightsync.base import SendStats
+from slipstream.weightsync.buckets import PackedBucket, parse_dtype
+from slipstream.weightsync.config import WeightSyncConfig
+from slipstream.weightsync.errors import TransferError
+from slipstream.weightsync.groups import DistGroup, backend_for_device, open_group, reserve_port
+from slipstream.weightsync.types import Rendezvous
+
+log = get_logger(__name__)
+
+
+async def _offsets(adapters: Sequence[ServerAdapter]) -> tuple[list[int], int]:
+    ranks = await asyncio.gather(*(a.ranks() for a in adapters))
+    offsets, next_rank = [], 1
+    for n in ranks:
+        offsets.append(next_rank)
+        next_rank += n
+    return offsets, next_rank
+
+
+async def _join_all(adapters: Sequence[ServerAdapter], specs: Sequence[GroupSpec], local) -> object:
+    """Run every server's init call and the local join together; TransferError naming who failed."""
+    calls = [asyncio.create_task(a.init_group(s)) for a, s in zip(adapters, specs, strict=True)]
+    local_task = asyncio.create_task(asyncio.to_thread(local))
+    results = await asyncio.gather(local_task, *calls, return_exceptions=True)
+    errors = [
+        f"{a.url}: {r}" for a, r in zip(adapters, results[1:], strict=True) if isinstance(r, BaseException)
+    ]
+    if isinstance(results[0], BaseException):
+        errors.insert(0, f"trainer side: {results[0]}")
+    if errors:
+        if not isinstance(results[0], BaseException):
+            _close_quietly(results[0])
+        raise TransferError("could not build the weight group: " + "; ".join(errors))
+    return results[0]
+
+
+def _close_quietly(handle: object) -> None:
+    try:
+        handle.close(0)  # type: ignore[attr-defined]
+    except Exception as err:  # a half-built group has little to release
+        log.debug("closing a half-built group: %s", err)
+
+
+class DistLink:
+    """Rank 0 of a torch.distributed group with a fixed set of servers."""
+
+    kind = "dist"
+
+    def __init__(self, group: DistGroup, typed: bool, timeout_s: float, group_name: str) -> None:
+        self.group = group
+        self.typed = typed
+        self.timeout_s = timeout_s
+        self.group_name = group_name
+
+    @classmethod
+    async def open(cls, adapters: Sequence[ServerAdapter], cfg: WeightSyncConfig, device, group_name: str):
+        offsets, world = await _offsets(adapters)
+        backend = backend_for_device(device)
+        sock = reserve_port(cfg.master_address, cfg.master_port)
+        port = sock.getsockname()[1]
+        specs = [
+            GroupSpec(
+                master_address=cfg.master_address,
+                master_port=port,
+                rank_offset=off,
+                world_size=world,
+                group_name=group_name,
+                backend=backend,
+            )
+            for off in offsets
+        ]
+
+        def local() -> DistGroup:
+            return open_group(
+                master_address=cfg.master_address,
+                master_port=port,
+                rank=0,
+                world_size=world,
+                group_name=group_name,
+                backend=backend,
+                timeout_s=cfg.timeout_s,
+                listen_socket=sock,
+            )
+
+        group = await _join_all(adapters, specs, local)
+        # SGLang's receiver builds its bucket as one typed tensor (single-dtype buckets); NCCL wants the
+        # same datatype on both ends. Our receivers and gloo take plain bytes.
+        typed = backend == "nccl" and any(a.kind == "sglang" for a in adapters)
+        return cls(group, typed, cfg.timeout_s, group_name)  # type: ignore[arg-type]
+
+    def send(self, bucket: PackedBucket) -> None:
+        data = bucket.data
+        if self.typed and bucket.meta.entries:
+            dtype = parse_dtype(bucket.meta.entries[0].dtype)
+            if data.numel() % dtype.itemsize == 0:
+                data = data.view(dtype)
+        self.group.broadcast(data, self.timeout_s)
+
+    def fail(self) -> None:
+        """Tear the group down at once (peers blocked in a broadcast then fail instead of waiting)."""
+        self.group.broken = True
+        self.group.close(0)
+
+    async def close(self, adapters: Iterable[ServerAdapter]) -> None:
+        calls = [a.destroy_group(self.group_name) for a in adapters] if not self.group.broken else []
+        results = await asyncio.gather(
+            asyncio.to_thread(self.group.close, min(10.0, self.timeout_s)), *calls, return_exceptions=True
+        )
+        for r in results:
+            if isinstance(r, BaseException):
+                log.debug("leaving group %s: %s", self.group_name, r)
+
+
+class NcclUidLink:
+    """Rank 0 of an NCCL communicator built from a unique id (vLLM's rendezvous; GPU only)."""
+
+    kind = "nccl_uid"
+
+    def __init__(self, comm, device: torch.device, group_name: str) -> None:
+        self.comm = comm
+        self.device = device
+        self.group_name = group_name
+
+    @classmethod
+    async def open(cls, adapters: Sequence[ServerAdapter], cfg: WeightSyncConfig, device, group_name: str):
+        if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+            raise TransferError("vLLM weight sync runs over NCCL and needs a GPU on the trainer side")
+        import torch.cuda.nccl as nccl
+
+        offsets, world = await _offsets(adapters)
+        uid = nccl.unique_id()
+        uid_b64 = base64.b64encode(uid).decode()
+        specs = [
+            GroupSpec(
+                master_address="",
+                master_port=0,
+                rank_offset=off,
+                world_size=world,
+                group_name=group_name,
+                backend="nccl",
+                nccl_unique_id_b64=uid_b64,
+            )
+            for off in offsets
+        ]
+        dev = torch.device(device)
+
+        def local():
+            torch.cuda.set_device(dev)
+            comm = nccl.init_rank(world, uid, 0)
+            probe = torch.zeros(1, device=dev)
+            nccl.all_reduce([probe], comms=[comm])  # vLLM's warm-up handshake, before any broadcast
+            torch.cuda.synchronize(dev)
+            return _Comm(comm)
+
+        handle = await _join_all(adapters, specs, local)
+        return cls(handle.comm, dev, group_name)  # type: ignore[attr-defined]
+
+    def send(self, bucket: PackedBucket) -> None:
+        import torch.cuda.nccl as nccl
+
+        torch.cuda.set_device(self.device)
+        nccl.broadcast([bucket.data], root=0, comms=[self.comm])
+        torch.cuda.synchronize(self.device)
+
+    def fail(self) -> None:
+        self.comm = None
+
+    async def close(self, adapters: Iterable[ServerAdapter]) -> None:
+        await asyncio.gather(*(a.destroy_group(self.group_name) for a in adapters), return_exceptions=True)
+        self.comm = None
+
+
+class _Comm:
+    def __init__(self, comm) -> None:
+        self.comm = comm
+
+    def close(self, _barrier: float = 0) -> None:
+        self.comm = None
+
+
+class NixlLink:
+    """A NIXL sender engine paired with the receiving engines of a set of embedded servers."""
+
+    kind = "nixl"
+
+    def __init__(self, engine, group_name: str) -> None:
+        self.engine = engine
+        self.group_name = group_name
+
+    @classmethod
+    async def open(cls, adapters: Sequence[ServerAdapter], cfg: WeightSyncConfig, device, group_name: str):
+        from slipstream.weightsync.nixl_engine import NixlEngine
+
+        engine = NixlEngine(cfg, is_sender=True, device=device)
+        sender = await asyncio.to_thread(engine.prepare)
+        raw = await asyncio.gather(*(a.nixl_prepare() for a in adapters))  # type: ignore[attr-defined]
+        receivers = [msgspec.json.decode(r, type=Rendezvous) for r in raw]
+        sender_info, _ = NixlEngine.build_topology(sender, receivers, group_name)
+        sender_json = msgspec.to_builtins(sender)
+        await asyncio.gather(*(a.nixl_connect(sender_json, group_name) for a in adapters))  # type: ignore[attr-defined]
+        await asyncio.to_thread(engine.init_process_group, sender_info)
+        return cls(engine, group_name)
+
+    async def send_weights(self, named_tensors, version: int) -> SendStats:
+        return await self.engine.send_weights(named_tensors, version)
+
+    def fail(self) -> None:
+        self.engine.finalize()
+
+    async def close(self, adapters: Iterable[ServerAdapter]) -> None:
+        await asyncio.to_thread(self.engine.finalize)
+
+
+LINKS = {"dist": DistLink, "nccl_uid": NcclUidLink, "nixl": NixlLink}

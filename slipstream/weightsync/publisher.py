@@ -1,0 +1,349 @@
+"""The trainer's side of weight sync: push every new version to every inference server.
+
+:class:`WeightPublisher` is what the pipeline wires into the trainer's publish hook (on rank 0; the other
+ranks only iterate, see :func:`make_publish_fn`). For each version it runs, for all servers at once, the
+adapter's control sequence around a data plane (a :mod:`~slipstream.weightsync.links` link), packing
+bucket *i+1* in a worker thread while bucket *i* is on the wire and the servers' blocking HTTP calls are in
+flight (the deadlock rule: a server's receive call returns only once rank 0 has broadcast).
+
+Membership and failures:
+  * the link is built for the current set of healthy servers and rebuilt when that set changes;
+  * a server added later (``add_server``, e.g. a restarted replica) first gets the last published version
+    over a link of its own, from the CPU copy kept with ``keep_last``; the next push includes it;
+  * a push that fails (a server died, a timeout) tears the link down at once, probes every server, marks
+    the dead ones down (they rejoin when they answer ``/health`` again) and, with ``keep_last``, retries
+    the version once for the live ones. The trainer's iterator is always consumed to the end, so the
+    collectives other trainer ranks run inside it never hang. Embedded servers discard a cut-short version
+    and keep serving the old one.
+
+Worked example::
+
+    pub = WeightPublisher(cfg.weightsync, ["http://127.0.0.1:30001", "http://127.0.0.1:30002"], "embedded")
+    report = pub.publish(7, engine.get_per_tensor_param())
+    report.ok        # ['http://127.0.0.1:30001', 'http://127.0.0.1:30002']
+    pub.add_server("http://127.0.0.1:30003")   # gets version 7 at once
+    pub.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+import httpx
+import msgspec
+import torch
+
+from slipstream.utils.logging import get_logger
+from slipstream.weightsync.adapters import ServerAdapter, get_adapter_class
+from slipstream.weightsync.base import SendStats, resolve_device, send_pipelined
+from slipstream.weightsync.buckets import BucketPacker, BufferPool, PackedBucket, per_tensor_buckets
+from slipstream.weightsync.config import WeightSyncConfig
+from slipstream.weightsync.errors import TransferError
+from slipstream.weightsync.links import LINKS
+
+log = get_logger(__name__)
+
+
+class PublishReport(msgspec.Struct, kw_only=True):
+    """The outcome of one push: which servers now serve ``version`` and why the others do not."""
+
+    version: int
+    ok: list[str] = []
+    failed: dict[str, str] = {}
+    bytes: int = 0
+    buckets: int = 0
+    seconds: float = 0.0
+    retried: bool = False
+
+
+class Snapshot:
+    """A CPU copy of the last published version, recorded while the trainer's tensors stream past.
+
+    ``version`` is None while a recording is under way or after one was cut short (its tensors then mix
+    two versions and must not be sent). Buffers are reused from one version to the next.
+    """
+
+    def __init__(self) -> None:
+        self.version: int | None = None
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def record(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> Iterator:
+        self.version = None
+        fresh: dict[str, torch.Tensor] = {}
+        for name, tensor in named_tensors:
+            buf = self.tensors.get(name)
+            if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
+                buf = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+            buf.copy_(tensor.detach())
+            fresh[name] = buf
+            yield name, tensor
+        self.tensors = fresh
+        self.version = version
+
+    def items(self) -> list[tuple[str, torch.Tensor]]:
+        return list(self.tensors.items())
+
+
+class WeightPublisher:
+    """Pushes versions from trainer rank 0 to a set of servers of one kind (module docstring).
+
+    The public methods are synchronous and thread-safe; the work runs on a private event loop thread.
+    """
+
+    def __init__(self, cfg: WeightSyncConfig, server_urls: list[str], server_kind: str) -> None:
+        self.cfg = cfg
+        self.kind = server_kind
+        self._adapter_cls = get_adapter_class(server_kind)
+        if cfg.backend == "nixl" and server_kind != "embedded":
+            raise ValueError(
+                f"weightsync.backend `nixl` works with embedded servers only, not `{server_kind}`"
+            )
+        self.device = resolve_device(cfg)
+        self.pool = BufferPool(self.device)
+        self.snapshot = Snapshot() if cfg.keep_last else None
+        self.servers: dict[str, ServerAdapter] = {}
+        self.down: dict[str, str] = {}
+        self._link = None
+        self._link_members: list[str] = []
+        self._joins = 0
+        self._lock = threading.Lock()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="weight-publisher", daemon=True)
+        self._thread.start()
+        self._http: httpx.AsyncClient = self._run(self._make_http())
+        for url in server_urls:
+            self.servers[url.rstrip("/")] = self._adapter_cls(url, cfg, self._http)
+
+    # -- public API
+
+    def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> PublishReport:
+        """Push ``version`` to every live server; returns once each has applied it or failed."""
+        with self._lock:
+            return self._run(self._publish(version, named_tensors))
+
+    def add_server(self, url: str) -> PublishReport | None:
+        """Add a server (or a restarted one); it gets the last published version now, if there is one."""
+        url = url.rstrip("/")
+        with self._lock:
+            self.servers[url] = self._adapter_cls(url, self.cfg, self._http)
+            self.down.pop(url, None)
+            return self._run(self._catch_up([url]))
+
+    def remove_server(self, url: str) -> None:
+        with self._lock:
+            self.servers.pop(url.rstrip("/"), None)
+            self.down.pop(url.rstrip("/"), None)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._loop.is_closed():
+                return
+            self._run(self._shutdown())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            self._loop.close()
+
+    # -- the event-loop side
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    async def _make_http(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(timeout=self.cfg.timeout_s)
+
+    async def _publish(self, version: int, named_tensors: Iterable) -> PublishReport:
+        source: Iterable = self.snapshot.record(named_tensors, version) if self.snapshot else named_tensors
+        source = iter(source)
+        report = PublishReport(version=version)
+        await self._revive()
+        try:
+            members = await self._ensure_link(report)
+            if members:
+                await self._push(members, version, source, report)
+                return report
+        except TransferError as err:
+            self._after_failure(version, str(err), report)
+        finally:
+            await asyncio.to_thread(_drain, source)  # other trainer ranks run collectives inside it
+        await self._probe(report)
+        if self.snapshot is not None and self.snapshot.version == version and self._live():
+            return await self._retry(version, report)
+        return report
+
+    async def _retry(self, version: int, report: PublishReport) -> PublishReport:
+        report.retried = True
+        try:
+            members = await self._ensure_link(report)
+            if members:
+                report.failed = {u: r for u, r in report.failed.items() if u not in members}
+                await self._push(members, version, iter(self.snapshot.items()), report)
+        except TransferError as err:
+            self._after_failure(version, str(err), report)
+            await self._probe(report)
+        return report
+
+    async def _push(self, members: list[str], version: int, source: Iterator, report: PublishReport) -> None:
+        adapters = [self.servers[u] for u in members]
+        link = self._link
+        start = time.perf_counter()
+        try:
+            await _all(adapters, lambda a: a.before(version))
+            if link.kind == "nixl":
+                stats = await link.send_weights(source, version)
+            else:
+                stats = await self._send_buckets(adapters, link, source, version)
+            await _all(adapters, lambda a: a.after(version))
+        except TransferError:
+            await asyncio.gather(*(a.recover(version) for a in adapters), return_exceptions=True)
+            raise
+        report.ok = members
+        report.bytes, report.buckets = stats.bytes, stats.buckets
+        report.seconds = time.perf_counter() - start
+
+    async def _send_buckets(self, adapters: list[ServerAdapter], link, source: Iterator, version: int):
+        layout = adapters[0].layout()
+        if layout is None:
+            buckets = per_tensor_buckets(source, version, self.device)
+        else:
+            buckets = BucketPacker(source, version, layout, self.pool, timeout_s=self.cfg.timeout_s)
+        stats = SendStats(version=version)
+
+        async def send(bucket: PackedBucket) -> None:
+            calls = [asyncio.create_task(a.update(bucket.meta)) for a in adapters]
+            try:
+                if bucket.meta.entries and bucket.meta.nbytes:
+                    await asyncio.to_thread(link.send, bucket)
+                results = await asyncio.gather(*calls, return_exceptions=True)
+            except BaseException:
+                await _abandon(link, calls, grace_s=min(2.0, self.cfg.timeout_s))
+                raise
+            errors = [
+                f"{a.url}: {r}"
+                for a, r in zip(adapters, results, strict=True)
+                if isinstance(r, BaseException)
+            ]
+            if errors:
+                await _abandon(link, calls, grace_s=0)
+                raise TransferError("; ".join(errors))
+            stats.bytes += bucket.meta.nbytes
+
+        await send_pipelined(buckets, send, lambda b: self.pool.release(b.slot), stats)
+        return stats
+
+    async def _ensure_link(self, report: PublishReport) -> list[str]:
+        members = self._live()
+        if self._link is not None and members == self._link_members:
+            return members
+        await self._drop_link()
+        if not members:
+            return []
+        link_cls = LINKS[self._adapter_cls.transport if self.cfg.backend != "nixl" else "nixl"]
+        adapters = [self.servers[u] for u in members]
+        self._link = await link_cls.open(adapters, self.cfg, self.device, self.cfg.group_name)
+        self._link_members = members
+        return members
+
+    async def _drop_link(self) -> None:
+        if self._link is not None:
+            link, members = self._link, [self.servers[u] for u in self._link_members if u in self.servers]
+            self._link, self._link_members = None, []
+            await link.close(members)
+
+    def _after_failure(self, version: int, reason: str, report: PublishReport) -> None:
+        log.warning("weight push of version %d failed: %s", version, reason)
+        for url in self._link_members or self._live():
+            report.failed.setdefault(url, reason)
+        report.ok = []
+        if self._link is not None:
+            try:
+                self._link.fail()
+            except Exception as err:
+                log.debug("tearing the link down: %s", err)
+            self._link, self._link_members = None, []
+
+    async def _probe(self, report: PublishReport) -> None:
+        alive = await asyncio.gather(*(self.servers[u].healthy() for u in self._live()))
+        for url, ok in zip(self._live(), alive, strict=True):
+            if not ok:
+                self.down[url] = report.failed.get(url, "not healthy")
+                log.warning("server %s is down; it rejoins when /health answers again", url)
+
+    async def _revive(self) -> None:
+        back = [u for u in list(self.down) if u in self.servers and await self.servers[u].healthy()]
+        for url in back:
+            del self.down[url]
+
+    def _live(self) -> list[str]:
+        return [u for u in self.servers if u not in self.down]
+
+    async def _catch_up(self, urls: list[str]) -> PublishReport | None:
+        if self.snapshot is None or self.snapshot.version is None:
+            return None
+        version = self.snapshot.version
+        report = PublishReport(version=version)
+        adapters = [self.servers[u] for u in urls]
+        self._joins += 1
+        name = f"{self.cfg.group_name}-join{self._joins}"
+        link_cls = LINKS[self._adapter_cls.transport if self.cfg.backend != "nixl" else "nixl"]
+        saved = self._link, self._link_members
+        try:
+            self._link = await link_cls.open(adapters, self.cfg, self.device, name)
+            self._link_members = urls
+            await self._push(urls, version, iter(self.snapshot.items()), report)
+            await self._link.close(adapters)
+        except TransferError as err:
+            self._after_failure(version, str(err), report)
+        finally:
+            self._link, self._link_members = saved  # the next publish rebuilds it with the newcomers
+        return report
+
+    async def _shutdown(self) -> None:
+        try:
+            await self._drop_link()
+        finally:
+            await self._http.aclose()
+
+
+async def _all(adapters: list[ServerAdapter], call: Callable) -> None:
+    results = await asyncio.gather(*(call(a) for a in adapters), return_exceptions=True)
+    errors = [f"{a.url}: {r}" for a, r in zip(adapters, results, strict=True) if isinstance(r, BaseException)]
+    if errors:
+        raise TransferError("; ".join(errors))
+
+
+async def _abandon(link, calls: list[asyncio.Task], grace_s: float) -> None:
+    """Stop waiting for servers after a failure: tear the link down so their receives fail, drop calls."""
+    try:
+        link.fail()
+    except Exception as err:
+        log.debug("tearing the link down: %s", err)
+    if grace_s > 0:
+        await asyncio.wait(calls, timeout=grace_s)
+    for call in calls:
+        call.cancel()
+    await asyncio.gather(*calls, return_exceptions=True)
+
+
+def _drain(source: Iterator) -> None:
+    for _ in source:
+        pass
+
+
+def make_publish_fn(publisher: WeightPublisher | None) -> Callable[[int, Iterable], None]:
+    """The trainer's publish hook: rank 0 passes its publisher; every other rank passes None and only
+    iterates (the iterator runs the collectives that gather full tensors on all ranks)."""
+
+    def publish(version: int, named_tensors: Iterable) -> None:
+        if publisher is None:
+            _drain(iter(named_tensors))
+            return
+        report = publisher.publish(version, named_tensors)
+        if report.failed:
+            log.warning(
+                "version %d reached %d of %d servers", version, len(report.ok), len(publisher.servers)
+            )
+
+    return publish
