@@ -78,15 +78,21 @@ def _per_sample(key: str) -> bool:
 
 
 def gather_tokens(
-    local: torch.Tensor, parts: list[list[int]], lengths: list[int], *, device: torch.device | None = None
+    local: torch.Tensor,
+    parts: list[list[int]],
+    lengths: list[int],
+    *,
+    device: torch.device | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
-    """Full-batch [T] tensor from every rank's shard values.
+    """Full-batch [T] tensor from every data-parallel replica's shard values.
 
-    ``parts[r]`` are the sample indices rank r holds (in shard order) and ``lengths`` every sample's token
-    count; shards are padded to the longest for ``all_gather`` and unpadded here.
+    ``parts[r]`` are the sample indices replica r holds (in shard order) and ``lengths`` every sample's
+    token count; shards are padded to the longest for ``all_gather`` over ``group`` (default: the world)
+    and unpadded here.
     """
     device = device or torch.device("cpu")
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world == 1:
         order = [i for p in parts for i in p]
         return _reorder(local, order, lengths)
@@ -95,7 +101,7 @@ def gather_tokens(
     padded = torch.zeros(width, dtype=local.dtype, device=device)
     padded[: local.numel()] = local.to(device)
     bufs = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(bufs, padded)
+    dist.all_gather(bufs, padded, group=group)
     flat = torch.cat([b[:s].cpu() for b, s in zip(bufs, sizes, strict=True)])
     return _reorder(flat, [i for p in parts for i in p], lengths)
 

@@ -12,7 +12,7 @@ batch, so results do not depend on the number of ranks:
      on rank shards, all-gathered back into full-batch order;
   3. advantages per group over the full batch (``algos/advantages``);
   4. ``trainer.epochs`` passes over ``trainer.mini_batches`` mini-batches of whole groups; each mini-batch is
-     split over ranks by token count and is one optimizer step, its loss normalised by its global counts;
+     split over data-parallel replicas by token count and is one optimizer step, its loss normalised by its global counts;
   5. rank 0 acks the leases (with the dropped group ids); ``version`` += 1; every ``async.sync_every``
      steps ``publish_fn(version, engine.get_per_tensor_param())`` runs on every rank (rank 0 sends, the
      others drive the all-gathers); every ``trainer.checkpoint_every`` steps a checkpoint is written.
@@ -243,8 +243,8 @@ class Trainer:
         tokens, seqs = global_counts(mini["loss_mask"].bool(), mini["cu_seqlens"])
         algo = self.cfg.trainer.algorithm
         scale = algo.loss_scale_factor or float(self.cfg.rollout.sampling.max_new_tokens)
-        parts = partition_for_ranks(sample_lengths(mini), self.world_size)
-        return select_samples(mini, parts[self.rank]), GlobalCounts(tokens, seqs, scale)
+        parts = partition_for_ranks(sample_lengths(mini), self.engine.dp_size)
+        return select_samples(mini, parts[self.engine.dp_rank]), GlobalCounts(tokens, seqs, scale)
 
     def _forward_full(self, engine: ModelEngine, batch: TensorDict, key: str) -> torch.Tensor:
         """Per-token ``key`` of the whole batch: forward passes on rank shards, gathered back."""

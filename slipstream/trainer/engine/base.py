@@ -101,6 +101,21 @@ class ModelEngine(ABC):
     def load_checkpoint(self, path: str | Path) -> None:
         """Restore what :meth:`save_checkpoint` wrote; the next step equals the one the saver would run."""
 
+    # ---------------------------------------------------------------- parallel layout
+    # The trainer shards batches over data-parallel replicas; the ranks of one replica (Megatron's TP/PP
+    # peers) receive the same shard and return the same outputs. FSDP: every rank is a replica.
+    @property
+    def dp_rank(self) -> int:
+        return self.rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size
+
+    @property
+    def dp_group(self):  # noqa: ANN201  (a torch ProcessGroup; None = the default group)
+        return None
+
     # ---------------------------------------------------------------- optional introspection
     @property
     def device(self) -> torch.device:

@@ -1,0 +1,470 @@
+"""Megatron-core engine (GPU only): tensor + pipeline parallel training of HF Llama/Qwen2 models.
+
+Written against megatron-core >= 0.16 (``pip install megatron-core`` with Transformer Engine for packed
+THD attention). The model is ``GPTModel`` built from the HF config; HF weights are loaded by converting
+each rank's TP/PP shard (``megatron_convert.py``, unit-tested on CPU), and ``get_per_tensor_param`` turns
+the shards back into full HF tensors one at a time: all-gather over the TP group, broadcast from the owning
+pipeline stage over the PP group, so every rank of the world yields the same (name, tensor) sequence.
+
+Data parallelism is Megatron's ``DistributedDataParallel`` + distributed optimizer over the DP group;
+``dp_rank``/``dp_size`` tell the trainer how to shard batches (TP and PP peers of one replica see the same
+shard). Packed micro-batches use ``PackedSeqParams(qkv_format="thd")`` with the sample boundaries; with
+pipeline parallelism every micro-batch is padded to the same token count (a trailing padding sample),
+because stages exchange fixed-shape activations.
+
+Loss scaling: Megatron's schedules divide each micro-batch loss by the number of micro-batches and DDP
+averages gradients over the DP group, while our loss is each micro-batch's share of the global mean
+(``algos/aggregation.py``), so the loss handed to Megatron is multiplied by both (as verl documents).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+from slipstream.trainer.batching import (
+    sample_lengths,
+    select_samples,
+    split_by_token_budget,
+    truncate_to_one_token,
+)
+from slipstream.trainer.engine.base import EngineOutput, LossFn, ModelEngine
+from slipstream.trainer.engine.megatron_convert import (
+    ArchSpec,
+    hf_to_mcore,
+    mcore_to_hf,
+    stage_rules,
+    unshard,
+)
+
+if TYPE_CHECKING:
+    from slipstream.config import Config
+
+
+class MegatronEngine(ModelEngine):
+    """``ModelEngine`` over megatron-core; every method is collective over the world group."""
+
+    def __init__(self, cfg: Config, *, value_head: bool = False) -> None:
+        if value_head:
+            raise NotImplementedError(
+                "the Megatron engine has no value head yet; use trainer.engine=fsdp for gae"
+            )
+        self.cfg, self.tcfg = cfg, cfg.trainer
+        self.temperature = float(cfg.rollout.sampling.temperature) or 1.0
+        self.model = self.optimizer = self.scheduler = None
+        self.spec: ArchSpec | None = None
+        self.te = True
+
+    # ---------------------------------------------------------------- setup
+    def initialize(self) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("the Megatron engine needs CUDA GPUs (trainer.engine=megatron)")
+        from megatron.core import parallel_state as ps
+        from megatron.core import tensor_parallel
+        from transformers import AutoConfig
+
+        if not dist.is_initialized():
+            raise RuntimeError("initialise torch.distributed (nccl) before MegatronEngine.initialize()")
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        torch.cuda.set_device(self.rank % torch.cuda.device_count())
+        tp, pp = self.tcfg.tensor_parallel, self.tcfg.pipeline_parallel
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        tensor_parallel.model_parallel_cuda_manual_seed(self.cfg.run.seed)
+        hf_config = AutoConfig.from_pretrained(
+            self.cfg.model.path, trust_remote_code=self.cfg.model.trust_remote_code
+        )
+        self.spec = ArchSpec.from_hf_config(hf_config)
+        self.model = self._build_model(hf_config)
+        self._load_hf_weights()
+        self._build_optimizer()
+
+    def _build_model(self, hf_config: Any) -> torch.nn.Module:
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.transformer import TransformerConfig
+
+        try:
+            from megatron.core.models.gpt.gpt_layer_specs import (
+                get_gpt_layer_with_transformer_engine_spec as spec_fn,
+            )
+        except ImportError:  # no Transformer Engine: local spec (padded attention only)
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec as spec_fn
+
+            self.te = False
+        s = self.spec
+        config = TransformerConfig(
+            num_layers=s.num_layers,
+            hidden_size=s.hidden,
+            num_attention_heads=s.num_heads,
+            num_query_groups=s.num_kv_heads,
+            kv_channels=s.head_dim,
+            ffn_hidden_size=s.ffn_hidden,
+            normalization="RMSNorm",
+            layernorm_epsilon=hf_config.rms_norm_eps,
+            gated_linear_unit=True,
+            activation_func=torch.nn.functional.silu,
+            add_bias_linear=False,
+            add_qkv_bias=s.qkv_bias,
+            bf16=True,
+            params_dtype=torch.bfloat16,
+            pipeline_dtype=torch.bfloat16,
+            tensor_model_parallel_size=self.tcfg.tensor_parallel,
+            pipeline_model_parallel_size=self.tcfg.pipeline_parallel,
+            sequence_parallel=self.tcfg.tensor_parallel > 1,
+            recompute_granularity="full" if self.tcfg.activation_checkpointing else None,
+            recompute_method="uniform" if self.tcfg.activation_checkpointing else None,
+            recompute_num_layers=1 if self.tcfg.activation_checkpointing else None,
+            attention_dropout=0.0,
+            hidden_dropout=0.0,
+        )
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=spec_fn(),
+            vocab_size=s.vocab_size,
+            max_sequence_length=hf_config.max_position_embeddings,
+            pre_process=ps.is_pipeline_first_stage(),
+            post_process=ps.is_pipeline_last_stage(),
+            share_embeddings_and_output_weights=s.tied,
+            position_embedding_type="rope",
+            rotary_base=int(getattr(hf_config, "rope_theta", 10000)),
+        ).cuda()
+        ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
+        return DistributedDataParallel(config=config, ddp_config=ddp, module=model)
+
+    def _load_hf_weights(self) -> None:
+        from megatron.core import parallel_state as ps
+        from safetensors.torch import load_file
+
+        files = sorted(Path(self.cfg.model.path).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{self.cfg.model.path}: no *.safetensors weights")
+        hf: dict[str, torch.Tensor] = {}
+        for f in files:
+            hf.update(load_file(str(f)))
+        shard = hf_to_mcore(
+            hf,
+            self.spec,
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            tp_size=ps.get_tensor_model_parallel_world_size(),
+            pp_rank=ps.get_pipeline_model_parallel_rank(),
+            pp_size=ps.get_pipeline_model_parallel_world_size(),
+            te=self.te,
+        )
+        own = self.model.module.state_dict()
+        with torch.no_grad():
+            for name, tensor in shard.items():
+                own[name].copy_(tensor.to(own[name].dtype))
+
+    def _build_optimizer(self) -> None:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        t = self.tcfg
+        ocfg = OptimizerConfig(
+            optimizer="adam",
+            lr=t.lr,
+            weight_decay=t.weight_decay,
+            adam_beta1=t.betas[0],
+            adam_beta2=t.betas[1],
+            clip_grad=t.grad_clip,
+            bf16=True,
+            use_distributed_optimizer=True,
+        )
+        self.optimizer = get_megatron_optimizer(ocfg, [self.model])
+        from slipstream.trainer.engine.fsdp import FSDPEngine
+
+        lam = FSDPEngine._lr_lambda.__get__(self)  # the same warmup/cosine schedule as the FSDP engine
+        self.scheduler = _LambdaSchedule(self.optimizer, lam, t.lr)
+
+    # ---------------------------------------------------------------- parallel layout
+    @property
+    def dp_rank(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_rank()
+
+    @property
+    def dp_size(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_world_size()
+
+    @property
+    def dp_group(self) -> Any:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_group()
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device())
+
+    # ---------------------------------------------------------------- forward / backward
+    def forward_backward_batch(
+        self, data: TensorDict, loss_fn: LossFn | None, forward_only: bool = False
+    ) -> EngineOutput:
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        lengths = sample_lengths(data)
+        plan = split_by_token_budget(lengths, self.tcfg.micro_batch_tokens)
+        steps = _max_over(len(plan), self.dp_group)
+        mbs = [
+            select_samples(data, p) if i < len(plan) else truncate_to_one_token(data)
+            for i, p in enumerate(plan + [plan[0]] * (steps - len(plan)))
+        ]
+        real = [i < len(plan) for i in range(steps)]
+        seq_len = self._padded_len(max(int(mb["input_ids"].numel()) for mb in mbs))
+        sums: dict[str, torch.Tensor] = {}
+        pieces: list[torch.Tensor] = []
+        scale = steps * self.dp_size
+        it = iter(zip(mbs, real, strict=True))
+
+        def forward_step(_iter, model):
+            mb, is_real = next(it)
+            mb = mb.to(self.device)
+            ids, pos, cu, n_real = self._pack(mb, seq_len)
+            out = model(ids, pos, None, packed_seq_params=self._packed_params(cu))
+
+            def loss_func(logits):
+                outputs = self._token_outputs(
+                    logits, ids, cu, n_real, bool(getattr(loss_fn, "needs_entropy", 0))
+                )
+                if forward_only and is_real:
+                    pieces.append(outputs["logprobs"].detach().float().cpu())
+                if loss_fn is None:
+                    return logits.sum() * 0.0, {}
+                loss, metrics = loss_fn(outputs, mb)
+                weight = 1.0 if is_real else 0.0
+                for k, v in {"loss": loss, **metrics}.items():
+                    sums[k] = sums.get(k, 0.0) + v.detach().float() * weight
+                return loss * weight * scale, {}
+
+            return out, loss_func
+
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(range(steps)),
+            model=[self.model],
+            num_microbatches=steps,
+            seq_length=seq_len,
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
+        result = EngineOutput(num_micro_batches=steps, num_tokens=sum(lengths))
+        result.metrics = self._reduce_metrics(sums)
+        if forward_only:
+            local = torch.cat(pieces) if pieces else torch.zeros(sum(lengths))
+            if ps.get_pipeline_model_parallel_world_size() > 1:
+                local = local.to(self.device)
+                dist.broadcast(
+                    local,
+                    ps.get_pipeline_model_parallel_last_rank(),
+                    group=ps.get_pipeline_model_parallel_group(),
+                )
+                local = local.cpu()
+            result.tokens = {"logprobs": local}
+        return result
+
+    def _padded_len(self, n: int) -> int:
+        tp = self.tcfg.tensor_parallel
+        if self.tcfg.pipeline_parallel > 1:
+            n = max(n, self.tcfg.micro_batch_tokens)
+        return math.ceil(n / tp) * tp
+
+    def _pack(self, mb: TensorDict, seq_len: int):
+        ids, pos, cu = mb["input_ids"].long(), mb["position_ids"].long(), mb["cu_seqlens"].int()
+        n_real = ids.numel()
+        pad = (
+            seq_len
+            if self.tcfg.pipeline_parallel > 1
+            else math.ceil(n_real / self.tcfg.tensor_parallel) * self.tcfg.tensor_parallel
+        ) - n_real
+        if pad:
+            ids = torch.cat([ids, ids.new_zeros(pad)])
+            pos = torch.cat([pos, torch.arange(pad, device=pos.device)])
+            cu = torch.cat([cu, cu.new_tensor([n_real + pad])])
+        return ids[None], pos[None], cu, n_real
+
+    def _packed_params(self, cu: torch.Tensor):
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        longest = int((cu[1:] - cu[:-1]).max())
+        return PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+        )
+
+    def _token_outputs(self, logits, ids, cu, n_real, with_entropy) -> dict[str, torch.Tensor]:
+        """Flat logprobs (and entropy) of the real tokens from vocab-parallel logits [1, T, V/tp]."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        logits = logits.float().transpose(0, 1) if logits.shape[0] != 1 else logits.float()
+        logits = logits[0] / self.temperature  # [T, V/tp]
+        target = torch.roll(ids[0], -1)
+        logp_next = -vocab_parallel_cross_entropy(logits[None].transpose(0, 1), target[None].transpose(0, 1))[
+            :, 0
+        ]
+        logp = torch.cat([logp_next.new_zeros(1), logp_next[:-1]])[:n_real]
+        starts = cu[:-1][cu[:-1] < n_real].long()
+        out = {"logprobs": logp.index_fill(0, starts, 0.0)}
+        if with_entropy:
+            ent = _vocab_parallel_entropy(logits.detach(), ps.get_tensor_model_parallel_group())
+            out["entropy"] = torch.cat([ent.new_zeros(1), ent[:-1]])[:n_real].index_fill(0, starts, 0.0)
+        return out
+
+    def _reduce_metrics(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        from megatron.core import parallel_state as ps
+
+        keys = sorted(sums)
+        vec = torch.stack([torch.as_tensor(sums[k], device=self.device) for k in keys]) if keys else None
+        # metrics live on the last stage: sum over DP there, then share along the pipeline
+        n = torch.tensor([len(keys)], device=self.device)
+        dist.broadcast(
+            n, ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+        )
+        if vec is None:
+            vec = torch.zeros(int(n.item()), device=self.device)
+        dist.all_reduce(vec, group=self.dp_group)
+        dist.broadcast(
+            vec, ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+        )
+        names = keys or [f"m{i}" for i in range(int(n.item()))]
+        return dict(zip(names, vec.tolist(), strict=True))
+
+    # ---------------------------------------------------------------- optimisation
+    def optimizer_step(self) -> float:
+        self.model.finish_grad_sync()
+        ok, grad_norm, _ = self.optimizer.step()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        return float(grad_norm) if ok and grad_norm is not None else float("nan")
+
+    def lr_scheduler_step(self) -> float:
+        return self.scheduler.step()
+
+    # ---------------------------------------------------------------- weights out
+    def get_per_tensor_param(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        from megatron.core import parallel_state as ps
+
+        tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
+        tp_size, pp_size = (
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_world_size(),
+        )
+        my_stage = ps.get_pipeline_model_parallel_rank()
+        own = self.model.module.state_dict()
+        for stage in range(pp_size):
+            for rule in stage_rules(self.spec, stage, pp_size, te=self.te):
+                full = None
+                if stage == my_stage:
+                    local = own[rule.mcore].detach()
+                    pieces = [torch.empty_like(local) for _ in range(tp_size)]
+                    dist.all_gather(pieces, local, group=tp_group)
+                    full = unshard(pieces, rule.kind)
+                full = _broadcast_from_stage(full, stage, pp_group, self.device)
+                for name, tensor in mcore_to_hf(rule, full):
+                    yield name, (tensor.to(dtype) if dtype is not None else tensor)
+                del full
+
+    def to(
+        self, device: str | torch.device, model: bool = True, optimizer: bool = True, grad: bool = True
+    ) -> None:
+        raise NotImplementedError("offloading the Megatron engine is not supported yet")
+
+    # ---------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, path: str | Path) -> None:
+        """megatron-core's dist_checkpointing (torch DCP underneath): model + distributed optimizer."""
+        from megatron.core import dist_checkpointing
+
+        path = Path(path)
+        (path / "mcore").mkdir(parents=True, exist_ok=True)
+        model_sd = self.model.module.sharded_state_dict()
+        state = {"model": model_sd, "optim": self.optimizer.sharded_state_dict(model_sd)}
+        dist_checkpointing.save(state, str(path / "mcore"))
+        if self.rank == 0:
+            torch.save({"scheduler_step": self.scheduler.step_count}, path / "engine_extra.pt")
+        dist.barrier()
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        from megatron.core import dist_checkpointing
+
+        path = Path(path)
+        sharded = {"model": self.model.module.sharded_state_dict()}
+        sharded["optim"] = self.optimizer.sharded_state_dict(sharded["model"], is_loading=True)
+        state = dist_checkpointing.load(sharded, str(path / "mcore"))
+        self.model.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optim"])
+        self.scheduler.step_count = int(
+            torch.load(path / "engine_extra.pt", weights_only=True)["scheduler_step"]
+        )
+        self.scheduler.apply()
+        dist.barrier()
+
+    def model_flops(self, lengths: list[int]) -> float:
+        s = self.spec
+        params = s.vocab_size * s.hidden * (1 if s.tied else 2) + s.num_layers * (
+            s.hidden * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+            + s.num_heads * s.head_dim * s.hidden
+            + 3 * s.hidden * s.ffn_hidden
+        )
+        return 6.0 * params * sum(lengths) + 6.0 * s.num_layers * s.hidden * sum(n * n for n in lengths)
+
+
+class _LambdaSchedule:
+    """Learning rate = base * lam(step) on every param group of a Megatron optimizer."""
+
+    def __init__(self, optimizer: Any, lam: Any, base_lr: float) -> None:
+        self.optimizer, self.lam, self.base_lr, self.step_count = optimizer, lam, base_lr, 0
+        self.apply()
+
+    def apply(self) -> float:
+        lr = self.base_lr * self.lam(self.step_count)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def step(self) -> float:
+        self.step_count += 1
+        return self.apply()
+
+
+def _max_over(n: int, group: Any) -> int:
+    t = torch.tensor([n], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())
+
+
+def _broadcast_from_stage(
+    full: torch.Tensor | None, stage: int, group: Any, device: torch.device
+) -> torch.Tensor:
+    if dist.get_world_size(group) == 1:
+        return full
+    src = dist.get_global_rank(group, stage)
+    meta = torch.zeros(8, dtype=torch.int64, device=device)
+    if full is not None:
+        meta[0] = full.dim()
+        meta[1 : 1 + full.dim()] = torch.tensor(full.shape, device=device)
+    dist.broadcast(meta, src, group=group)
+    shape = tuple(meta[1 : 1 + int(meta[0])].tolist())
+    buf = full.contiguous() if full is not None else torch.empty(shape, dtype=torch.bfloat16, device=device)
+    dist.broadcast(buf, src, group=group)
+    return buf
+
+
+def _vocab_parallel_entropy(logits: torch.Tensor, group: Any) -> torch.Tensor:
+    """Entropy of softmax over a vocabulary split across the TP group (no gradient)."""
+    m = logits.max(dim=-1, keepdim=True).values
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    z = logits - m
+    s = z.exp().sum(dim=-1, keepdim=True)
+    dist.all_reduce(s, group=group)
+    pz = (z.exp() / s * z).sum(dim=-1)
+    dist.all_reduce(pz, group=group)
+    return s[:, 0].log() - pz
