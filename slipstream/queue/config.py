@@ -18,7 +18,8 @@ class QueueConfig(ConfigStruct):
     host: str = "127.0.0.1"
     # Controller port; 0 picks a free one (the pipeline passes the bound address to every client).
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
-    # Storage units holding the payloads; groups are spread over them by group id.
+    # Storage units holding the payloads; groups are spread over them by group id. Each unit has its own
+    # socket (and ZeroMQ IO thread) and its own shared-memory arena.
     num_storage_units: Annotated[int, msgspec.Meta(ge=1)] = 2
     # Back-pressure: a put waits while the queue holds this many groups (ready + leased) ...
     capacity_groups: Annotated[int, msgspec.Meta(ge=1)] = 4096
@@ -28,7 +29,20 @@ class QueueConfig(ConfigStruct):
     lease_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 900.0
     # How long a put waits on back-pressure before it fails with QueueFull.
     put_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 3600.0
-    # Messages larger than this are refused with an error reply (protects the server's memory).
+    # Messages larger than this are refused with an error reply (protects the server's memory). A single
+    # frame over twice this size is cut off by ZeroMQ itself (the sender is disconnected, the server goes on).
     max_message_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 4 * GiB
     # Same-host clients move payloads through shared memory instead of the socket when it is faster.
     shared_memory: bool = True
+    # Size of each storage unit's shared-memory arena (server-owned, pre-faulted at start, reused). Groups
+    # that do not fit right now travel as socket frames instead, so this bounds memory, not throughput.
+    shm_bytes_per_unit: Annotated[int, msgspec.Meta(ge=0)] = 512 * MiB
+    # Groups smaller than this go through the socket even for same-host clients: one round trip instead of
+    # the two an arena write takes (reserve, then commit), which wins below a few hundred KiB.
+    shm_min_group_bytes: Annotated[int, msgspec.Meta(ge=0)] = 256 * 1024
+    # Tensors up to this many bytes ride inside the msgpack header instead of their own frame.
+    inline_tensor_bytes: Annotated[int, msgspec.Meta(ge=0)] = 512
+    # An arena reservation whose writer never commits (it died mid-put) is released after this long.
+    reserve_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
+    # ZeroMQ IO threads of the server; more help only when many remote clients move data at once.
+    io_threads: Annotated[int, msgspec.Meta(ge=1)] = 2

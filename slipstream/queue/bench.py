@@ -1,0 +1,349 @@
+"""``slipstream bench queue``: TransferQueue throughput and latency against memcpy and Ray's object store.
+
+Method (one run, one machine, the same bytes for every contender):
+
+* **slipstream**: a queue server process, one producer process and one consumer process on loopback. The
+  producer ``put``s groups carrying one payload tensor of ``bytes`` bytes; the consumer ``lease``s (up to
+  8 groups, at least 1), checks a marker byte at both ends of every payload and ``ack``s. Throughput is
+  ``count * bytes / (last ack - first put)``; at most ``window`` groups (and 1 GiB) are in flight, held by
+  the queue's own back-pressure.
+* **ray**: the same two roles as Ray actors: the producer ``ray.put``s a numpy array (Ray's zero-copy path)
+  and passes the ref to the consumer actor, which ``ray.get``s it and checks the same marker bytes; the same
+  in-flight window.
+* **memcpy**: ``dst.copy_(src)`` of the same size in this process: one copy, the physical limit.
+
+Neither consumer copies the payload out: both get a view (an arena view or Ray's plasma view), which is
+what a trainer then collates from. Timestamps are ``time.perf_counter`` (CLOCK_MONOTONIC, shared by all
+processes of the host). Latency: the round trip of a ``put`` of a tiny group (about 100 bytes) while the
+consumer drains concurrently, and the producer-to-consumer delay (put start to lease return).
+
+Child processes are controlled with JSON lines on stdin/stdout (no pickling); progress goes to stderr and
+the last stdout line is the JSON result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import msgspec
+
+GiB = 1 << 30
+MiB = 1 << 20
+KiB = 1 << 10
+DEFAULT_SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
+WINDOW = 8
+INFLIGHT_BYTES = 1 * GiB
+
+
+def _log(msg: str) -> None:
+    print(f"[bench queue] {msg}", file=sys.stderr, flush=True)
+
+
+def _count(nbytes: int, quick: bool) -> int:
+    target = (256 * MiB) if quick else (2 * GiB)
+    return max(8, min(2000 if not quick else 300, target // nbytes))
+
+
+def _window(nbytes: int) -> int:
+    return max(1, min(WINDOW, INFLIGHT_BYTES // nbytes))
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes * 8 / seconds / 1e9  # gigabits per second
+
+
+def _pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+# ------------------------------------------------------------------------------------ worker roles
+def _group(tag: str, i: int, payload: Any):
+    import torch
+
+    from slipstream.queue.types import GroupMeta, SampleMeta, TrajectoryGroup
+
+    meta = GroupMeta(f"{tag}-{i}", [SampleMeta(f"{tag}-{i}-0", 1, 1, 0, 0)])
+    tensors = {
+        "prompt_ids": torch.zeros(1, dtype=torch.int32),
+        "response_ids": torch.zeros(1, dtype=torch.int32),
+        "loss_mask": torch.ones(1, dtype=torch.uint8),
+        "logprobs": torch.zeros(1, dtype=torch.float32),
+        "versions": torch.zeros(1, dtype=torch.int32),
+        "payload": payload,
+    }
+    return TrajectoryGroup(meta, tensors)
+
+
+def _producer(client: Any, cmd: dict) -> dict:
+    import torch
+
+    if cmd["cmd"] == "latency":
+        starts = {}
+        rtts = []
+        for i in range(cmd["count"]):
+            group = _group(cmd["tag"], i, torch.zeros(1, 64, dtype=torch.uint8))
+            t0 = time.perf_counter()
+            client.put(group, timeout_s=60)
+            rtts.append(time.perf_counter() - t0)
+            starts[group.group_id] = t0
+        return {"rtt": rtts, "starts": starts}
+    nbytes, count = cmd["bytes"], cmd["count"]
+    payload = torch.ones(1, nbytes, dtype=torch.uint8)
+    t0 = time.perf_counter()
+    for i in range(count):
+        payload[0, 0] = payload[0, -1] = i % 251
+        if not client.put(_group(cmd["tag"], i, payload), timeout_s=120):
+            raise RuntimeError("benchmark group refused as a duplicate")
+    return {"t_start": t0}
+
+
+def _consumer(client: Any, cmd: dict) -> dict:
+    got: dict[str, float] = {}
+    bad = 0
+    while len(got) < cmd["count"]:
+        lease = client.lease(WINDOW, min_groups=1, timeout_s=120)
+        if lease is None:
+            raise RuntimeError("consumer timed out waiting for groups")
+        now = time.perf_counter()
+        for g in lease.groups:
+            i = int(g.group_id.rsplit("-", 1)[1])
+            p = g.tensors["payload"]
+            bad += int(p[0, 0]) != (i % 251 if cmd["cmd"] == "throughput" else 0) or int(p[0, -1]) != int(
+                p[0, 0]
+            )
+            got[g.group_id] = now
+        client.ack(lease)
+    return {"t_end": time.perf_counter(), "bad": bad, "got": got if cmd["cmd"] == "latency" else {}}
+
+
+def _worker(role: str, address: str) -> int:
+    import torch
+
+    from slipstream.queue.client import QueueClient
+
+    torch.set_num_threads(int(os.environ.get("SLIPSTREAM_BENCH_THREADS", "2")))
+    client = QueueClient(address, timeout_s=120)
+    client.ping()
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["cmd"] == "exit":
+            break
+        result = (_producer if role == "producer" else _consumer)(client, cmd)
+        print(json.dumps(result), flush=True)
+    client.close()
+    return 0
+
+
+class _Child:
+    """A bench worker process driven by JSON lines."""
+
+    def __init__(self, role: str, address: str) -> None:
+        cmd = [sys.executable, "-m", "slipstream.queue.bench", "--role", role, "--address", address]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.read()
+
+    def send(self, cmd: dict) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def read(self) -> dict:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"bench worker exited (code {self.proc.wait()})")
+        return json.loads(line)
+
+    def close(self) -> None:
+        try:
+            self.send({"cmd": "exit"})
+            self.proc.wait(30)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+
+
+# ------------------------------------------------------------------------------------- contenders
+def _slipstream(sizes: list[int], quick: bool, latency_n: int) -> tuple[dict[int, float], dict[str, float]]:
+    from slipstream.queue.config import QueueConfig
+    from slipstream.queue.server import start_queue_server
+
+    top = max(sizes)
+    cfg = QueueConfig(
+        capacity_groups=WINDOW,
+        capacity_bytes=INFLIGHT_BYTES + MiB,
+        shm_bytes_per_unit=max(64 * MiB, INFLIGHT_BYTES // 2 + top + MiB),
+    )
+    server = start_queue_server(cfg)
+    producer = _Child("producer", server.address)
+    consumer = _Child("consumer", server.address)
+    out: dict[int, float] = {}
+    try:
+        for nbytes in sizes:
+            count = _count(nbytes, quick)
+            for tag, n in ((f"w{nbytes}", 2), (f"m{nbytes}", count)):
+                consumer.send({"cmd": "throughput", "count": n, "bytes": nbytes})
+                producer.send({"cmd": "throughput", "count": n, "bytes": nbytes, "tag": tag})
+                t_start = producer.read()["t_start"]
+                done = consumer.read()
+                if done["bad"]:
+                    raise RuntimeError(f"{done['bad']} payload(s) arrived corrupted at {nbytes} bytes")
+            out[nbytes] = _gbps(count * nbytes, done["t_end"] - t_start)
+            _log(f"slipstream {nbytes:>10} B x {count:>4}: {out[nbytes]:8.2f} Gbit/s")
+        consumer.send({"cmd": "latency", "count": latency_n})
+        producer.send({"cmd": "latency", "count": latency_n, "tag": "lat"})
+        sent = producer.read()
+        got = consumer.read()["got"]
+    finally:
+        producer.close()
+        consumer.close()
+        server.stop()
+    rtt = [x * 1e6 for x in sent["rtt"][latency_n // 10 :]]  # the first tenth warms up
+    e2e = [(got[g] - t) * 1e6 for g, t in sent["starts"].items() if g in got]
+    lat = {
+        "put_p50": _pct(rtt, 0.5),
+        "put_p99": _pct(rtt, 0.99),
+        "e2e_p50": _pct(e2e, 0.5),
+        "e2e_p99": _pct(e2e, 0.99),
+    }
+    _log(f"small put round trip p50 {lat['put_p50']:.0f} us, p99 {lat['put_p99']:.0f} us")
+    return out, lat
+
+
+def _ray_consume(refs: list, i: int) -> tuple[float, bool]:
+    import ray
+
+    arr = ray.get(refs[0])
+    return time.perf_counter(), int(arr[0]) == i % 251 and int(arr[-1]) == i % 251
+
+
+def _ray_produce(consumer: Any, nbytes: int, count: int, window: int) -> dict:
+    import numpy as np
+    import ray
+
+    arr = np.ones(nbytes, dtype=np.uint8)
+    pending: list = []
+    results: list = []
+    t0 = time.perf_counter()
+    for i in range(count):
+        arr[0] = arr[-1] = i % 251
+        ref = ray.put(arr)
+        pending.append(consumer.consume.remote([ref], i))
+        del ref
+        if len(pending) >= window:
+            done, pending = ray.wait(pending, num_returns=1)
+            results += ray.get(done)
+    results += ray.get(pending)
+    return {"t_start": t0, "t_end": max(t for t, _ in results), "bad": sum(not ok for _, ok in results)}
+
+
+class RayConsumer:
+    def consume(self, refs: list, i: int) -> tuple[float, bool]:
+        return _ray_consume(refs, i)
+
+
+class RayProducer:
+    def run(self, consumer: Any, nbytes: int, count: int, window: int) -> dict:
+        return _ray_produce(consumer, nbytes, count, window)
+
+
+def _ray(sizes: list[int], quick: bool) -> dict[int, float]:
+    import ray
+
+    top = max(sizes)
+    store = max(512 * MiB, INFLIGHT_BYTES + 2 * top + 256 * MiB)
+    ray.init(num_cpus=4, object_store_memory=store, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)  # fmt: skip
+    out: dict[int, float] = {}
+    try:
+        consumer = ray.remote(num_cpus=1)(RayConsumer).remote()
+        producer = ray.remote(num_cpus=1)(RayProducer).remote()
+        for nbytes in sizes:
+            count, window = _count(nbytes, quick), _window(nbytes)
+            ray.get(producer.run.remote(consumer, nbytes, 2, window))
+            res = ray.get(producer.run.remote(consumer, nbytes, count, window))
+            if res["bad"]:
+                raise RuntimeError(f"ray delivered {res['bad']} corrupted payload(s)")
+            out[nbytes] = _gbps(count * nbytes, res["t_end"] - res["t_start"])
+            _log(f"ray        {nbytes:>10} B x {count:>4}: {out[nbytes]:8.2f} Gbit/s")
+    finally:
+        ray.shutdown()
+    return out
+
+
+def _memcpy(sizes: list[int]) -> dict[int, float]:
+    import torch
+
+    out = {}
+    for nbytes in sizes:
+        src = torch.ones(nbytes, dtype=torch.uint8)
+        dst = torch.empty(nbytes, dtype=torch.uint8)
+        dst.copy_(src)
+        reps = max(5, min(2000, (2 * GiB) // nbytes))
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            dst.copy_(src)
+        out[nbytes] = _gbps(reps * nbytes, time.perf_counter() - t0)
+        _log(f"memcpy     {nbytes:>10} B x {reps:>4}: {out[nbytes]:8.2f} Gbit/s")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+class BenchRow(msgspec.Struct):
+    bytes: int
+    slipstream_gbps: float
+    ray_gbps: float
+    memcpy_gbps: float
+
+
+def run(sizes: list[int], quick: bool = False, with_ray: bool = True) -> dict[str, Any]:
+    memcpy = _memcpy(sizes)
+    ours, lat = _slipstream(sizes, quick, 300 if quick else 2000)
+    ray_ = _ray(sizes, quick) if with_ray else {}
+    rows = [
+        BenchRow(n, round(ours[n], 3), round(ray_.get(n, float("nan")), 3), round(memcpy[n], 3))
+        for n in sizes
+    ]
+    return {
+        "rows": msgspec.to_builtins(rows),
+        "latency_us_p50": round(lat["put_p50"], 1),
+        "latency_us_p99": round(lat["put_p99"], 1),
+        "e2e_latency_us_p50": round(lat["e2e_p50"], 1),
+        "e2e_latency_us_p99": round(lat["e2e_p99"], 1),
+        "units": "gbps = 1e9 bits/s; latency = round trip of a ~100-byte put; e2e = put start to lease return",
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="slipstream bench queue", description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="print the result as one JSON line (last line)")
+    parser.add_argument("--sizes", type=str, help="comma-separated payload sizes in bytes")
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
+    parser.add_argument("--no-ray", action="store_true", help="skip the Ray baseline")
+    parser.add_argument("--role", choices=["producer", "consumer"], help=argparse.SUPPRESS)
+    parser.add_argument("--address", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.role:
+        return _worker(args.role, args.address)
+    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else DEFAULT_SIZES
+    result = run(sizes, args.quick, not args.no_ray)
+    if not args.json:
+        for row in result["rows"]:
+            print(
+                f"{row['bytes']:>10} B  slipstream {row['slipstream_gbps']:8.2f}  ray {row['ray_gbps']:8.2f}  "
+                f"memcpy {row['memcpy_gbps']:8.2f} Gbit/s"
+            )
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,461 @@
+"""Clients of the TransferQueue: :class:`QueueClient` (blocking) and :class:`AsyncQueueClient` (asyncio).
+
+Both speak the protocol written once in :mod:`slipstream.queue.ops` over long-lived DEALER sockets (one to
+the controller, one per storage unit, opened on first use), with many requests in flight matched by
+``req_id``. A same-host client maps the server's shared-memory arenas at its first call (``HELLO``) and then
+moves payloads of ``shm_min_group_bytes`` or more with a single memcpy each way; otherwise, or with
+``shared_memory=False``, payloads travel as zero-copy socket frames.
+
+Lifecycle of a batch on the consumer side::
+
+    lease = client.lease(8, timeout_s=30)         # blocks until 8 groups are ready (None on timeout)
+    batch = collate(lease.groups)                  # copies out of the leased buffers
+    ... train on batch ...
+    client.ack(lease, dropped=[ids too stale])    # consumed for good; or client.nack(lease) to give back
+
+Invariants users can rely on:
+  * ``put`` stores a group at most once: a group id or uid seen before (ready, leased or acked) returns
+    False and stores nothing, so a producer may retry a put whose reply it never saw;
+  * a lease not acked within the server's ``lease_timeout_s`` goes back to the front of the ready set (a
+    consumer that dies loses nothing); closing a client nacks the leases it still holds;
+  * **buffer lifetime**: a leased group's tensors may be views of the server's shared memory or of received
+    frames. Views of shared memory are valid until the lease is acked, nacked or expired; copy what you
+    keep (``collate`` copies). Treat them as read-only.
+
+Neither client is thread-safe across threads at once (the sync one serialises its calls with a lock); use
+one client per thread or per event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from slipstream.queue import ops
+from slipstream.queue import protocol as P
+from slipstream.queue.codec import Codec, send_frames, zero_copy
+from slipstream.queue.ops import CONTROLLER, Call, Lease, QueueError, QueueFull, Session
+from slipstream.queue.protocol import QueueStats
+from slipstream.queue.types import GroupMeta, TrajectoryGroup
+from slipstream.utils.logging import get_logger
+
+__all__ = ["AsyncQueueClient", "Lease", "QueueClient", "QueueError", "QueueFull", "QueueStats"]
+
+log = get_logger(__name__)
+
+_SNAPSHOT_WAIT_S = 600.0  # a snapshot writes every unconsumed byte to disk
+_ABANDONED_KEPT = 1024
+
+
+def _lease_id(lease: Lease | str) -> str:
+    return lease.lease_id if isinstance(lease, Lease) else lease
+
+
+class _Base:
+    """Socket bookkeeping shared by both clients."""
+
+    def __init__(self, address: str, timeout_s: float, shared_memory: bool) -> None:
+        if not address.startswith("tcp://") or ":" not in address[6:]:
+            raise ValueError(f"queue address {address!r}: expected tcp://HOST:PORT")
+        self.address = address
+        self.timeout_s = timeout_s
+        self._use_shm = shared_memory
+        self._codec = Codec()
+        self._ids = itertools.count(1)
+        self._session: Session | None = None
+        self._held: set[str] = set()
+        self._abandoned: dict[int, P.MsgType] = {}
+        self._closed = False
+
+    def _endpoint(self, target: int) -> str:
+        if target == CONTROLLER:
+            return self.address
+        host = self.address[6:].rsplit(":", 1)[0]
+        assert self._session is not None
+        return f"tcp://{host}:{self._session.units[target].port}"
+
+    @staticmethod
+    def _configure(sock: zmq.Socket) -> None:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+
+    def _wait(self, timeout_s: float | None) -> float:
+        return self.timeout_s if timeout_s is None else max(0.0, float(timeout_s))
+
+    def _deadline(self, calls: Sequence[Call]) -> float:
+        return max(c.server_wait_s for c in calls) + self.timeout_s
+
+    def _abandon(self, req_id: int, msg_type: P.MsgType) -> None:
+        self._abandoned[req_id] = msg_type
+        while len(self._abandoned) > _ABANDONED_KEPT:
+            self._abandoned.pop(next(iter(self._abandoned)))
+
+    def _stale_lease(self, frames: list[Any]) -> str:
+        """A reply nobody waits for any more; if it granted a lease, its id (to give the groups back)."""
+        msg_type = self._abandoned.pop(self._codec.req_id(frames[1]), None) if len(frames) > 1 else None
+        if msg_type != P.MsgType.LEASE:
+            return ""
+        try:
+            reply = self._codec.decode_reply(frames, P.MsgType.LEASE)
+        except Exception:  # noqa: BLE001 - a late reply we cannot read is not worth failing over
+            return ""
+        return getattr(reply, "lease_id", "")
+
+    def _reply(self, frames: list[Any], call: Call) -> Any:
+        reply = ops.raise_for(self._codec.decode_reply(frames, call.msg_type))
+        return (reply, frames[2:]) if call.with_buffers else reply
+
+    def _timeout_error(self, wait_s: float) -> QueueError:
+        return QueueError(
+            f"no reply from the queue server at {self.address} within {wait_s:.1f}s (is it running?)"
+        )
+
+
+class QueueClient(_Base):
+    """Blocking client. Worked example::
+
+    client = QueueClient(handle.address)
+    client.put(TrajectoryGroup.from_trajectories(trajs))          # True (False: seen before)
+    lease = client.lease(1, timeout_s=10)
+    client.ack(lease)
+    client.stats().partitions["train"].acked_total                 # 1
+    client.close()
+    """
+
+    def __init__(self, address: str, *, timeout_s: float = 60.0, shared_memory: bool = True) -> None:
+        super().__init__(address, timeout_s, shared_memory)
+        self._ctx = zmq.Context()
+        self._sockets: dict[int, zmq.Socket] = {}
+        self._lock = threading.RLock()
+
+    # ---------------------------------------------------------------------------------------- API
+    def put(
+        self, group: TrajectoryGroup, *, partition: str = "train", timeout_s: float | None = None
+    ) -> bool:
+        """Store a whole group; False (nothing stored) when its group id or any uid was already seen.
+        Waits on back-pressure up to ``timeout_s`` (default: the client's), then raises QueueFull."""
+        return self._run(lambda s: ops.put(s, group, partition, self._wait(timeout_s)))
+
+    def lease(
+        self,
+        n_groups: int,
+        *,
+        partition: str = "train",
+        timeout_s: float | None = None,
+        min_groups: int | None = None,
+        consumer_version: int | None = None,
+    ) -> Lease | None:
+        """Up to ``n_groups`` groups, FIFO, once ``min_groups`` (default ``n_groups``) are ready; None on
+        timeout. ``consumer_version`` (the trainer's weight version) feeds the staleness histogram."""
+        lease = self._run(
+            lambda s: ops.lease(s, n_groups, partition, self._wait(timeout_s), min_groups, consumer_version)
+        )
+        if lease is not None:
+            self._held.add(lease.lease_id)
+        return lease
+
+    def ack(self, lease: Lease | str, *, dropped: Sequence[str] = ()) -> None:
+        """Consume the lease's groups for good; ``dropped`` ids were not trained (kept for pop_dropped)."""
+        self._run(lambda s: ops.ack(_lease_id(lease), dropped))
+        self._held.discard(_lease_id(lease))
+
+    def nack(self, lease: Lease | str) -> None:
+        """Give the lease's groups back to the front of the ready set now."""
+        self._run(lambda s: ops.nack(_lease_id(lease)))
+        self._held.discard(_lease_id(lease))
+
+    def pop_dropped(self, max_groups: int = 1024) -> list[GroupMeta]:
+        return self._run(lambda s: ops.pop_dropped(max_groups))
+
+    def snapshot(self, path: str | Path) -> dict:
+        """Save everything unconsumed or leased, the consumed uids and the dropped list to ``path`` (on the
+        server's filesystem; relative paths resolve against this process's working directory)."""
+        return self._run(
+            lambda s: ops.path_request(P.MsgType.SNAPSHOT, str(Path(path).absolute()), _SNAPSHOT_WAIT_S)
+        )
+
+    def restore(self, path: str | Path) -> dict:
+        """Merge a snapshot into the queue: its groups go in front (leased ones as ready), seen ones skipped."""
+        return self._run(
+            lambda s: ops.path_request(P.MsgType.RESTORE, str(Path(path).absolute()), _SNAPSHOT_WAIT_S)
+        )
+
+    def stats(self) -> QueueStats:
+        return self._run(lambda s: ops.stats())
+
+    def ping(self) -> None:
+        self._run(lambda s: ops_ping())
+
+    def close(self) -> None:
+        """Nack the leases still held (best effort), then close the sockets and unmap the arenas."""
+        with self._lock:
+            if self._closed:
+                return
+            self.timeout_s = min(self.timeout_s, 5.0)
+            for lease_id in list(self._held):
+                try:
+                    self._drive(ops.nack(lease_id))
+                except QueueError as err:
+                    log.warning("could not give lease %s back on close: %s", lease_id, err)
+            self._closed = True
+            for sock in self._sockets.values():
+                sock.close(linger=0)
+            if self._session is not None:
+                self._session.close()
+            self._ctx.term()
+
+    def __enter__(self) -> QueueClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------- driver
+    def _run(self, make_op: Callable[[Session], ops.Op]) -> Any:
+        with self._lock:
+            if self._closed:
+                raise QueueError("the queue client is closed")
+            if self._session is None:
+                self._session = self._drive(ops.hello(self._use_shm))
+            return self._drive(make_op(self._session))
+
+    def _drive(self, op: ops.Op) -> Any:
+        value: Any = None
+        error: QueueError | None = None
+        while True:
+            try:
+                step = op.throw(error) if error is not None else op.send(value)
+            except StopIteration as stop:
+                return stop.value
+            calls = step if isinstance(step, list) else [step]
+            try:
+                replies = self._exchange(calls)
+                value, error = (replies if isinstance(step, list) else replies[0]), None
+            except QueueError as err:
+                value, error = None, err
+
+    def _socket(self, target: int) -> zmq.Socket:
+        sock = self._sockets.get(target)
+        if sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            self._configure(sock)
+            sock.connect(self._endpoint(target))
+            self._sockets[target] = sock
+        return sock
+
+    def _exchange(self, calls: list[Call]) -> list[Any]:
+        sent = []
+        for call in calls:
+            call.header.req_id = next(self._ids)
+            send_frames(
+                self._socket(call.target), self._codec.encode(call.msg_type, call.header, call.buffers)
+            )
+            sent.append(call)
+        wait_s = self._deadline(calls)
+        deadline = time.monotonic() + wait_s
+        try:
+            return [self._await(call, deadline, wait_s) for call in sent]
+        except BaseException:
+            for call in sent:
+                self._abandon(call.header.req_id, call.msg_type)
+            raise
+
+    def _await(self, call: Call, deadline: float, wait_s: float) -> Any:
+        sock = self._sockets[call.target]
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sock.poll(left * 1000):
+                raise self._timeout_error(wait_s)
+            frames = sock.recv_multipart(copy=False)
+            if len(frames) > 1 and self._codec.req_id(frames[1]) == call.header.req_id:
+                return self._reply(frames, call)
+            stale = self._stale_lease(frames)
+            if stale:
+                self._send_nack(stale)
+
+    def _send_nack(self, lease_id: str) -> None:
+        req = P.NackRequest(next(self._ids), lease_id)
+        self._abandon(req.req_id, P.MsgType.NACK)
+        self._socket(CONTROLLER).send_multipart(self._codec.encode(P.MsgType.NACK, req))
+
+
+def ops_ping() -> ops.Op:
+    yield Call(CONTROLLER, P.MsgType.PING, P.PingRequest(0))
+
+
+class AsyncQueueClient(_Base):
+    """The asyncio twin of :class:`QueueClient` (same methods, ``async``), for the rollouter's event loop.
+
+    Any number of coroutines may call it at once: requests share the sockets and one reader task per socket
+    routes each reply to its waiting coroutine. Cancelling a ``lease`` call gives back a lease that the
+    server grants after the cancellation.
+    """
+
+    def __init__(self, address: str, *, timeout_s: float = 60.0, shared_memory: bool = True) -> None:
+        super().__init__(address, timeout_s, shared_memory)
+        self._ctx = zmq.asyncio.Context()
+        self._sockets: dict[int, zmq.asyncio.Socket] = {}
+        self._readers: list[asyncio.Task] = []
+        self._waiting: dict[int, tuple[asyncio.Future, Call]] = {}
+        self._hello: asyncio.Task | None = None
+
+    async def put(
+        self, group: TrajectoryGroup, *, partition: str = "train", timeout_s: float | None = None
+    ) -> bool:
+        return await self._run(lambda s: ops.put(s, group, partition, self._wait(timeout_s)))
+
+    async def lease(
+        self,
+        n_groups: int,
+        *,
+        partition: str = "train",
+        timeout_s: float | None = None,
+        min_groups: int | None = None,
+        consumer_version: int | None = None,
+    ) -> Lease | None:
+        lease = await self._run(
+            lambda s: ops.lease(s, n_groups, partition, self._wait(timeout_s), min_groups, consumer_version)
+        )
+        if lease is not None:
+            self._held.add(lease.lease_id)
+        return lease
+
+    async def ack(self, lease: Lease | str, *, dropped: Sequence[str] = ()) -> None:
+        await self._run(lambda s: ops.ack(_lease_id(lease), dropped))
+        self._held.discard(_lease_id(lease))
+
+    async def nack(self, lease: Lease | str) -> None:
+        await self._run(lambda s: ops.nack(_lease_id(lease)))
+        self._held.discard(_lease_id(lease))
+
+    async def pop_dropped(self, max_groups: int = 1024) -> list[GroupMeta]:
+        return await self._run(lambda s: ops.pop_dropped(max_groups))
+
+    async def snapshot(self, path: str | Path) -> dict:
+        return await self._run(
+            lambda s: ops.path_request(P.MsgType.SNAPSHOT, str(Path(path).absolute()), _SNAPSHOT_WAIT_S)
+        )
+
+    async def restore(self, path: str | Path) -> dict:
+        return await self._run(
+            lambda s: ops.path_request(P.MsgType.RESTORE, str(Path(path).absolute()), _SNAPSHOT_WAIT_S)
+        )
+
+    async def stats(self) -> QueueStats:
+        return await self._run(lambda s: ops.stats())
+
+    async def ping(self) -> None:
+        await self._run(lambda s: ops_ping())
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self.timeout_s = min(self.timeout_s, 5.0)
+        for lease_id in list(self._held):
+            try:
+                await self._drive(ops.nack(lease_id))
+            except QueueError as err:
+                log.warning("could not give lease %s back on close: %s", lease_id, err)
+        self._closed = True
+        for task in self._readers:
+            task.cancel()
+        await asyncio.gather(*self._readers, return_exceptions=True)
+        for sock in self._sockets.values():
+            sock.close(linger=0)
+        if self._session is not None:
+            self._session.close()
+        self._ctx.term()
+
+    async def __aenter__(self) -> AsyncQueueClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------------------------- driver
+    async def _run(self, make_op: Callable[[Session], ops.Op]) -> Any:
+        if self._closed:
+            raise QueueError("the queue client is closed")
+        if self._session is None:
+            if self._hello is None:  # concurrent first calls share one HELLO
+                self._hello = asyncio.ensure_future(self._drive(ops.hello(self._use_shm)))
+            try:
+                self._session = await asyncio.shield(self._hello)
+            except BaseException:
+                self._hello = None
+                raise
+        return await self._drive(make_op(self._session))
+
+    async def _drive(self, op: ops.Op) -> Any:
+        value: Any = None
+        error: QueueError | None = None
+        while True:
+            try:
+                step = op.throw(error) if error is not None else op.send(value)
+            except StopIteration as stop:
+                return stop.value
+            calls = step if isinstance(step, list) else [step]
+            try:
+                replies = await self._exchange(calls)
+                value, error = (replies if isinstance(step, list) else replies[0]), None
+            except QueueError as err:
+                value, error = None, err
+
+    def _socket(self, target: int) -> zmq.asyncio.Socket:
+        sock = self._sockets.get(target)
+        if sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            self._configure(sock)
+            sock.connect(self._endpoint(target))
+            self._sockets[target] = sock
+            self._readers.append(asyncio.ensure_future(self._read(sock)))
+        return sock
+
+    async def _exchange(self, calls: list[Call]) -> list[Any]:
+        loop = asyncio.get_running_loop()
+        futures = []
+        for call in calls:
+            call.header.req_id = next(self._ids)
+            future = loop.create_future()
+            self._waiting[call.header.req_id] = (future, call)
+            futures.append(future)
+            frames = self._codec.encode(call.msg_type, call.header, call.buffers)
+            await self._socket(call.target).send_multipart(frames, copy=not zero_copy(frames))
+        wait_s = self._deadline(calls)
+        try:
+            return list(await asyncio.wait_for(asyncio.gather(*futures), wait_s))
+        except TimeoutError:
+            raise self._timeout_error(wait_s) from None
+        finally:
+            for call, future in zip(calls, futures, strict=True):
+                self._waiting.pop(call.header.req_id, None)
+                if not future.done():
+                    self._abandon(call.header.req_id, call.msg_type)
+
+    async def _read(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await sock.recv_multipart(copy=False)
+            entry = self._waiting.get(self._codec.req_id(frames[1])) if len(frames) > 1 else None
+            if entry is None:
+                stale = self._stale_lease(frames)
+                if stale:
+                    req = P.NackRequest(next(self._ids), stale)
+                    self._abandon(req.req_id, P.MsgType.NACK)
+                    await self._socket(CONTROLLER).send_multipart(self._codec.encode(P.MsgType.NACK, req))
+                continue
+            future, call = entry
+            if future.done():
+                continue
+            try:
+                future.set_result(self._reply(frames, call))
+            except Exception as err:  # noqa: BLE001 - delivered to the waiting coroutine
+                future.set_exception(err)

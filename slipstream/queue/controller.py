@@ -1,0 +1,628 @@
+"""The controller: the queue's metadata, leases, deduplication, back-pressure and statistics.
+
+It never holds payload bytes. Payloads sit in the storage units (socket frames or an arena region); the
+controller keeps, per group, where they are. Every handler runs on the server's one loop thread, returns
+without waiting, and answers through ``send``; a request that has to wait (a lease for groups not yet put, a
+put that meets a full queue) is *parked* with a deadline and answered the moment it can be, or with a
+timeout when the deadline passes. So readiness is pushed to waiting clients, never polled or slept on, and
+a waiting request of one kind never holds up another.
+
+Lifecycle of a group (``seq`` is its put order; the ready set is always sorted by it)::
+
+    put (socket) ───────────────────────────────► READY ──lease──► LEASED ──ack──► consumed (gone)
+    reserve ──► PENDING (arena region) ──commit──┘   ▲               │
+        └── reservation deadline passes: released     └─nack/deadline┘  (back in front, order kept)
+
+Invariants:
+  * a group id or uid is accepted at most once: ``_is_seen`` covers held groups (pending, ready, leased)
+    and everything ever acked, so a replayed put is refused and nothing is trained twice;
+  * a group is handed out only from READY and never after its ack; a lease whose deadline passed goes back
+    to the ready set, and a late ack of it still consumes whatever of it was not handed out again;
+  * ``held_groups``/``held_bytes`` count PENDING + READY + LEASED, which is what capacity bounds.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import re
+import secrets
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from slipstream.queue import protocol as P
+from slipstream.queue.codec import WireError, validate_group
+from slipstream.queue.config import QueueConfig
+from slipstream.queue.snapshot import SnapshotItem, read_snapshot, write_snapshot
+from slipstream.queue.stats import PartitionCounters
+from slipstream.queue.storage import StorageUnit
+from slipstream.queue.types import GroupMeta
+from slipstream.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+PENDING, READY, LEASED = 0, 1, 2
+_PARTITION_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_EXPIRED_LEASES_KEPT = 4096
+
+ReplyTo = Any  # (socket, identity) as the server loop gives it
+Send = Callable[..., Any]  # send(reply_to, msg_type, header, buffers=(), track=False) -> tracker | None
+
+
+@dataclass(slots=True, eq=False)
+class _Group:
+    seq: int
+    partition: str
+    meta: GroupMeta
+    specs: list[P.TensorSpec]
+    nbytes: int
+    unit: int
+    token: int
+    arena_offset: int = -1  # -1: buffers live in the unit's blob store
+    num_buffers: int = 0
+    state: int = PENDING
+    lease_id: str = ""
+
+
+@dataclass(slots=True, eq=False)
+class _Lease:
+    lease_id: str
+    partition: str
+    group_ids: list[str]
+    deadline: float
+
+
+@dataclass(slots=True, eq=False)
+class _Waiter:
+    """A parked request: a lease waiting for groups or a put waiting for room."""
+
+    reply_to: ReplyTo
+    req: Any
+    deadline: float
+    nbytes: int = 0
+    on_admit: Callable[[], None] | None = None
+    done: bool = False
+
+
+@dataclass(slots=True)
+class _Partition:
+    ready: deque[str] = field(default_factory=deque)
+    waiters: deque[_Waiter] = field(default_factory=deque)
+    counters: PartitionCounters = field(default_factory=PartitionCounters)
+
+
+class Controller:
+    """Metadata owner of one queue server. Not thread-safe: only the server loop thread calls it."""
+
+    def __init__(self, cfg: QueueConfig, units: Sequence[StorageUnit], send: Send, nonce: bytes) -> None:
+        self.cfg = cfg
+        self.units = list(units)
+        self._send = send
+        self._nonce = nonce
+        self._lease_prefix = secrets.token_hex(4)
+        self._started = time.monotonic()
+        self._seq = itertools.count()
+        self._tokens = itertools.count(1)
+        self._lease_ids = itertools.count(1)
+        self._groups: dict[str, _Group] = {}
+        self._by_token: dict[int, _Group] = {}
+        self._partitions: dict[str, _Partition] = {}
+        self._leases: dict[str, _Lease] = {}
+        self._expired: OrderedDict[str, list[str]] = OrderedDict()
+        self._held_uids: set[str] = set()
+        self._consumed_groups: set[str] = set()
+        self._consumed_uids: set[str] = set()
+        self._dropped: deque[GroupMeta] = deque()
+        self._parked_puts: deque[_Waiter] = deque()
+        self._timers: list[tuple[float, int, str, Any]] = []
+        self._timer_seq = itertools.count()
+        self._jobs: list[tuple[Future, Callable[[Future], None]]] = []
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="queue-snapshot")
+        self._sends: list[tuple[Any, StorageUnit, int]] = []  # (tracker, unit, arena offset) still sending
+        self.held_groups = 0
+        self.held_bytes = 0
+
+    # -------------------------------------------------------------------------------------- helpers
+    def _part(self, name: str) -> _Partition:
+        part = self._partitions.get(name)
+        if part is None:
+            if not _PARTITION_RE.match(name):
+                raise WireError("bad_request", f"partition {name!r}: use 1-64 letters, digits, '_', '-', '.'")
+            part = self._partitions[name] = _Partition()
+        return part
+
+    def _timer(self, deadline: float, kind: str, key: Any) -> None:
+        heapq.heappush(self._timers, (deadline, next(self._timer_seq), kind, key))
+
+    def _ok(
+        self, reply_to: ReplyTo, header: msgspec.Struct, buffers: Sequence[Any] = (), track: bool = False
+    ):
+        return self._send(reply_to, P.MsgType.OK, header, buffers, track)
+
+    def _is_seen(self, meta: GroupMeta) -> bool:
+        gid = meta.group_id
+        if gid in self._groups or gid in self._consumed_groups:
+            return True
+        return any(s.uid in self._held_uids or s.uid in self._consumed_uids for s in meta.samples)
+
+    def _hold(self, group: _Group) -> None:
+        self._groups[group.meta.group_id] = group
+        self._by_token[group.token] = group
+        self._held_uids.update(s.uid for s in group.meta.samples)
+        self.held_groups += 1
+        self.held_bytes += group.nbytes
+
+    def _release(self, group: _Group) -> None:
+        """Forget a group and free its storage (after its ack, or when its reservation lapses)."""
+        del self._groups[group.meta.group_id]
+        del self._by_token[group.token]
+        self._held_uids.difference_update(s.uid for s in group.meta.samples)
+        self.held_groups -= 1
+        self.held_bytes -= group.nbytes
+        unit = self.units[group.unit]
+        if group.arena_offset >= 0:
+            unit.arena.free(group.arena_offset)
+        else:
+            unit.drop(group.token)
+
+    # ----------------------------------------------------------------------------------- admission
+    def _admit(
+        self, partition: str, req: Any, nbytes: int, reply_to: ReplyTo, on_admit: Callable[[], None]
+    ) -> None:
+        """Run ``on_admit`` now or when capacity allows; answer a duplicate or a timeout itself."""
+        self._part(partition)
+        if self._is_seen(req.meta):
+            self._duplicate(partition, req, reply_to)
+            return
+        if nbytes > self.cfg.capacity_bytes:
+            raise WireError(
+                "bad_request",
+                f"group {req.meta.group_id!r} has {nbytes} bytes, more than capacity_bytes="
+                f"{self.cfg.capacity_bytes}: it could never fit; raise queue.capacity_bytes",
+            )
+        while self._parked_puts and self._parked_puts[0].done:
+            self._parked_puts.popleft()
+        if not self._parked_puts and self._fits(nbytes):
+            on_admit()
+            return
+        waiter = _Waiter(reply_to, req, time.monotonic() + max(0.0, req.timeout_s), nbytes, on_admit)
+        self._parked_puts.append(waiter)
+        self._timer(waiter.deadline, "put", waiter)
+
+    def _fits(self, nbytes: int) -> bool:
+        return (
+            self.held_groups < self.cfg.capacity_groups
+            and self.held_bytes + nbytes <= self.cfg.capacity_bytes
+        )
+
+    def _duplicate(self, partition: str, req: Any, reply_to: ReplyTo) -> None:
+        self._part(partition).counters.duplicates_total += 1
+        if isinstance(req, P.PutRequest):
+            self._ok(reply_to, P.PutReply(req.req_id, False))
+        else:
+            self._ok(reply_to, P.ReserveReply(req.req_id, "DUPLICATE"))
+
+    def _admit_parked(self) -> None:
+        while self._parked_puts:
+            waiter = self._parked_puts[0]
+            if waiter.done:
+                self._parked_puts.popleft()
+                continue
+            if self._is_seen(waiter.req.meta):
+                self._parked_puts.popleft()
+                waiter.done = True
+                self._duplicate(waiter.req.partition, waiter.req, waiter.reply_to)
+                continue
+            if not self._fits(waiter.nbytes):
+                return
+            self._parked_puts.popleft()
+            waiter.done = True
+            self._guarded(waiter.reply_to, waiter.req.req_id, waiter.on_admit)
+
+    def _guarded(self, reply_to: ReplyTo, req_id: int, fn: Callable[[], None]) -> None:
+        """Run a deferred handler; its failure becomes an error reply to its own requester only."""
+        try:
+            fn()
+        except WireError as err:
+            self._send(reply_to, P.MsgType.ERROR, P.ErrorReply(req_id, err.kind, err.message))
+        except Exception as err:  # noqa: BLE001 - one bad request must not stop the loop
+            log.exception("deferred request failed")
+            self._send(reply_to, P.MsgType.ERROR, P.ErrorReply(req_id, "internal", repr(err)))
+
+    # --------------------------------------------------------------------------------------- puts
+    def handle_put(self, unit_index: int, reply_to: ReplyTo, req: P.PutRequest, buffers: list[Any]) -> None:
+        nbytes = validate_group(req.meta, req.tensors, [len(b) for b in buffers])
+
+        def store() -> None:
+            token = next(self._tokens)
+            self.units[unit_index].store(token, buffers)
+            group = _Group(next(self._seq), req.partition, req.meta, req.tensors, nbytes, unit_index, token)
+            group.num_buffers = len(buffers)
+            self._hold(group)
+            self._make_ready(group)
+            self._ok(reply_to, P.PutReply(req.req_id, True))
+
+        self._admit(req.partition, req, nbytes, reply_to, store)
+
+    def handle_reserve(self, reply_to: ReplyTo, req: P.ReserveRequest, _buffers: list[Any]) -> None:
+        validate_group(req.meta, req.tensors, [req.nbytes])
+
+        def reserve() -> None:
+            placed = self._alloc(req.meta.group_id, req.nbytes)
+            if placed is None:
+                self._ok(reply_to, P.ReserveReply(req.req_id, "NO_SPACE"))
+                return
+            unit, offset = placed
+            token = next(self._tokens)
+            group = _Group(
+                next(self._seq), req.partition, req.meta, req.tensors, req.nbytes, unit, token, offset
+            )
+            group.num_buffers = 1
+            self._hold(group)
+            self._timer(time.monotonic() + self.cfg.reserve_timeout_s, "reserve", token)
+            self._ok(reply_to, P.ReserveReply(req.req_id, "OK", token, unit, offset))
+
+        self._admit(req.partition, req, req.nbytes, reply_to, reserve)
+
+    def _alloc(self, group_id: str, nbytes: int) -> tuple[int, int] | None:
+        first = P.unit_for(group_id, len(self.units))
+        for i in range(len(self.units)):
+            unit = self.units[(first + i) % len(self.units)]
+            if unit.arena is not None:
+                offset = unit.arena.alloc(nbytes)
+                if offset is not None:
+                    return unit.index, offset
+        return None
+
+    def handle_commit(self, reply_to: ReplyTo, req: P.CommitRequest, _buffers: list[Any]) -> None:
+        group = self._by_token.get(req.token)
+        if group is None or group.state != PENDING:
+            raise WireError(
+                "expired", f"reservation {req.token} is unknown or lapsed (reserve_timeout_s)", req.req_id
+            )
+        self._make_ready(group)
+        self._ok(reply_to, P.DoneReply(req.req_id))
+
+    def _make_ready(self, group: _Group) -> None:
+        group.state = READY
+        part = self._part(group.partition)
+        part.ready.append(group.meta.group_id)
+        part.counters.on_put(group.nbytes)
+        self._serve_waiters(part)
+
+    # ------------------------------------------------------------------------------------- leases
+    def handle_lease(self, reply_to: ReplyTo, req: P.LeaseRequest, _buffers: list[Any]) -> None:
+        if req.n_groups < 1 or not 1 <= req.min_groups <= req.n_groups:
+            raise WireError(
+                "bad_request", f"need 1 <= min_groups ({req.min_groups}) <= n_groups ({req.n_groups})"
+            )
+        part = self._part(req.partition)
+        waiter = _Waiter(reply_to, req, time.monotonic() + max(0.0, req.timeout_s))
+        part.waiters.append(waiter)
+        self._serve_waiters(part)
+        if not waiter.done:
+            self._timer(waiter.deadline, "wait", (req.partition, waiter))
+
+    def _serve_waiters(self, part: _Partition) -> None:
+        while part.waiters and (part.waiters[0].done or len(part.ready) >= part.waiters[0].req.min_groups):
+            waiter = part.waiters.popleft()
+            if not waiter.done:
+                self._guarded(waiter.reply_to, waiter.req.req_id, lambda w=waiter: self._grant(part, w))
+
+    def _grant(self, part: _Partition, waiter: _Waiter) -> None:
+        waiter.done = True
+        req = waiter.req
+        take = min(req.n_groups, len(part.ready))
+        lease_id = f"{self._lease_prefix}-{next(self._lease_ids)}"
+        deadline = time.monotonic() + self.cfg.lease_timeout_s
+        groups = [self._groups[part.ready.popleft()] for _ in range(take)]
+        leased = []
+        for g in groups:
+            g.state, g.lease_id = LEASED, lease_id
+            part.counters.on_lease(g, req.consumer_version)
+            leased.append(
+                P.LeasedGroup(g.meta, g.specs, g.unit, g.token, g.nbytes, g.arena_offset, g.num_buffers)
+            )
+        self._leases[lease_id] = _Lease(lease_id, req.partition, [g.meta.group_id for g in groups], deadline)
+        self._timer(deadline, "lease", lease_id)
+        self._ok(waiter.reply_to, P.LeaseReply(req.req_id, lease_id, self.cfg.lease_timeout_s, leased))
+
+    def _return_to_ready(self, part: _Partition, group_ids: list[str]) -> None:
+        groups = sorted((self._groups[gid] for gid in group_ids), key=lambda g: g.seq)
+        for g in groups:
+            g.state, g.lease_id = READY, ""
+        ids = [g.meta.group_id for g in groups]
+        if not part.ready or groups[-1].seq < self._groups[part.ready[0]].seq:
+            part.ready.extendleft(reversed(ids))
+        else:
+            merged = heapq.merge(ids, part.ready, key=lambda gid: self._groups[gid].seq)
+            part.ready = deque(merged)
+        self._serve_waiters(part)
+
+    def handle_fetch(
+        self, unit_index: int, reply_to: ReplyTo, req: P.FetchRequest, _buffers: list[Any]
+    ) -> None:
+        if req.lease_id not in self._leases:
+            raise WireError(
+                "unknown_lease", f"lease {req.lease_id!r} is unknown, acked or expired", req.req_id
+            )
+        unit = self.units[unit_index]
+        counts, buffers, pinned = [], [], []
+        for token in req.tokens:
+            group = self._by_token.get(token)
+            if group is None or group.lease_id != req.lease_id or group.unit != unit_index:
+                raise WireError("bad_request", f"token {token} is not in lease {req.lease_id!r} on this unit")
+            if group.arena_offset >= 0:
+                buffers.append(unit.arena.buffer(group.arena_offset, group.nbytes))
+                pinned.append(group.arena_offset)
+                counts.append(1)
+            else:
+                blobs = unit.blobs(token)
+                buffers.extend(blobs)
+                counts.append(len(blobs))
+        tracker = self._ok(reply_to, P.FetchReply(req.req_id, counts), buffers, bool(pinned))
+        for offset in pinned:  # the region must outlive ZeroMQ's read of it, even if the lease is acked now
+            unit.arena.pin(offset)
+            self._sends.append((tracker, unit, offset))
+
+    def handle_ack(self, reply_to: ReplyTo, req: P.AckRequest, _buffers: list[Any]) -> None:
+        lease = self._leases.get(req.lease_id)
+        if lease is None:
+            self._late_ack(reply_to, req)
+            return
+        dropped = set(req.dropped)
+        unknown = dropped.difference(lease.group_ids)
+        if unknown:
+            raise WireError(
+                "bad_request", f"dropped group(s) {sorted(unknown)[:5]} are not in lease {req.lease_id!r}"
+            )
+        del self._leases[req.lease_id]
+        for gid in lease.group_ids:
+            self._consume(self._groups[gid], gid in dropped)
+        self._ok(reply_to, P.AckReply(req.req_id, len(lease.group_ids)))
+        self._admit_parked()
+
+    def _late_ack(self, reply_to: ReplyTo, req: P.AckRequest) -> None:
+        group_ids = self._expired.pop(req.lease_id, None)
+        if group_ids is None:
+            raise WireError(
+                "unknown_lease", f"lease {req.lease_id!r} is unknown or already acked", req.req_id
+            )
+        acked = lost = 0
+        for gid in group_ids:
+            group = self._groups.get(gid)
+            if group is not None and group.state == READY:
+                self._part(group.partition).ready.remove(gid)
+                self._consume(group, gid in req.dropped)
+                acked += 1
+            else:
+                lost += 1
+        self._ok(reply_to, P.AckReply(req.req_id, acked, lost))
+        self._admit_parked()
+
+    def _consume(self, group: _Group, dropped: bool) -> None:
+        self._release(group)
+        self._consumed_groups.add(group.meta.group_id)
+        self._consumed_uids.update(s.uid for s in group.meta.samples)
+        self._part(group.partition).counters.on_ack(dropped)
+        if dropped:
+            self._dropped.append(group.meta)
+
+    def handle_nack(self, reply_to: ReplyTo, req: P.NackRequest, _buffers: list[Any]) -> None:
+        lease = self._leases.pop(req.lease_id, None)
+        if lease is None:
+            if req.lease_id not in self._expired:
+                raise WireError(
+                    "unknown_lease", f"lease {req.lease_id!r} is unknown or already acked", req.req_id
+                )
+        else:
+            part = self._part(lease.partition)
+            part.counters.nacked_total += len(lease.group_ids)
+            self._return_to_ready(part, lease.group_ids)
+        self._ok(reply_to, P.DoneReply(req.req_id))
+
+    def handle_pop_dropped(self, reply_to: ReplyTo, req: P.PopDroppedRequest, _buffers: list[Any]) -> None:
+        n = max(0, min(req.max_groups, len(self._dropped)))
+        self._ok(reply_to, P.DroppedReply(req.req_id, [self._dropped.popleft() for _ in range(n)]))
+
+    # -------------------------------------------------------------------------------------- timers
+    def tick(self) -> float:
+        """Fire due timers and finished background work; return seconds until the next timer (capped)."""
+        now = time.monotonic()
+        while self._timers and self._timers[0][0] <= now:
+            _, _, kind, key = heapq.heappop(self._timers)
+            getattr(self, f"_expire_{kind}")(key)
+        self._finish_background()
+        wait = self._timers[0][0] - now if self._timers else 1.0
+        if self._jobs or self._sends:
+            wait = min(wait, 0.002)  # completions do not wake the poller: look again soon
+        return max(0.0, min(wait, 1.0))
+
+    def _expire_lease(self, lease_id: str) -> None:
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.deadline > time.monotonic():
+            return
+        del self._leases[lease_id]
+        self._expired[lease_id] = lease.group_ids
+        while len(self._expired) > _EXPIRED_LEASES_KEPT:
+            self._expired.popitem(last=False)
+        part = self._part(lease.partition)
+        part.counters.expired_total += len(lease.group_ids)
+        log.warning("lease %s expired: %d group(s) back to the ready set", lease_id, len(lease.group_ids))
+        self._return_to_ready(part, lease.group_ids)
+
+    def _expire_reserve(self, token: int) -> None:
+        group = self._by_token.get(token)
+        if group is not None and group.state == PENDING:
+            log.warning("reservation for group %r lapsed without a commit", group.meta.group_id)
+            self._release(group)
+            self._admit_parked()
+
+    def _expire_put(self, waiter: _Waiter) -> None:
+        if waiter.done:
+            return
+        waiter.done = True
+        msg = (
+            f"queue full for {waiter.req.timeout_s:.1f}s: holding {self.held_groups}/{self.cfg.capacity_groups} "
+            f"groups and {self.held_bytes}/{self.cfg.capacity_bytes} bytes; the consumer is not keeping up "
+            f"(raise queue.capacity_groups/capacity_bytes or the put timeout)"
+        )
+        self._send(waiter.reply_to, P.MsgType.ERROR, P.ErrorReply(waiter.req.req_id, "queue_full", msg))
+        self._admit_parked()  # the next one in line may fit
+
+    def _expire_wait(self, key: tuple[str, _Waiter]) -> None:
+        partition, waiter = key
+        if waiter.done:
+            return
+        waiter.done = True
+        self._ok(waiter.reply_to, P.LeaseReply(waiter.req.req_id))
+        self._serve_waiters(self._part(partition))  # a head waiter that timed out may unblock the next
+
+    def _finish_background(self) -> None:
+        if self._sends:
+            still = []
+            for tracker, unit, offset in self._sends:
+                if tracker.done:
+                    unit.arena.unpin(offset)
+                else:
+                    still.append((tracker, unit, offset))
+            self._sends = still
+        if self._jobs:
+            done = [(f, cb) for f, cb in self._jobs if f.done()]
+            self._jobs = [(f, cb) for f, cb in self._jobs if not f.done()]
+            for future, callback in done:
+                callback(future)
+
+    # ---------------------------------------------------------------------------- snapshot / restore
+    def handle_snapshot(self, reply_to: ReplyTo, req: P.PathRequest, _buffers: list[Any]) -> None:
+        if self._jobs:
+            raise WireError("bad_request", "a snapshot or restore is already running", req.req_id)
+        items, pins = [], []
+        for group in sorted(self._groups.values(), key=lambda g: g.seq):
+            if group.state == PENDING:
+                continue  # not yet put: its producer will commit or retry
+            unit = self.units[group.unit]
+            if group.arena_offset >= 0:
+                buffers = [unit.arena.buffer(group.arena_offset, group.nbytes)]
+                unit.arena.pin(group.arena_offset)
+                pins.append((unit, group.arena_offset))
+            else:
+                buffers = unit.blobs(group.token)
+            items.append(
+                SnapshotItem(group.partition, group.state == LEASED, group.meta, group.specs, buffers)
+            )
+        future = self._executor.submit(
+            write_snapshot, req.path, items, sorted(self._consumed_groups), sorted(self._consumed_uids),
+            list(self._dropped),
+        )  # fmt: skip
+
+        def done(f: Future) -> None:
+            for unit, offset in pins:
+                unit.arena.unpin(offset)
+            self._reply_job(reply_to, req.req_id, f, lambda summary: summary)
+
+        self._jobs.append((future, done))
+
+    def handle_restore(self, reply_to: ReplyTo, req: P.PathRequest, _buffers: list[Any]) -> None:
+        if self._jobs:
+            raise WireError("bad_request", "a snapshot or restore is already running", req.req_id)
+        future = self._executor.submit(read_snapshot, req.path)
+        self._jobs.append((future, lambda f: self._reply_job(reply_to, req.req_id, f, self._install)))
+
+    def _reply_job(self, reply_to: ReplyTo, req_id: int, future: Future, finish: Callable) -> None:
+        def run() -> None:
+            summary = finish(future.result())
+            self._ok(reply_to, P.SummaryReply(req_id, summary))
+
+        self._guarded(reply_to, req_id, run)
+
+    def _install(self, loaded: tuple[Any, list[bytearray]]) -> dict[str, Any]:
+        """Merge a snapshot into this queue: its groups go in front of anything put since, order kept."""
+        header, blobs = loaded
+        self._consumed_groups.update(header.consumed_groups)
+        self._consumed_uids.update(header.consumed_uids)
+        known = {m.group_id for m in self._dropped}
+        self._dropped.extend(m for m in header.dropped if m.group_id not in known)
+        first = min((g.seq for g in self._groups.values()), default=0)
+        restored = skipped = 0
+        new_by_part: dict[str, list[str]] = {}
+        for i, (snap, blob) in enumerate(zip(header.groups, blobs, strict=True)):
+            if self._is_seen(snap.meta):
+                skipped += 1
+                continue
+            self._part(snap.partition)
+            token = next(self._tokens)
+            unit = P.unit_for(snap.meta.group_id, len(self.units))
+            self.units[unit].store(token, [blob])
+            seq = first - len(header.groups) + i
+            group = _Group(
+                seq, snap.partition, snap.meta, snap.tensors, snap.nbytes, unit, token, -1, 1, READY
+            )
+            self._hold(group)
+            new_by_part.setdefault(snap.partition, []).append(snap.meta.group_id)
+            restored += 1
+        for name, ids in new_by_part.items():
+            self._return_to_ready(self._part(name), ids)
+        return {
+            "groups": restored,
+            "skipped_seen": skipped,
+            "consumed_uids": len(header.consumed_uids),
+            "dropped": len(header.dropped),
+        }
+
+    # ---------------------------------------------------------------------------------- hello, stats
+    def handle_hello(self, reply_to: ReplyTo, req: P.HelloRequest, _buffers: list[Any]) -> None:
+        units = [u.info() for u in self.units]
+        cfg = self.cfg
+        reply = P.HelloReply(
+            req.req_id,
+            self._nonce,
+            units,
+            cfg.max_message_bytes,
+            cfg.inline_tensor_bytes,
+            cfg.shm_min_group_bytes,
+        )
+        self._ok(reply_to, reply)
+
+    def handle_ping(self, reply_to: ReplyTo, req: P.PingRequest, _buffers: list[Any]) -> None:
+        self._ok(reply_to, P.DoneReply(req.req_id))
+
+    def handle_stats(self, reply_to: ReplyTo, req: P.StatsRequest, _buffers: list[Any]) -> None:
+        self._ok(reply_to, P.StatsReply(req.req_id, self.stats()))
+
+    def stats(self) -> P.QueueStats:
+        parts = {}
+        for name, part in self._partitions.items():
+            leased = [self._groups[gid] for lease in self._leases.values() if lease.partition == name
+                      for gid in lease.group_ids]  # fmt: skip
+            ready_bytes = sum(self._groups[gid].nbytes for gid in part.ready)
+            parts[name] = part.counters.snapshot(
+                len(part.ready), ready_bytes, len(leased), sum(g.nbytes for g in leased)
+            )
+        arenas = [u.arena for u in self.units if u.arena is not None]
+        return P.QueueStats(
+            partitions=parts,
+            held_groups=self.held_groups,
+            held_bytes=self.held_bytes,
+            capacity_groups=self.cfg.capacity_groups,
+            capacity_bytes=self.cfg.capacity_bytes,
+            puts_waiting=sum(not w.done for w in self._parked_puts),
+            leases_waiting=sum(not w.done for p in self._partitions.values() for w in p.waiters),
+            reserved_groups=sum(g.state == PENDING for g in self._groups.values()),
+            consumed_uids=len(self._consumed_uids),
+            dropped_waiting=len(self._dropped),
+            duplicates_total=sum(p.counters.duplicates_total for p in self._partitions.values()),
+            shm_bytes_total=sum(a.size for a in arenas),
+            shm_bytes_used=sum(a.used for a in arenas),
+            rate_window_s=PartitionCounters.WINDOW_S,
+            uptime_s=time.monotonic() - self._started,
+        )
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,208 @@
+"""What each client call says to the server, written once for the sync and the async client.
+
+Every operation is a generator that *yields* the requests it needs (a :class:`Call`, or a list of calls to
+send at once, e.g. fetches from several storage units) and receives their decoded replies; the client's
+driver does the socket IO (blocking in :class:`~slipstream.queue.client.QueueClient`, awaiting in
+:class:`~slipstream.queue.client.AsyncQueueClient`) and throws :class:`QueueError` back into the generator
+when a request fails. So the protocol logic (reserve → write the arena → commit; lease → fetch what is not
+in shared memory → assemble) exists once and both clients behave identically.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from slipstream.queue import protocol as P
+from slipstream.queue.arena import ArenaMapping
+from slipstream.queue.codec import as_buffer, layout_region, pack_frames, unpack, write_region
+from slipstream.queue.types import TrajectoryGroup
+from slipstream.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+CONTROLLER = -1
+
+
+class QueueError(RuntimeError):
+    """A queue request failed: the server refused it (the message says why) or did not answer in time."""
+
+
+class QueueFull(QueueError):
+    """A put waited ``timeout_s`` on back-pressure and the queue still had no room."""
+
+
+@dataclass
+class Lease:
+    """Groups handed to one consumer until it acks (consumed) or nacks (returned) them, or ``deadline``
+    (``time.time()`` seconds) passes, after which the server returns them to the ready set.
+
+    Tensors of groups that came through shared memory are views of the server's arena: they are valid until
+    the lease is acked, nacked or expired, and must be copied to be kept (``collate`` copies).
+    """
+
+    lease_id: str
+    groups: list[TrajectoryGroup]
+    deadline: float
+
+
+@dataclass
+class Call:
+    target: int  # CONTROLLER or a storage unit index
+    msg_type: P.MsgType
+    header: Any  # a request Struct; the driver fills in req_id
+    buffers: Sequence[Any] = ()
+    # How long the server may legitimately hold the request (a lease or put wait) before answering.
+    server_wait_s: float = 0.0
+    # Reply as (header, frames) instead of the header alone.
+    with_buffers: bool = False
+
+
+@dataclass
+class Session:
+    """What a client learned from HELLO."""
+
+    units: list[P.UnitInfo]
+    inline_tensor_bytes: int
+    shm_min_group_bytes: int
+    arenas: list[ArenaMapping] = field(default_factory=list)  # all units' arenas, or empty
+
+    @property
+    def shared_memory(self) -> bool:
+        return bool(self.arenas)
+
+    def close(self) -> None:
+        for arena in self.arenas:
+            arena.close()
+        self.arenas = []
+
+
+Op = Generator[Call | list[Call], Any, Any]
+
+
+def hello(shared_memory: bool) -> Op:
+    reply: P.HelloReply = yield Call(CONTROLLER, P.MsgType.HELLO, P.HelloRequest(0))
+    session = Session(reply.units, reply.inline_tensor_bytes, reply.shm_min_group_bytes)
+    if shared_memory and reply.units and all(u.shm_path for u in reply.units):
+        arenas = [ArenaMapping.open(u.shm_path, u.shm_size, reply.nonce) for u in reply.units]
+        if all(a is not None for a in arenas):
+            session.arenas = arenas  # type: ignore[assignment]
+        else:
+            for a in arenas:
+                if a is not None:
+                    a.close()
+    return session
+
+
+def put(session: Session, group: TrajectoryGroup, partition: str, timeout_s: float) -> Op:
+    group.validate()
+    if session.shared_memory and group.nbytes >= session.shm_min_group_bytes:
+        specs, size = layout_region(group.tensors, session.inline_tensor_bytes)
+        request = P.ReserveRequest(0, partition, group.meta, specs, size, timeout_s)
+        reply: P.ReserveReply = yield Call(CONTROLLER, P.MsgType.RESERVE, request, server_wait_s=timeout_s)
+        if reply.status == "DUPLICATE":
+            return False
+        if reply.status == "OK":
+            write_region(session.arenas[reply.unit].buffer(reply.offset, size), group.tensors, specs)
+            yield Call(CONTROLLER, P.MsgType.COMMIT, P.CommitRequest(0, reply.token))
+            return True
+        # NO_SPACE: the arena is full of unconsumed groups right now; the socket has no such limit.
+    specs, buffers = pack_frames(group.tensors, session.inline_tensor_bytes)
+    unit = P.unit_for(group.group_id, len(session.units))
+    request = P.PutRequest(0, partition, group.meta, specs, timeout_s)
+    put_reply: P.PutReply = yield Call(unit, P.MsgType.PUT, request, buffers, server_wait_s=timeout_s)
+    return put_reply.stored
+
+
+def lease(
+    session: Session,
+    n_groups: int,
+    partition: str,
+    timeout_s: float,
+    min_groups: int | None,
+    consumer_version: int | None,
+) -> Op:
+    min_groups = n_groups if min_groups is None else min_groups
+    request = P.LeaseRequest(0, partition, n_groups, min_groups, timeout_s, consumer_version)
+    reply: P.LeaseReply = yield Call(CONTROLLER, P.MsgType.LEASE, request, server_wait_s=timeout_s)
+    if not reply.lease_id:
+        return None
+    deadline = time.time() + reply.ttl_s
+    try:
+        buffers = yield from _buffers(session, reply)
+    except BaseException:
+        yield Call(CONTROLLER, P.MsgType.NACK, P.NackRequest(0, reply.lease_id))  # give the groups back now
+        raise
+    groups = [TrajectoryGroup(g.meta, unpack(g.tensors, buffers[i])) for i, g in enumerate(reply.groups)]
+    return Lease(reply.lease_id, groups, deadline)
+
+
+def _buffers(session: Session, reply: P.LeaseReply) -> Generator[Any, Any, list[list[Any]]]:
+    """Each leased group's buffers: arena views where mapped, else fetched from the units in parallel."""
+    out: list[list[Any]] = [[] for _ in reply.groups]
+    wanted: dict[int, list[int]] = {}  # unit -> indexes into reply.groups
+    for i, g in enumerate(reply.groups):
+        if g.arena_offset >= 0 and session.shared_memory:
+            out[i] = [session.arenas[g.unit].buffer(g.arena_offset, g.nbytes)]
+        elif g.num_buffers:
+            wanted.setdefault(g.unit, []).append(i)
+    if not wanted:
+        return out
+    calls = [
+        Call(
+            unit,
+            P.MsgType.FETCH,
+            P.FetchRequest(0, reply.lease_id, [reply.groups[i].token for i in idx]),
+            with_buffers=True,
+        )
+        for unit, idx in wanted.items()
+    ]
+    replies = yield calls
+    for (_unit, idx), fetched in zip(wanted.items(), replies, strict=True):
+        header, frames = fetched
+        pos = 0
+        for i, count in zip(idx, header.counts, strict=True):
+            out[i] = [as_buffer(f) for f in frames[pos : pos + count]]
+            pos += count
+    return out
+
+
+def ack(lease_id: str, dropped: Sequence[str]) -> Op:
+    reply: P.AckReply = yield Call(CONTROLLER, P.MsgType.ACK, P.AckRequest(0, lease_id, list(dropped)))
+    if reply.lost:
+        log.warning(
+            "lease %s had expired: %d group(s) consumed now, %d had already been handed out again",
+            lease_id,
+            reply.acked,
+            reply.lost,
+        )
+
+
+def nack(lease_id: str) -> Op:
+    yield Call(CONTROLLER, P.MsgType.NACK, P.NackRequest(0, lease_id))
+
+
+def pop_dropped(max_groups: int) -> Op:
+    reply: P.DroppedReply = yield Call(CONTROLLER, P.MsgType.POP_DROPPED, P.PopDroppedRequest(0, max_groups))
+    return list(reply.groups)
+
+
+def stats() -> Op:
+    reply: P.StatsReply = yield Call(CONTROLLER, P.MsgType.STATS, P.StatsRequest(0))
+    return reply.stats
+
+
+def path_request(msg_type: P.MsgType, path: str, wait_s: float) -> Op:
+    reply: P.SummaryReply = yield Call(CONTROLLER, msg_type, P.PathRequest(0, path), server_wait_s=wait_s)
+    return dict(reply.summary)
+
+
+def raise_for(reply: Any) -> Any:
+    """The reply itself, or the QueueError an ERROR reply stands for."""
+    if isinstance(reply, P.ErrorReply):
+        if reply.kind == "queue_full":
+            raise QueueFull(reply.message)
+        raise QueueError(f"{reply.kind}: {reply.message}")
+    return reply

@@ -1,0 +1,352 @@
+"""Wire messages of the TransferQueue: one type byte, one msgspec header, then raw payload frames.
+
+Every message on every queue socket is a ZeroMQ multipart message::
+
+    [type byte][msgpack header][buffer 0][buffer 1]...
+
+(a ROUTER adds the peer identity in front). The type byte picks the header's Struct, which a typed decoder
+reads, so a header that does not match its schema is a clear error, never a half-read dict; nothing is ever
+pickled. Headers are ``array_like`` (positional arrays, no field names on the wire), ``omit_defaults`` and
+``gc=False`` Structs whose first field is always ``req_id``: clients keep many requests in flight on one
+long-lived socket and match replies by it.
+
+Replies carry ``OK`` (the header type follows from the request) or ``ERROR`` (:class:`ErrorReply`).
+
+Which socket takes what: the controller socket takes the metadata requests (HELLO, RESERVE, COMMIT, LEASE,
+ACK, NACK, POP_DROPPED, STATS, SNAPSHOT, RESTORE, PING); each storage unit's socket takes the data requests
+(PUT, FETCH, PING). Payload bytes never touch the controller socket.
+"""
+
+from __future__ import annotations
+
+import enum
+import zlib
+from typing import Any
+
+import msgspec
+
+from slipstream.queue.types import GroupMeta
+
+
+class MsgType(enum.IntEnum):
+    HELLO = 0x01
+    PUT = 0x02
+    RESERVE = 0x03
+    COMMIT = 0x04
+    LEASE = 0x05
+    FETCH = 0x06
+    ACK = 0x07
+    NACK = 0x08
+    POP_DROPPED = 0x09
+    STATS = 0x0A
+    SNAPSHOT = 0x0B
+    RESTORE = 0x0C
+    PING = 0x0D
+    OK = 0x80
+    ERROR = 0xFF
+
+
+# Request types each socket accepts.
+CONTROLLER_TYPES = frozenset(
+    {
+        MsgType.HELLO,
+        MsgType.RESERVE,
+        MsgType.COMMIT,
+        MsgType.LEASE,
+        MsgType.ACK,
+        MsgType.NACK,
+        MsgType.POP_DROPPED,
+        MsgType.STATS,
+        MsgType.SNAPSHOT,
+        MsgType.RESTORE,
+        MsgType.PING,
+    }
+)
+UNIT_TYPES = frozenset({MsgType.PUT, MsgType.FETCH, MsgType.PING})
+
+
+def unit_for(group_id: str, num_units: int) -> int:
+    """The storage unit a group's socket put goes to, and its preferred arena (stable across processes)."""
+    return zlib.crc32(group_id.encode()) % num_units
+
+
+class _Wire(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    pass
+
+
+class Envelope(msgspec.Struct, array_like=True):
+    """The leading field of every header; read alone to route a reply (trailing fields are ignored)."""
+
+    req_id: int
+
+
+class TensorSpec(_Wire):
+    """Where one named tensor of a group lives.
+
+    ``frame >= 0``: in buffer ``frame`` of the group's storage, starting ``offset`` bytes in (a socket frame,
+    an arena region or a restored blob); ``frame == -1``: inline, its bytes in ``data``.
+    """
+
+    name: str
+    dtype: str
+    shape: list[int]
+    frame: int = -1
+    offset: int = 0
+    data: bytes = b""
+
+
+# ------------------------------------------------------------------------------------------------ requests
+class HelloRequest(_Wire):
+    req_id: int
+
+
+class PutRequest(_Wire):
+    """A whole group over the socket (to a storage unit); tensor buffers follow as frames."""
+
+    req_id: int
+    partition: str
+    meta: GroupMeta
+    tensors: list[TensorSpec]
+    # Seconds to wait on back-pressure before QueueFull.
+    timeout_s: float
+
+
+class ReserveRequest(_Wire):
+    """Ask for an arena region of ``nbytes`` for a group (same-host clients); specs hold region offsets."""
+
+    req_id: int
+    partition: str
+    meta: GroupMeta
+    tensors: list[TensorSpec]
+    nbytes: int
+    timeout_s: float
+
+
+class CommitRequest(_Wire):
+    """The group of reservation ``token`` is written into its region: make it ready."""
+
+    req_id: int
+    token: int
+
+
+class LeaseRequest(_Wire):
+    req_id: int
+    partition: str
+    n_groups: int
+    min_groups: int
+    timeout_s: float
+    consumer_version: int | None = None
+
+
+class FetchRequest(_Wire):
+    """Buffers of leased groups stored as frames (or of arena groups, for clients without the arena)."""
+
+    req_id: int
+    lease_id: str
+    tokens: list[int]
+
+
+class AckRequest(_Wire):
+    req_id: int
+    lease_id: str
+    dropped: list[str] = []
+
+
+class NackRequest(_Wire):
+    req_id: int
+    lease_id: str
+
+
+class PopDroppedRequest(_Wire):
+    req_id: int
+    max_groups: int
+
+
+class StatsRequest(_Wire):
+    req_id: int
+
+
+class PathRequest(_Wire):
+    """SNAPSHOT or RESTORE: ``path`` is on the server's filesystem."""
+
+    req_id: int
+    path: str
+
+
+class PingRequest(_Wire):
+    req_id: int
+
+
+# ------------------------------------------------------------------------------------------------- replies
+class UnitInfo(_Wire):
+    port: int
+    # /proc/<pid>/fd/<n> of the unit's memfd arena, "" when the unit has none.
+    shm_path: str = ""
+    shm_size: int = 0
+
+
+class HelloReply(_Wire):
+    req_id: int
+    # Random per server; also written at the head of every arena, so a client that opens a path of the same
+    # name in another container or host sees a mismatch and falls back to the socket.
+    nonce: bytes
+    units: list[UnitInfo]
+    max_message_bytes: int
+    inline_tensor_bytes: int
+    shm_min_group_bytes: int
+
+
+class PutReply(_Wire):
+    req_id: int
+    # False: the group id or a uid was already seen; nothing was stored.
+    stored: bool
+
+
+class ReserveReply(_Wire):
+    req_id: int
+    # DUPLICATE: already seen, nothing to write. NO_SPACE: the arena is full right now; put over the socket.
+    status: str
+    token: int = 0
+    unit: int = 0
+    offset: int = 0
+
+
+class LeasedGroup(_Wire):
+    meta: GroupMeta
+    tensors: list[TensorSpec]
+    unit: int
+    token: int
+    nbytes: int
+    # Byte offset of the group's region in the unit's arena, or -1 when its buffers must be fetched.
+    arena_offset: int = -1
+    num_buffers: int = 0
+
+
+class LeaseReply(_Wire):
+    req_id: int
+    # Empty when the wait timed out.
+    lease_id: str = ""
+    ttl_s: float = 0.0
+    groups: list[LeasedGroup] = []
+
+
+class FetchReply(_Wire):
+    req_id: int
+    # Buffers per requested token, in order; the buffers follow as frames.
+    counts: list[int]
+
+
+class AckReply(_Wire):
+    req_id: int
+    acked: int
+    # Groups of an expired lease that had been handed out again before this late ack (they will be trained
+    # by their new holder too).
+    lost: int = 0
+
+
+class DroppedReply(_Wire):
+    req_id: int
+    groups: list[GroupMeta]
+
+
+class PartitionStats(msgspec.Struct, kw_only=True, gc=False):
+    """Depth, totals and rates of one partition; rates are per second over the last ``rate_window_s``."""
+
+    ready_groups: int = 0
+    ready_bytes: int = 0
+    leased_groups: int = 0
+    leased_bytes: int = 0
+    put_total: int = 0
+    put_bytes_total: int = 0
+    leased_total: int = 0
+    acked_total: int = 0
+    dropped_total: int = 0
+    nacked_total: int = 0
+    expired_total: int = 0
+    duplicates_total: int = 0
+    put_rate: float = 0.0
+    lease_rate: float = 0.0
+    ack_rate: float = 0.0
+    # staleness (consumer_version - group.min_version) -> groups leased at that staleness (leases that
+    # named a consumer_version only).
+    staleness: dict[int, int] = {}
+
+
+class QueueStats(msgspec.Struct, kw_only=True, gc=False):
+    partitions: dict[str, PartitionStats] = {}
+    held_groups: int = 0
+    held_bytes: int = 0
+    capacity_groups: int = 0
+    capacity_bytes: int = 0
+    puts_waiting: int = 0
+    leases_waiting: int = 0
+    reserved_groups: int = 0
+    consumed_uids: int = 0
+    dropped_waiting: int = 0
+    duplicates_total: int = 0
+    shm_bytes_total: int = 0
+    shm_bytes_used: int = 0
+    rate_window_s: float = 0.0
+    uptime_s: float = 0.0
+
+    def staleness(self) -> dict[int, int]:
+        """The staleness histogram summed over partitions."""
+        out: dict[int, int] = {}
+        for part in self.partitions.values():
+            for k, v in part.staleness.items():
+                out[k] = out.get(k, 0) + v
+        return dict(sorted(out.items()))
+
+
+class StatsReply(_Wire):
+    req_id: int
+    stats: QueueStats
+
+
+class SummaryReply(_Wire):
+    req_id: int
+    summary: dict[str, Any]
+
+
+class DoneReply(_Wire):
+    req_id: int
+
+
+class ErrorReply(_Wire):
+    req_id: int
+    # bad_request | too_large | queue_full | unknown_lease | expired | internal
+    kind: str
+    message: str
+
+
+REQUEST_TYPES: dict[MsgType, type[msgspec.Struct]] = {
+    MsgType.HELLO: HelloRequest,
+    MsgType.PUT: PutRequest,
+    MsgType.RESERVE: ReserveRequest,
+    MsgType.COMMIT: CommitRequest,
+    MsgType.LEASE: LeaseRequest,
+    MsgType.FETCH: FetchRequest,
+    MsgType.ACK: AckRequest,
+    MsgType.NACK: NackRequest,
+    MsgType.POP_DROPPED: PopDroppedRequest,
+    MsgType.STATS: StatsRequest,
+    MsgType.SNAPSHOT: PathRequest,
+    MsgType.RESTORE: PathRequest,
+    MsgType.PING: PingRequest,
+}
+
+REPLY_TYPES: dict[MsgType, type[msgspec.Struct]] = {
+    MsgType.HELLO: HelloReply,
+    MsgType.PUT: PutReply,
+    MsgType.RESERVE: ReserveReply,
+    MsgType.COMMIT: DoneReply,
+    MsgType.LEASE: LeaseReply,
+    MsgType.FETCH: FetchReply,
+    MsgType.ACK: AckReply,
+    MsgType.NACK: DoneReply,
+    MsgType.POP_DROPPED: DroppedReply,
+    MsgType.STATS: StatsReply,
+    MsgType.SNAPSHOT: SummaryReply,
+    MsgType.RESTORE: SummaryReply,
+    MsgType.PING: DoneReply,
+}

@@ -1,0 +1,168 @@
+"""The snapshot file: everything unconsumed or leased, the consumed set and the dropped list, in one file.
+
+Saved next to trainer checkpoints so a restarted run neither loses nor re-trains a group. The format is our
+own wire vocabulary on disk, never pickle or ``torch.save`` (a snapshot may be read by a newer server)::
+
+    b"SLIPSTQ1" | u64 little-endian header length | msgpack SnapshotHeader | zero padding to 64 bytes
+    | payload: each group's non-inline tensors in one 64-byte aligned blob, groups one after another
+
+Each :class:`SnapGroup` says where its blob starts in the payload section and where each tensor sits in its
+blob, exactly like an arena region (``TensorSpec.frame == 0``). Files are written to ``path + ".tmp"`` and
+renamed, so a crash mid-write leaves the previous snapshot intact.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from slipstream.queue import protocol as P
+from slipstream.queue.codec import ALIGN, WireError, spec_nbytes, validate_group
+from slipstream.queue.types import GroupMeta
+
+MAGIC = b"SLIPSTQ1"
+FORMAT_VERSION = 1
+_PREFIX = struct.Struct("<8sQ")
+
+
+class SnapGroup(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    partition: str
+    # Leased when the snapshot was taken; restored as ready (in front, order kept).
+    leased: bool
+    meta: GroupMeta
+    tensors: list[P.TensorSpec]
+    # Blob size and its offset in the payload section.
+    nbytes: int
+    offset: int
+
+
+class SnapshotHeader(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    version: int
+    created: float
+    groups: list[SnapGroup]
+    consumed_groups: list[str]
+    consumed_uids: list[str]
+    dropped: list[GroupMeta]
+
+
+class SnapshotItem(msgspec.Struct, gc=False):
+    """One group to save: its header data plus the buffers its specs point into (frames, regions, blobs)."""
+
+    partition: str
+    leased: bool
+    meta: GroupMeta
+    tensors: list[P.TensorSpec]
+    buffers: list[Any]
+
+
+def _relayout(specs: Sequence[P.TensorSpec]) -> tuple[list[P.TensorSpec], int]:
+    out, size = [], 0
+    for spec in specs:
+        if spec.frame < 0:
+            out.append(spec)
+            continue
+        out.append(P.TensorSpec(spec.name, spec.dtype, spec.shape, frame=0, offset=size))
+        size += -(-spec_nbytes(spec) // ALIGN) * ALIGN
+    return out, size
+
+
+def write_snapshot(
+    path: str,
+    items: Sequence[SnapshotItem],
+    consumed_groups: Sequence[str],
+    consumed_uids: Sequence[str],
+    dropped: Sequence[GroupMeta],
+) -> dict[str, Any]:
+    """Write the file (runs on a worker thread; the server keeps the buffers pinned meanwhile)."""
+    groups, offset = [], 0
+    for item in items:
+        specs, size = _relayout(item.tensors)
+        groups.append(SnapGroup(item.partition, item.leased, item.meta, specs, size, offset))
+        offset += size
+    header = SnapshotHeader(
+        FORMAT_VERSION, time.time(), groups, list(consumed_groups), list(consumed_uids), list(dropped)
+    )
+    body = msgspec.msgpack.encode(header)
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(_PREFIX.pack(MAGIC, len(body)))
+        f.write(body)
+        f.write(b"\0" * _pad(_PREFIX.size + len(body)))
+        for item, group in zip(items, groups, strict=True):
+            _write_blob(f, item, group)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, target)
+    return {
+        "path": str(target),
+        "groups": len(groups),
+        "leased_groups": sum(g.leased for g in groups),
+        "bytes": offset,
+        "consumed_uids": len(consumed_uids),
+        "dropped": len(dropped),
+    }
+
+
+def _write_blob(f: Any, item: SnapshotItem, group: SnapGroup) -> None:
+    written = 0
+    for old, new in zip(item.tensors, group.tensors, strict=True):
+        if old.frame < 0:
+            continue
+        f.write(b"\0" * (new.offset - written))
+        src = _bytes_view(item.buffers[old.frame])
+        n = spec_nbytes(old)
+        f.write(src[old.offset : old.offset + n])
+        written = new.offset + n
+    f.write(b"\0" * (group.nbytes - written))
+
+
+def _bytes_view(buffer: Any) -> memoryview:
+    view = buffer.buffer if hasattr(buffer, "buffer") else memoryview(buffer)
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def _pad(n: int) -> int:
+    return -n % ALIGN
+
+
+def read_snapshot(path: str) -> tuple[SnapshotHeader, list[bytearray]]:
+    """Read and check a snapshot; raise WireError (``bad_request``) naming what is wrong with the file."""
+    try:
+        f = open(path, "rb")  # noqa: SIM115 - closed below
+    except OSError as err:
+        raise WireError("bad_request", f"cannot open snapshot {path}: {err}") from None
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        prefix = f.read(_PREFIX.size)
+        if len(prefix) != _PREFIX.size or _PREFIX.unpack(prefix)[0] != MAGIC:
+            raise WireError("bad_request", f"{path} is not a slipstream queue snapshot")
+        length = _PREFIX.unpack(prefix)[1]
+        if _PREFIX.size + length > size:
+            raise WireError("bad_request", f"{path}: truncated header ({length} bytes announced)")
+        try:
+            header = msgspec.msgpack.decode(f.read(length), type=SnapshotHeader)
+        except (msgspec.DecodeError, msgspec.ValidationError) as err:
+            raise WireError("bad_request", f"{path}: malformed snapshot header: {err}") from None
+        if header.version != FORMAT_VERSION:
+            raise WireError("bad_request", f"{path}: snapshot format {header.version}, this server reads 1")
+        start = _PREFIX.size + length + _pad(_PREFIX.size + length)
+        blobs = []
+        for g in header.groups:
+            validate_group(g.meta, g.tensors, [g.nbytes])
+            if g.offset < 0 or start + g.offset + g.nbytes > size:
+                raise WireError(
+                    "bad_request", f"{path}: group {g.meta.group_id!r} lies past the end of the file"
+                )
+            f.seek(start + g.offset)
+            blob = bytearray(g.nbytes)
+            f.readinto(blob)
+            blobs.append(blob)
+    return header, blobs

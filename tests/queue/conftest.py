@@ -1,0 +1,43 @@
+"""Fixtures of the queue tests: hand-built groups and servers (in this process or as a child process)."""
+
+from __future__ import annotations
+
+import pytest
+
+from slipstream.queue.config import QueueConfig
+
+
+@pytest.fixture
+def server():
+    """Factory of in-process servers (stopped at teardown): ``server(lease_timeout_s=2)`` -> QueueServer."""
+    from slipstream.queue.server import QueueServer
+
+    started = []
+
+    def make(**overrides) -> QueueServer:
+        overrides.setdefault("shm_bytes_per_unit", 8 << 20)
+        srv = QueueServer(QueueConfig(**overrides)).start()
+        started.append(srv)
+        return srv
+
+    yield make
+    for srv in started:
+        srv.stop()
+
+
+@pytest.fixture
+def server_process():
+    """Factory of server child processes (stopped at teardown) -> QueueServerHandle."""
+    from slipstream.queue.server import start_queue_server
+
+    started = []
+
+    def make(**overrides):
+        overrides.setdefault("shm_bytes_per_unit", 8 << 20)
+        handle = start_queue_server(QueueConfig(**overrides))
+        started.append(handle)
+        return handle
+
+    yield make
+    for handle in started:
+        handle.stop()
