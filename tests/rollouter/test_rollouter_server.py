@@ -20,6 +20,7 @@ import asyncio
 import json
 import shutil
 
+import httpx
 import pytest
 import torch
 
@@ -37,6 +38,7 @@ from slipstream.rollouter.balancer import LoadBalancer
 from slipstream.rollouter.clients import SGLangClient
 from slipstream.rollouter.config import EmbeddedServerConfig, RolloutConfig
 from slipstream.rollouter.launch import launch_server
+from slipstream.rollouter.partial import PartialRolloutClient
 from slipstream.rollouter.rollouter import Rollouter
 
 QUESTION = [{"role": "user", "content": "What is 6 * 7? Use python."}]
@@ -62,8 +64,9 @@ def episode_ids(tok) -> dict[str, list[int]]:
     }
 
 
-def teach(model_path, out_dir, pieces: dict[str, list[int]], max_steps: int = 600):
-    """Over-fit the model on the conversation until greedy decoding reproduces the assistant turns."""
+def teach(model_path, out_dir, pieces: dict[str, list[int]], max_steps: int = 400):
+    """Over-fit the model on the conversation until every assistant token is the arg-max by a margin of 2
+    nats (so that the server's float32 kernels, which differ slightly from training's, decode the same)."""
     from transformers import AutoModelForCausalLM
 
     threads = torch.get_num_threads()
@@ -74,23 +77,18 @@ def teach(model_path, out_dir, pieces: dict[str, list[int]], max_steps: int = 60
         ids = pieces["prompt"] + pieces["turn1"] + pieces["tool"] + pieces["turn2"]
         mask = [0] * len(pieces["prompt"]) + [1] * len(pieces["turn1"]) + [0] * len(pieces["tool"])
         mask += [1] * len(pieces["turn2"])
-        inputs = torch.tensor([ids[:-1]])
-        targets = torch.tensor(ids[1:])
+        inputs, targets = torch.tensor([ids[:-1]]), torch.tensor(ids[1:])
         weight = torch.tensor(mask[1:], dtype=torch.bool)
-        optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-        for step in range(max_steps):
+        optimizer = torch.optim.Adam(model.parameters(), lr=5e-3)
+        for _ in range(max_steps):
             logits = model(inputs).logits[0]
+            if _margin(logits[weight], targets[weight]) > 2.0:
+                break
             loss = torch.nn.functional.cross_entropy(logits[weight], targets[weight])
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            if step % 10 == 9 and bool((logits.argmax(-1)[weight] == targets[weight]).all()) and loss < 0.05:
-                break
-        with torch.no_grad():
-            greedy = model(inputs).logits[0].argmax(-1)
-        assert bool((greedy[weight] == targets[weight]).all()), (
-            f"the conversation was not learned (loss {loss:.3f})"
-        )
+        assert _margin(logits[weight], targets[weight]) > 2.0, "the conversation was not learned"
         model.save_pretrained(out_dir)
     finally:
         torch.set_num_threads(threads)
@@ -98,6 +96,14 @@ def teach(model_path, out_dir, pieces: dict[str, list[int]], max_steps: int = 60
         if (model_path / name).exists():
             shutil.copy(model_path / name, out_dir / name)
     return out_dir
+
+
+@torch.no_grad()
+def _margin(logits: torch.Tensor, targets: torch.Tensor) -> float:
+    """Smallest gap between the target's logit and the best other logit, over all positions."""
+    target = logits.gather(1, targets[:, None])[:, 0]
+    other = logits.scatter(1, targets[:, None], float("-inf")).max(-1).values
+    return float((target - other).min())
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +119,7 @@ def taught_server(tiny_model_path, tok, tmp_path_factory):
     out = tmp_path_factory.mktemp("taught-model")
     teach(tiny_model_path, out, episode_ids(tok))
     server = launch_server("embedded", out, cfg=RolloutConfig(embedded=ENGINE), log_path=out / "server.log")
+    server.model_dir = out
     try:
         server.wait_healthy(timeout_s=180)
         yield server
@@ -224,3 +231,92 @@ def test_rollouter_streams_scored_groups_into_a_real_queue(taught_server, tok, t
     assert metrics["rollouter/groups_put"] == 2 and metrics["rollouter/reward_mean"] == 1.0
     assert metrics["rollouter/reward_errors"] == 0 and metrics["rollouter/num_turns_mean"] == 2
     assert json.dumps(metrics)  # plain numbers, ready for the metrics logger
+
+
+# -------------------------------------------------------------------------------------------------
+# Runs last in this module: it changes the server's weights.
+
+
+def test_partial_rollout_across_a_weight_version_change(taught_server, tok, tiny_model_path):
+    """A request is aborted mid-generation by a pause, a new version (different weights) is pushed through
+    the weight-sync path, generation resumes: the episode's tokens carry the version that produced them, and
+    each token's logprob is that version's teacher-forced logprob (loss mask and logprobs line up).
+
+    Versions alternate between the taught weights (even) and the original random weights (odd), so that an
+    attempt in which the request finished before the pause (then tried again) still pushes different
+    weights. The prompt is one the taught model continues for long without an end-of-turn token."""
+    from transformers import AutoModelForCausalLM
+
+    from slipstream.weightsync.config import WeightSyncConfig
+    from slipstream.weightsync.publisher import WeightPublisher
+
+    models = [
+        AutoModelForCausalLM.from_pretrained(taught_server.model_dir, dtype=torch.float32).eval(),
+        AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval(),
+    ]
+    sample = Sample(index=0, messages=[{"role": "user", "content": "Count to ten."}], data_source="arithmetic",
+                    ground_truth="0")  # fmt: skip
+    publisher = WeightPublisher(
+        WeightSyncConfig(device="cpu", pause_mode="in_place", bucket_mb=4, timeout_s=60),
+        [taught_server.url],
+        "embedded",
+    )
+
+    async def generated_tokens(http) -> int:
+        return (await http.get("/model_info")).json()["generated_tokens"]
+
+    async def main():
+        client = SGLangClient(taught_server.url)
+        http = httpx.AsyncClient(base_url=taught_server.url, timeout=30)
+        loop = make_agent_loop(
+            AgentConfig(name="single_turn"), PartialRolloutClient(client, max_in_flight=2), tok
+        )
+        try:
+            for version in range(1, 6):
+                before = await generated_tokens(http)
+                task = asyncio.create_task(
+                    loop.run(
+                        sample, SamplingParams(max_new_tokens=160, temperature=1.0), uid=f"partial-{version}"
+                    )
+                )
+                while not task.done() and await generated_tokens(http) < before + 4:
+                    await asyncio.sleep(0.002)
+                await client.pause("abort")  # the request returns its partial tokens; its resume is held
+                params = list(models[version % 2].named_parameters())
+                report = await asyncio.to_thread(publisher.publish, version, params)
+                assert report.ok == [taught_server.url], report
+                await client.resume()
+                out = await asyncio.wait_for(task, 60)
+                if out.num_resumes:
+                    return out, version
+            raise AssertionError("the request finished before the pause in every attempt")
+        finally:
+            await http.aclose()
+            await client.aclose()
+
+    try:
+        out, version = asyncio.run(asyncio.wait_for(main(), 120))
+    finally:
+        publisher.close()
+    out.validate()
+    old, new = version - 1, version
+    k = out.versions.count(old)
+    assert out.num_resumes == 1 and 1 <= k < len(out.versions) <= 160
+    assert out.versions == [old] * k + [new] * (len(out.versions) - k)
+    assert out.loss_mask == [1] * len(out.response_ids) and len(out.logprobs) == len(out.response_ids)
+
+    # Each token's logprob is the one of the weights its version names, given the exact prefix; the two
+    # versions really are different policies for these tokens.
+    ids = torch.tensor([out.prompt_ids + out.response_ids])
+    tokens = torch.tensor(out.response_ids)[:, None]
+    with torch.no_grad():
+        logp = {
+            v: torch.log_softmax(models[v % 2](ids).logits[0, len(out.prompt_ids) - 1 : -1], -1)
+            for v in (old, new)
+        }
+    expected = [
+        float(logp[v][i, t]) for i, (t, v) in enumerate(zip(out.response_ids, out.versions, strict=True))
+    ]
+    assert max(abs(a - b) for a, b in zip(out.logprobs, expected, strict=True)) < 2e-3
+    wrong_version = logp[old][k:].gather(1, tokens[k:])[:, 0].tolist()
+    assert max(abs(a - b) for a, b in zip(out.logprobs[k:], wrong_version, strict=True)) > 0.1
