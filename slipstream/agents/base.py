@@ -100,3 +100,11 @@ class AgentLoop(ABC):
     def token_budget(self, used: int, sampling: SamplingParams) -> int:
         """New tokens the next request may generate: its own cap and what is left of max_total_tokens."""
         return min(sampling.max_new_tokens, self.cfg.max_total_tokens - used)
+
+
+def request_params(sampling: SamplingParams, budget: int, stop_ids: set[int]) -> SamplingParams:
+    """``sampling`` for one request: ``budget`` new tokens, and generation also stops at the chat
+    template's end-of-turn token (``stop_ids``), which for some models (a base model with a chat template)
+    is not the model's own EOS."""
+    stops = list(sampling.stop_token_ids) + sorted(stop_ids - set(sampling.stop_token_ids))
+    return msgspec.structs.replace(sampling, max_new_tokens=budget, stop_token_ids=stops)

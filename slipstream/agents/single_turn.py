@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import msgspec
-
-from slipstream.agents.base import AgentLoop, AgentLoopOutput
+from slipstream.agents.base import AgentLoop, AgentLoopOutput, request_params
 from slipstream.agents.chat import ChatRenderer
 from slipstream.agents.data import Sample
 from slipstream.agents.protocol import SamplingParams
@@ -29,7 +27,7 @@ class SingleTurnAgentLoop(AgentLoop):
         if budget <= 0:
             out.finish_reason = "length"
             return out
-        params = msgspec.structs.replace(sampling_params, max_new_tokens=budget)
+        params = request_params(sampling_params, budget, self.renderer.stop_ids)
         result = await self.client.generate(prompt_ids, params, rid=uid or None, session_id=uid or None)
         out.add_generated(result)
         out.num_turns = 1

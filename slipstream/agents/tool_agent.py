@@ -24,9 +24,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import msgspec
-
-from slipstream.agents.base import AgentLoop, AgentLoopOutput
+from slipstream.agents.base import AgentLoop, AgentLoopOutput, request_params
 from slipstream.agents.chat import ChatRenderer
 from slipstream.agents.data import Sample
 from slipstream.agents.protocol import GenerateOutput, SamplingParams
@@ -59,7 +57,7 @@ class ToolAgentLoop(AgentLoop):
                 break
             result = await self.client.generate(
                 prompt_ids + out.response_ids,
-                msgspec.structs.replace(sampling_params, max_new_tokens=budget),
+                request_params(sampling_params, budget, self.renderer.stop_ids),
                 rid=f"{uid}-t{turn}" if uid else None,
                 session_id=uid or None,
             )

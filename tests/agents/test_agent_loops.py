@@ -55,6 +55,8 @@ def test_single_turn_keeps_server_tokens(tok):
     assert out.response_ids == weird and out.loss_mask == [1] * 4 and out.versions == [2, 2, 3, 3]
     assert out.prompt_ids == ChatRenderer(tok).prompt_ids(SAMPLE.messages)
     assert client.requests[0][2] == "g0-0"
+    # Generation also stops at the template's end-of-turn token, whatever the model's own EOS is.
+    assert tok.convert_tokens_to_ids("<|im_end|>") in client.requests[0][1].stop_token_ids
 
 
 def test_tool_episode_masks_tool_tokens_and_matches_template(tok):
