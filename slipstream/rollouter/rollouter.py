@@ -114,10 +114,13 @@ class Rollouter:
         self._todo: deque[_Work] = deque()  # before new prompts: dropped groups, resumed in-flight ones
         self._in_flight: dict[str, _Work] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._changed = asyncio.Event()
+        self._changed = asyncio.Event()  # a group finished or a drop arrived: the admission loop looks again
+        self._idle = asyncio.Event()  # no group in flight (drain waits on it)
+        self._idle.set()
         self._stopping = False
         self._running = False
         self._fatal: BaseException | None = None
+        self._waiting: _Work | None = None
         # Seconds between polls for dropped groups (and the longest an idle admission wait sleeps).
         self.poll_s = DROPPED_POLL_S
 
@@ -133,6 +136,8 @@ class Rollouter:
         except BaseException:
             await self.stop()  # no group task outlives a failed run
             raise
+        else:
+            self.rewards.close()  # the worker processes start again if run() is called again
         finally:
             poller.cancel()
             await asyncio.gather(poller, return_exceptions=True)
@@ -172,9 +177,8 @@ class Rollouter:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(f"drain: {len(self._in_flight)} groups still in flight")
-            self._changed.clear()
-            try:
-                await asyncio.wait_for(self._changed.wait(), min(remaining, 1.0))
+            try:  # woken when the last group leaves; the 1 s cap notices a run that ended meanwhile
+                await asyncio.wait_for(self._idle.wait(), min(remaining, 1.0))
             except TimeoutError:
                 pass
             self._raise_fatal()
@@ -197,7 +201,8 @@ class Rollouter:
 
         Groups in flight are saved as pending prompts and their gate units as refunded, so a resumed run
         admits them again exactly once."""
-        pending = [*self._in_flight.values(), *self._todo]
+        waiting = [self._waiting] if self._waiting is not None else []
+        pending = [*self._in_flight.values(), *waiting, *self._todo]
         gate = self.gate.state_dict()
         gate["admitted"] -= len(self._in_flight)
         return {
@@ -227,7 +232,10 @@ class Rollouter:
                         return
                 await self._wait_for_change()
                 continue
-            if not await self._admit():
+            self._waiting = work  # owed while it waits for the gate: state_dict must list it
+            admitted = await self._admit()
+            self._waiting = None
+            if not admitted:
                 self._todo.appendleft(work)
                 continue
             if self._todo and work.fresh:
@@ -275,6 +283,7 @@ class Rollouter:
 
     def _start(self, work: _Work) -> None:
         self._in_flight[work.group_id] = work
+        self._idle.clear()
         task = asyncio.create_task(self._run_group(work), name=f"group {work.group_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -286,14 +295,15 @@ class Rollouter:
             if group is None:
                 return  # stopping: stays in _in_flight, so state_dict keeps the prompt
             await self._put(group)
+            self._in_flight.pop(work.group_id, None)
         except asyncio.CancelledError:
             raise
         except Exception as err:
             self._group_failed(work, err)
-            return
         finally:
+            if not self._in_flight:
+                self._idle.set()
             self._changed.set()
-        self._in_flight.pop(work.group_id, None)
 
     async def _generate_group(self, work: _Work) -> TrajectoryGroup | None:
         sample = self.prompts.get(work.ref.index)

@@ -174,6 +174,8 @@ def test_stop_and_resume_lose_nothing(tok):
         rollouter, client, queue = make(tok, cfg, prompts(6, epochs=2))
         task = asyncio.create_task(rollouter.run())
         await settle()
+        # A checkpoint while running lists the four groups in flight and the prompt waiting for the gate.
+        assert [p[:2] for p in rollouter.state_dict()["pending"]] == [[0, i] for i in range(5)]
         first_pending = sorted(client.pending)
         for rid in first_pending[:4]:  # two of the four groups finish
             client.finish(rid)
