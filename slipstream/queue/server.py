@@ -300,4 +300,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stderr.flush()
+    os._exit(code)  # everything is closed; skip the interpreter's teardown of torch (about a second)

@@ -1,0 +1,246 @@
+"""Queue semantics against a live server in this process: FIFO, dedup, leases, partitions, stats."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from slipstream.queue.client import AsyncQueueClient, QueueClient, QueueError, QueueFull
+from slipstream.queue.testing import make_group
+
+
+@pytest.fixture
+def client_of():
+    clients = []
+
+    def make(srv, **kw) -> QueueClient:
+        c = QueueClient(srv.address, timeout_s=30, **kw)
+        clients.append(c)
+        return c
+
+    yield make
+    for c in clients:
+        c.close()
+
+
+def _ids(lease):
+    return [g.group_id for g in lease.groups]
+
+
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_put_lease_ack_fifo_and_payload_intact(server, client_of, shared_memory):
+    srv = server(shm_min_group_bytes=1024)
+    producer, consumer = (
+        client_of(srv, shared_memory=shared_memory),
+        client_of(srv, shared_memory=shared_memory),
+    )
+    groups = [make_group(f"g{i}", payload=200 * (i % 2)) for i in range(5)]  # mixes socket and arena puts
+    assert all(producer.put(g) for g in groups)
+    lease = consumer.lease(3, timeout_s=5)
+    assert _ids(lease) == ["g0", "g1", "g2"] and lease.deadline > time.time()
+    rest = consumer.lease(2, timeout_s=5)
+    assert _ids(rest) == ["g3", "g4"]
+    for got, sent in zip(lease.groups + rest.groups, groups, strict=True):
+        assert got.meta == sent.meta
+        assert set(got.tensors) == set(sent.tensors)
+        for name, t in sent.tensors.items():
+            assert torch.equal(got.tensors[name], t), name
+    consumer.ack(lease)
+    consumer.ack(rest)
+    assert consumer.lease(1, timeout_s=0.2) is None
+    stats = consumer.stats()
+    assert stats.held_groups == 0 and stats.partitions["train"].acked_total == 5
+    if shared_memory:
+        assert stats.shm_bytes_used == 0
+
+
+def test_duplicates_are_dropped_before_and_after_ack(server, client_of):
+    c = client_of(server())
+    assert c.put(make_group("a")) is True
+    assert c.put(make_group("a")) is False  # same group id while ready
+    clash = make_group("b")
+    clash.meta.samples[0].uid = "a-0"  # a uid already held
+    assert c.put(clash) is False
+    lease = c.lease(1, timeout_s=5)
+    assert c.put(make_group("a")) is False  # while leased
+    c.ack(lease)
+    assert c.put(make_group("a")) is False  # after ack: consumed for good
+    assert c.lease(1, timeout_s=0.1) is None
+    assert c.stats().duplicates_total == 4
+
+
+def test_nack_and_expiry_return_groups_to_the_front_in_order(server, client_of):
+    srv = server(lease_timeout_s=0.5)
+    c = client_of(srv)
+    for i in range(4):
+        c.put(make_group(f"g{i}"))
+    first = c.lease(2, timeout_s=5)
+    second = c.lease(1, timeout_s=5)
+    assert _ids(second) == ["g2"]  # left to expire
+    c.nack(first)
+    again = c.lease(3, timeout_s=5)
+    assert _ids(again) == ["g0", "g1", "g3"]
+    deadline = time.monotonic() + 10
+    while c.stats().partitions["train"].expired_total < 4 and time.monotonic() < deadline:
+        time.sleep(0.1)  # both leases time out (0.5 s)
+    back = c.lease(4, timeout_s=5)
+    assert _ids(back) == ["g0", "g1", "g2", "g3"]
+    c.ack(back)
+    with pytest.raises(QueueError, match="unknown_lease"):
+        c.ack("no-such-lease")
+
+
+def test_late_ack_consumes_what_was_not_handed_out_again(server, client_of):
+    srv = server(lease_timeout_s=0.3)
+    c = client_of(srv)
+    c.put(make_group("a"))
+    c.put(make_group("b"))
+    lease = c.lease(2, timeout_s=5)
+    time.sleep(0.6)
+    other = c.lease(1, timeout_s=5)  # "a" goes to a second holder after the expiry
+    assert _ids(other) == ["a"]
+    c.ack(lease)  # late: consumes "b", reports "a" as already handed out
+    c.ack(other)
+    assert c.lease(1, timeout_s=0.1) is None
+    assert c.stats().partitions["train"].acked_total == 2
+
+
+def test_lease_waits_for_min_groups_and_is_woken_by_a_put(server, client_of):
+    srv = server()
+    consumer, producer = client_of(srv), client_of(srv)
+
+    async def scenario():
+        aconsumer = AsyncQueueClient(srv.address, timeout_s=30)
+        try:
+            waiting = asyncio.ensure_future(aconsumer.lease(3, min_groups=2, timeout_s=20))
+            await asyncio.sleep(0.2)
+            assert not waiting.done()
+            producer.put(make_group("a"))
+            await asyncio.sleep(0.2)
+            assert not waiting.done()  # one ready, two needed
+            producer.put(make_group("b"))
+            lease = await asyncio.wait_for(waiting, 20)
+            assert _ids(lease) == ["a", "b"]
+            await aconsumer.ack(lease)
+        finally:
+            await aconsumer.close()
+
+    asyncio.run(scenario())
+    assert consumer.lease(1, timeout_s=0.05) is None
+    with pytest.raises(QueueError, match="min_groups"):
+        consumer.lease(2, min_groups=3, timeout_s=0)
+
+
+def test_partitions_are_independent(server, client_of):
+    c = client_of(server())
+    c.put(make_group("t1"))
+    c.put(make_group("v1"), partition="val")
+    c.put(make_group("t2"))
+    assert _ids(c.lease(5, partition="val", min_groups=1, timeout_s=5)) == ["v1"]
+    assert _ids(c.lease(5, min_groups=1, timeout_s=5)) == ["t1", "t2"]
+    parts = c.stats().partitions
+    assert parts["val"].leased_groups == 1 and parts["train"].leased_groups == 2
+    with pytest.raises(QueueError, match="partition"):
+        c.put(make_group("x"), partition="bad name!")
+
+
+def test_dropped_groups_are_kept_for_regeneration(server, client_of):
+    c = client_of(server())
+    for i in range(3):
+        c.put(make_group(f"g{i}"))
+    lease = c.lease(3, timeout_s=5)
+    with pytest.raises(QueueError, match="not in lease"):
+        c.ack(lease, dropped=["zzz"])
+    c.ack(lease, dropped=["g0", "g2"])
+    dropped = c.pop_dropped()
+    assert [m.group_id for m in dropped] == ["g0", "g2"] and dropped[0].samples[0].uid == "g0-0"
+    assert c.pop_dropped() == []
+    assert c.put(make_group("g0")) is False  # consumed without training still counts as consumed
+    assert c.stats().partitions["train"].dropped_total == 2
+
+
+def test_stats_depth_rates_and_staleness_histogram(server, client_of):
+    c = client_of(server())
+    for i, version in enumerate([5, 5, 3, 7]):
+        c.put(make_group(f"g{i}", version=version, payload=10))
+    lease = c.lease(3, timeout_s=5, consumer_version=7)  # staleness 2, 2, 4
+    stats = c.stats()
+    part = stats.partitions["train"]
+    assert (part.ready_groups, part.leased_groups) == (1, 3)
+    assert part.ready_bytes + part.leased_bytes == stats.held_bytes > 0
+    assert part.put_total == 4 and part.leased_total == 3 and part.put_rate > 0
+    assert part.staleness == {2: 2, 4: 1}
+    c.ack(lease)
+    c.lease(1, timeout_s=5, consumer_version=9)  # version 7 -> staleness 2
+    assert c.stats().staleness() == {2: 3, 4: 1}
+
+
+def test_back_pressure_waits_then_fails_with_a_clear_message(server, client_of):
+    srv = server(capacity_groups=2)
+    producer, consumer = client_of(srv), client_of(srv)
+    assert producer.put(make_group("a")) and producer.put(make_group("b"))
+    with pytest.raises(QueueFull, match=r"queue full for 0.3s: holding 2/2 groups"):
+        producer.put(make_group("c"), timeout_s=0.3)
+
+    async def scenario():
+        aproducer = AsyncQueueClient(srv.address, timeout_s=30)
+        try:
+            waiting = asyncio.ensure_future(aproducer.put(make_group("c"), timeout_s=20))
+            await asyncio.sleep(0.3)
+            assert not waiting.done()
+            assert (await aproducer.stats()).puts_waiting == 1
+            consumer.ack(consumer.lease(1, timeout_s=5))  # room for one
+            assert await asyncio.wait_for(waiting, 20) is True
+        finally:
+            await aproducer.close()
+
+    asyncio.run(scenario())
+    assert [g.group_id for g in consumer.lease(2, timeout_s=5).groups] == ["b", "c"]
+
+
+def test_byte_capacity_and_oversized_groups(server, client_of):
+    srv = server(capacity_bytes=20_000)
+    c = client_of(srv)
+    with pytest.raises(QueueError, match="more than capacity_bytes=20000"):
+        c.put(make_group("huge", payload=5000))
+    assert c.put(make_group("a", payload=1500))  # 12 kB
+    with pytest.raises(QueueFull, match="bytes"):
+        c.put(make_group("b", payload=1500), timeout_s=0.2)
+
+
+def test_full_arena_falls_back_to_the_socket(server, client_of):
+    srv = server(shm_bytes_per_unit=64 * 1024, num_storage_units=1, shm_min_group_bytes=0)
+    c = client_of(srv)
+    groups = [make_group(f"g{i}", payload=4000) for i in range(3)]  # 32 kB each: the third does not fit
+    assert all(c.put(g) for g in groups)
+    assert c.stats().shm_bytes_used > 0
+    lease = c.lease(3, timeout_s=5)
+    for got, sent in zip(lease.groups, groups, strict=True):
+        assert torch.equal(got.tensors["payload"], sent.tensors["payload"])
+    c.ack(lease)
+    assert c.stats().shm_bytes_used == 0
+
+
+def test_close_gives_held_leases_back(server, client_of):
+    srv = server()
+    holder, other = QueueClient(srv.address), client_of(srv)
+    other.put(make_group("a"))
+    assert holder.lease(1, timeout_s=5) is not None
+    holder.close()
+    assert _ids(other.lease(1, timeout_s=5)) == ["a"]
+    with pytest.raises(QueueError, match="closed"):
+        holder.stats()
+
+
+def test_no_server_is_a_clear_timeout():
+    from slipstream.utils.net import free_port
+
+    c = QueueClient(f"tcp://127.0.0.1:{free_port()}", timeout_s=0.3)
+    with pytest.raises(QueueError, match="no reply from the queue server"):
+        c.stats()
+    c.close()
+    with pytest.raises(ValueError, match="expected tcp://HOST:PORT"):
+        QueueClient("localhost:5555")
