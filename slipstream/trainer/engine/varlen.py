@@ -37,20 +37,26 @@ def sdpa_varlen_forward(
     if cu is None or query.shape[0] != 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     bounds = cu.tolist()
+    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
     gqa = query.shape[1] != key.shape[1]
-    out = torch.empty_like(query)
-    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-        if end <= start:
-            continue
-        out[:, :, start:end] = F.scaled_dot_product_attention(
-            query[:, :, start:end],
-            key[:, :, start:end],
-            value[:, :, start:end],
+    # split/cat rather than slicing into a preallocated output: their backward is one concatenation, where
+    # per-slice backward would allocate a full-size zero gradient for every sample
+    pieces = [
+        F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
             is_causal=True,
             dropout_p=dropout if module.training else 0.0,
             scale=scaling,
             enable_gqa=gqa,
         )
+        for q, k, v in zip(
+            query.split(lengths, dim=2), key.split(lengths, dim=2), value.split(lengths, dim=2), strict=True
+        )
+        if q.shape[2] > 0
+    ]
+    out = torch.cat(pieces, dim=2)
     return out.transpose(1, 2).contiguous(), None
 
 
