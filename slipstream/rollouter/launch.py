@@ -22,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+import atexit
 import collections
 import json
 import os
@@ -31,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,11 +46,21 @@ from slipstream.utils.net import LOOPBACK, free_port
 log = get_logger(__name__)
 
 
+# Servers this process started and has not stopped; stopped at interpreter exit so none outlives us.
+_RUNNING: weakref.WeakSet[ServerProcess] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_leftovers() -> None:
+    for server in list(_RUNNING):
+        server.stop(timeout_s=10)
+
+
 class ServerLaunchError(RuntimeError):
     """A launched server exited or did not become healthy; the message ends with its own output."""
 
 
-@dataclass
+@dataclass(eq=False)
 class ServerProcess:
     """A running server subprocess (see the module docstring for the lifecycle)."""
 
@@ -113,6 +125,7 @@ class ServerProcess:
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
+        _RUNNING.discard(self)
         return self.popen.returncode
 
     def _signal(self, sig: int) -> None:
@@ -198,4 +211,6 @@ def launch_server(
     )
     log.info("started %s server pid %d on %s:%d (log %s)", kind, popen.pid, host, port, log_path)
     url_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
-    return ServerProcess(kind, f"http://{url_host}:{port}", command, log_path, popen, log_file)
+    server = ServerProcess(kind, f"http://{url_host}:{port}", command, log_path, popen, log_file)
+    _RUNNING.add(server)
+    return server
