@@ -49,12 +49,21 @@ def test_network_namespace_when_permitted():
     report = asyncio.run(isolation_report())
     if not report["netns"]:
         pytest.skip("this machine does not permit network namespaces; the audit hook is the barrier")
-    # Inside the namespace even a raw socket made before the hook could reach nothing: the only
-    # interface is a loopback that is down. Check it with the hook's view of the world: no interfaces up.
+    # The namespace's only interface is its own loopback (down), so even a socket the audit hook missed
+    # (native code) could reach nothing.
     result = run("import os; print(open('/proc/net/dev').read())")
     assert result.status == "ok"
     interfaces = [line.split(":")[0].strip() for line in result.output.splitlines()[2:] if ":" in line]
     assert interfaces == ["lo"]
+
+
+def test_files_outside_its_directory_are_read_only_when_permitted(tmp_path):
+    if not asyncio.run(isolation_report())["readonly"]:
+        pytest.skip("this machine does not permit mount namespaces")
+    target = tmp_path / "escape.txt"
+    result = run(f"open({str(target)!r}, 'w').write('x')")
+    assert result.status == "error" and "Read-only file system" in result.output
+    assert not target.exists()
 
 
 def test_runaway_loop_is_stopped_by_cpu_limit():

@@ -5,8 +5,10 @@ printing, and now and then ``import os; os.system(...)``. Each call runs in a fr
 (``python -I``, started with asyncio so the event loop never blocks) inside its own temporary directory,
 through a small launcher that, before the code runs, applies in order:
 
-1. **network**: a new network namespace (``unshare(CLONE_NEWNET)``) when the process may create one
-   (root or unprivileged user namespaces): only a loopback that is down, so nothing is reachable;
+1. **namespaces**, where the process may create them (root, or a kernel that lets users do so): a new
+   network namespace (``unshare(CLONE_NEWNET)``: only a loopback that is down, so nothing is reachable)
+   and a private mount table in which every mount is read-only except the code's own directory (so code
+   running as root cannot change the machine's files);
 2. **limits**: ``RLIMIT_CPU`` (SIGXCPU ends it), ``RLIMIT_AS`` (allocations fail with MemoryError),
    ``RLIMIT_FSIZE``, no core files;
 3. **audit hook** (``sys.addaudithook``, which cannot be removed once added): creating a socket, starting
@@ -49,9 +51,23 @@ from slipstream.agents.tools.base import truncate_middle
 _LAUNCHER = r"""
 import ctypes, os, resource, sys
 cpu_s, mem, fsize, drop_user = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
-netns = False
+netns = readonly = False
 try:
-    netns = ctypes.CDLL(None, use_errno=True).unshare(0x40000000) == 0  # CLONE_NEWNET
+    libc = ctypes.CDLL(None, use_errno=True)
+    netns = libc.unshare(0x40000000) == 0  # CLONE_NEWNET
+    if libc.unshare(0x00020000) == 0:  # CLONE_NEWNS: a private mount table
+        MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 32, 4096, 16384, 1 << 18
+        here = os.getcwd()
+        ok = libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) == 0
+        ok = ok and libc.mount(here.encode(), here.encode(), None, MS_BIND, None) == 0
+        with open("/proc/self/mountinfo", "rb") as f:
+            points = [line.split()[4].decode("unicode_escape").encode("latin-1") for line in f]
+        for point in points:
+            if ok and point != here.encode():
+                ok = libc.mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY, None) == 0
+        readonly = ok
+        os.chdir(here)  # enter the writable bind mount (the old cwd is the directory beneath it)
+    del libc
 except Exception:
     pass
 resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
@@ -72,8 +88,8 @@ def _hook(event, args):
         raise PermissionError(f"sandbox: {event} is not allowed")
 sys.addaudithook(_hook)
 if os.environ.get("SLIPSTREAM_SANDBOX_REPORT"):
-    print(f"netns={int(netns)} user={os.getuid()}")
-del ctypes, resource, cpu_s, mem, fsize, drop_user, netns, _hook
+    print(f"netns={int(netns)} readonly={int(readonly)} user={os.getuid()}")
+del ctypes, resource, cpu_s, mem, fsize, drop_user, netns, readonly, _hook
 sys.argv = ["main.py"]
 with open("main.py", encoding="utf-8") as _f:
     _code = compile(_f.read(), "main.py", "exec")
@@ -228,7 +244,12 @@ def _result(
 
 
 async def isolation_report() -> dict[str, bool]:
-    """Which isolation layers this machine permits: ``netns`` and ``nobody`` (the hook always applies)."""
+    """Which isolation layers this machine permits: ``netns``, ``readonly`` (file system) and ``nobody``
+    (the audit hook and the limits always apply)."""
     result = await run_python("", SandboxLimits(), report=True)
     fields = dict(part.split("=") for part in result.output.split() if "=" in part)
-    return {"netns": fields.get("netns") == "1", "nobody": fields.get("user") == "65534"}
+    return {
+        "netns": fields.get("netns") == "1",
+        "readonly": fields.get("readonly") == "1",
+        "nobody": fields.get("user") == "65534",
+    }
