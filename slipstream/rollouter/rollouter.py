@@ -49,7 +49,8 @@ from slipstream.agents.data import PromptRef, PromptSource, Sample
 from slipstream.agents.protocol import InferenceClient, SamplingParams
 from slipstream.agents.registry import make_agent_loop
 from slipstream.agents.rewards.runner import RewardResult, RewardRunner
-from slipstream.queue.client import QueueFull
+from slipstream.config import Config
+from slipstream.queue.client import AsyncQueueClient, QueueFull
 from slipstream.queue.types import Trajectory, TrajectoryGroup
 from slipstream.rollouter.gate import StalenessGate
 from slipstream.rollouter.partial import PartialRolloutClient
@@ -92,7 +93,12 @@ class Rollouter:
     """
 
     def __init__(
-        self, cfg: Any, client: InferenceClient, queue: Any, tokenizer: Any, prompts: PromptSource
+        self,
+        cfg: Config,
+        client: InferenceClient,
+        queue: AsyncQueueClient,
+        tokenizer: Any,
+        prompts: PromptSource,
     ) -> None:
         self.cfg = cfg
         num_servers = len(cfg.rollout.server_urls) or cfg.rollout.num_servers
