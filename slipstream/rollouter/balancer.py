@@ -28,10 +28,12 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from slipstream.agents.protocol import GenerateOutput, SamplingParams
+from slipstream.rollouter.clients import make_client
 from slipstream.rollouter.clients.base import ServerClient, ServerError, ServerUnavailable
+from slipstream.rollouter.config import RolloutConfig
 from slipstream.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -247,3 +249,17 @@ class LoadBalancer:
                 self.mark_dead(url)
             elif isinstance(result, BaseException):
                 raise result
+
+
+def balancer_from_config(cfg: RolloutConfig, urls: Sequence[str]) -> LoadBalancer:
+    """A balancer over the servers at ``urls`` with the clients and limits ``cfg`` names.
+
+    The HTTP timeout of each client is a minute longer than ``cfg.request_timeout_s``, so the balancer's
+    own timeout (abort there, retry elsewhere) is the one that fires.
+    """
+    clients = [make_client(cfg.backend, url, timeout_s=cfg.request_timeout_s + 60.0) for url in urls]
+    return LoadBalancer(
+        clients,
+        max_concurrent_per_server=cfg.max_concurrent_per_server,
+        request_timeout_s=cfg.request_timeout_s,
+    )

@@ -214,3 +214,33 @@ def launch_server(
     server = ServerProcess(kind, f"http://{url_host}:{port}", command, log_path, popen, log_file)
     _RUNNING.add(server)
     return server
+
+
+def launch_servers(
+    cfg: RolloutConfig,
+    model_path: str | Path,
+    *,
+    host: str = LOOPBACK,
+    log_dir: str | Path | None = None,
+    env_for: Callable[[int], Mapping[str, str]] | None = None,
+) -> list[ServerProcess]:
+    """Start ``cfg.num_servers`` servers of ``cfg.backend`` and wait until all are healthy.
+
+    They start together and load in parallel; ``env_for(i)`` adds environment for server ``i`` (for
+    example ``CUDA_VISIBLE_DEVICES``). If one fails, all are stopped and its error is raised.
+    """
+    servers: list[ServerProcess] = []
+    try:
+        for i in range(cfg.num_servers):
+            log_path = Path(log_dir) / f"{cfg.backend}-{i}.log" if log_dir is not None else None
+            env = env_for(i) if env_for is not None else None
+            servers.append(
+                launch_server(cfg.backend, model_path, host=host, cfg=cfg, env=env, log_path=log_path)
+            )
+        for server in servers:
+            server.wait_healthy(cfg.launch_timeout_s)
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers

@@ -10,9 +10,10 @@ import httpx
 import pytest
 
 from slipstream.agents.protocol import GenerateOutput, InferenceClient, SamplingParams
-from slipstream.rollouter.balancer import LoadBalancer, NoServerAvailable
-from slipstream.rollouter.clients import SGLangClient
+from slipstream.rollouter.balancer import LoadBalancer, NoServerAvailable, balancer_from_config
+from slipstream.rollouter.clients import SGLangClient, VLLMClient
 from slipstream.rollouter.clients.base import ServerClient, ServerUnavailable
+from slipstream.rollouter.config import RolloutConfig
 from tests.rollouter.conftest import run, start_embedded
 
 
@@ -186,3 +187,18 @@ def test_failover_when_a_server_process_is_killed(embedded_server, tiny_model_pa
     assert sum(url == other.url for url in home.values()) == 4
     assert moved, "no request was in flight on the killed server"
     assert all(len(o.output_ids) == len(o.logprobs) == len(o.versions) for o in outs)
+
+
+def test_balancer_from_config():
+    async def main():
+        cfg = RolloutConfig(backend="vllm", max_concurrent_per_server=3, request_timeout_s=100.0)
+        lb = balancer_from_config(cfg, ["http://127.0.0.1:1", "http://127.0.0.1:2"])
+        try:
+            return [type(c) for c in lb.clients], [c.timeout_s for c in lb.clients], lb
+        finally:
+            await lb.aclose()
+
+    kinds, timeouts, lb = run(main())
+    assert kinds == [VLLMClient, VLLMClient] and timeouts == [160.0, 160.0]
+    assert lb.max_concurrent_per_server == 3 and lb.request_timeout_s == 100.0
+    assert lb.alive() == ["http://127.0.0.1:1", "http://127.0.0.1:2"]

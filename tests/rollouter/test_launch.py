@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from slipstream.rollouter.config import RolloutConfig
-from slipstream.rollouter.launch import ServerLaunchError, ServerProcess, launch_server
+from slipstream.rollouter.launch import ServerLaunchError, ServerProcess, launch_server, launch_servers
 
 
 def test_failing_server_surfaces_its_error(tmp_path):
@@ -58,3 +58,10 @@ def test_stop_terminates_cleanly(tmp_path):
     server = ServerProcess("embedded", "http://127.0.0.1:9", [sys.executable], tmp_path / "x.log", popen)
     assert server.stop(timeout_s=30) == 0 and not server.is_alive()
     popen.stdout.close()
+
+
+def test_launch_servers_stops_all_when_one_fails(tmp_path):
+    cfg = RolloutConfig(num_servers=2, launch_timeout_s=120)
+    with pytest.raises(ServerLaunchError, match="unknown model"):
+        launch_servers(cfg, tmp_path / "missing", log_dir=tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("*.log")) == ["embedded-0.log", "embedded-1.log"]
