@@ -5,7 +5,8 @@ response lengths capped at ``--max-len``, the shape RL rollouts have) with the s
 budget and the trainer's real loss (GRPO advantages, PPO clip, token-mean). Packed micro-batches hold
 samples end to end with restarting position ids; padded ones hold rows padded to the batch's longest
 sample, the layout trainers use without "remove padding". Throughput counts real (non-padding) tokens of
-full training steps (forward, backward, optimizer), after one warm-up step per mode.
+full training steps (forward, backward, optimizer), after one warm-up step per mode; the two modes' timed
+steps alternate, so a change of machine load during the run affects both alike.
 
 The last line of ``--json`` output is one JSON object:
 ``{"packed_tok_s", "padded_tok_s", "speedup", "real_tokens", "padded_tokens", "samples", ...}``.
@@ -90,22 +91,34 @@ def _batch(args: argparse.Namespace, vocab_size: int):
     return batch, responses
 
 
-def _time_mode(cfg, batch, steps: int) -> tuple[float, int]:
-    """Seconds per timed step and micro-batches per step, for one engine mode."""
+def _make_runner(cfg, batch):
+    """A closure running one full training step of one mode (a fresh engine from the same weights)."""
     from slipstream.trainer.engine.fsdp import FSDPEngine
 
     engine = FSDPEngine(cfg)
     engine.initialize()
     tokens, seqs = global_counts(batch["loss_mask"], batch["cu_seqlens"])
     loss = PolicyLoss(cfg.trainer.algorithm, GlobalCounts(tokens, seqs, 1.0))
-    out = None
-    for i in range(steps + 1):
-        if i == 1:
-            t0 = time.perf_counter()
+
+    def step() -> int:
         out = engine.forward_backward_batch(batch, loss)
         engine.optimizer_step()
-    elapsed = (time.perf_counter() - t0) / steps
-    return elapsed, out.num_micro_batches
+        return out.num_micro_batches
+
+    return step
+
+
+def _time_modes(runners: dict, steps: int) -> dict[str, tuple[float, int]]:
+    """Seconds per step and micro-batches per step of each mode, timed step by step in alternation so a
+    machine whose load changes during the run slows both modes alike."""
+    micro = {mode: run() for mode, run in runners.items()}  # warm-up step of each mode
+    spent = dict.fromkeys(runners, 0.0)
+    for _ in range(steps):
+        for mode, run in runners.items():
+            t0 = time.perf_counter()
+            run()
+            spent[mode] += time.perf_counter() - t0
+    return {mode: (spent[mode] / steps, micro[mode]) for mode in runners}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -119,10 +132,11 @@ def run(args: argparse.Namespace) -> dict:
         batch, responses = _batch(args, vocab)
         lengths = [args.prompt_len + r for r in responses]
         real = sum(lengths)
-        results = {}
-        for mode, packed in (("packed", True), ("padded", False)):
-            sec, micro = _time_mode(_config(model_path, args, packed), batch, args.steps)
-            results[mode] = (sec, micro)
+        runners = {
+            m: _make_runner(_config(model_path, args, m == "packed"), batch) for m in ("packed", "padded")
+        }
+        results = _time_modes(runners, args.steps)
+        for mode, (sec, micro) in results.items():
             print(
                 f"{mode:>6}: {sec:7.3f} s/step, {micro:3d} micro-batches, {real / sec:9.1f} real tok/s",
                 flush=True,
