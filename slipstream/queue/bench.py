@@ -24,6 +24,7 @@ the last stdout line is the JSON result.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import subprocess
@@ -38,6 +39,8 @@ MiB = 1 << 20
 KiB = 1 << 10
 DEFAULT_SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
 WINDOW = 8
+# Puts in flight from the producer's asyncio client.
+CONCURRENCY = 4
 INFLIGHT_BYTES = 1 * GiB
 
 
@@ -94,13 +97,43 @@ def _producer(client: Any, cmd: dict) -> dict:
             rtts.append(time.perf_counter() - t0)
             starts[group.group_id] = t0
         return {"rtt": rtts, "starts": starts}
+    return asyncio.run(_produce(client.address, cmd))
+
+
+async def _produce(address: str, cmd: dict) -> dict:
+    """``CONCURRENCY`` puts in flight from one asyncio client, as the rollouter's agent loops do.
+
+    Each in-flight put owns a payload buffer until its reply: a socket put sends the buffer zero-copy, and
+    the reply is what says the server has the bytes.
+    """
+    import torch
+
+    from slipstream.queue.client import AsyncQueueClient
+
     nbytes, count = cmd["bytes"], cmd["count"]
-    payload = torch.ones(1, nbytes, dtype=torch.uint8)
-    t0 = time.perf_counter()
-    for i in range(count):
+    free: asyncio.Queue[torch.Tensor] = asyncio.Queue()
+    for _ in range(CONCURRENCY):
+        free.put_nowait(torch.ones(1, nbytes, dtype=torch.uint8))
+
+    async def one(i: int) -> None:
+        payload = await free.get()
         payload[0, 0] = payload[0, -1] = i % 251
-        if not client.put(_group(cmd["tag"], i, payload), timeout_s=120):
+        if not await client.put(_group(cmd["tag"], i, payload), timeout_s=120):
             raise RuntimeError("benchmark group refused as a duplicate")
+        free.put_nowait(payload)
+
+    async with AsyncQueueClient(address, timeout_s=120) as client:
+        await client.ping()
+        t0 = time.perf_counter()
+        tasks: set[asyncio.Task] = set()
+        for i in range(count):
+            while len(tasks) >= CONCURRENCY:
+                done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    task.result()
+            tasks.add(asyncio.ensure_future(one(i)))
+        for task in asyncio.as_completed(tasks):
+            await task
     return {"t_start": t0}
 
 
@@ -128,7 +161,7 @@ def _worker(role: str, address: str) -> int:
 
     from slipstream.queue.client import QueueClient
 
-    torch.set_num_threads(int(os.environ.get("SLIPSTREAM_BENCH_THREADS", "2")))
+    torch.set_num_threads(int(os.environ.get("SLIPSTREAM_BENCH_THREADS", "1")))
     client = QueueClient(address, timeout_s=120)
     client.ping()
     print(json.dumps({"ready": True}), flush=True)
@@ -282,6 +315,7 @@ def _ray(sizes: list[int], quick: bool) -> dict[int, float]:
 def _memcpy(sizes: list[int]) -> dict[int, float]:
     import torch
 
+    torch.set_num_threads(1)  # one copy stream, like each queue process (threads fight on a busy machine)
     out = {}
     for nbytes in sizes:
         src = torch.ones(nbytes, dtype=torch.uint8)

@@ -25,6 +25,7 @@ from typing import Any
 
 import msgspec
 import torch
+import zmq
 
 from slipstream.queue import protocol as P
 from slipstream.queue.types import COLUMN_DTYPES, PROMPT_COLUMNS, RESPONSE_COLUMNS, GroupMeta
@@ -123,15 +124,17 @@ def zero_copy(frames: Sequence[Any]) -> bool:
     return any(_frame_nbytes(f) >= ZERO_COPY_MIN_BYTES for f in frames)
 
 
-def send_frames(sock: Any, frames: Sequence[Any], track: bool = False) -> Any:
-    """Send a multipart message: zero-copy (``copy=False``) when it carries a large buffer, else copied.
+def send_frames(sock: Any, frames: Sequence[Any]) -> None:
+    """Send a multipart message: zero-copy (``copy=False``) when it carries a large buffer, else copied."""
+    if zero_copy(frames):
+        sock.send_multipart(frames, copy=False)
+    else:
+        sock.send_multipart(frames)
 
-    Returns the MessageTracker when ``track`` is set: the buffers must stay unchanged until it is done.
-    """
-    if track or zero_copy(frames):
-        return sock.send_multipart(frames, copy=False, track=track)
-    sock.send_multipart(frames)
-    return None
+
+def tracked_frame(buffer: Any) -> zmq.Frame:
+    """A zero-copy frame whose ``tracker`` says when ZeroMQ no longer reads ``buffer`` (any size)."""
+    return zmq.Frame(buffer, copy=False, track=True)
 
 
 # --------------------------------------------------------------------------------------------- tensors
@@ -244,57 +247,76 @@ def validate_group(meta: GroupMeta, specs: Sequence[P.TensorSpec], buffer_sizes:
 
     Returns the payload size in bytes. Raises :class:`WireError` (``bad_request``) naming the first problem,
     so nothing half-valid is ever stored: after this, ``unpack`` cannot fail and the unpacked group
-    satisfies ``TrajectoryGroup.validate``.
+    satisfies ``TrajectoryGroup.validate``. (Plain loops, no generators: this runs on every put.)
     """
+    gid = meta.group_id
     if not meta.samples:
-        raise WireError("bad_request", f"group {meta.group_id!r} has no samples")
-    uids = [s.uid for s in meta.samples]
-    if len(set(uids)) != len(uids):
-        raise WireError("bad_request", f"group {meta.group_id!r}: duplicate uids within the group")
-    if any(s.prompt_len < 0 or s.response_len < 0 for s in meta.samples):
-        raise WireError("bad_request", f"group {meta.group_id!r}: negative prompt_len/response_len")
-    rows = {
-        "prompt": sum(s.prompt_len for s in meta.samples),
-        "response": sum(s.response_len for s in meta.samples),
-    }
-    names = [s.name for s in specs]
-    if len(set(names)) != len(names):
-        raise WireError("bad_request", f"group {meta.group_id!r}: a tensor name appears twice")
-    missing = [c for c in (*PROMPT_COLUMNS, *RESPONSE_COLUMNS) if c not in names]
-    if missing:
-        raise WireError("bad_request", f"group {meta.group_id!r}: missing column(s) {', '.join(missing)}")
+        raise WireError("bad_request", f"group {gid!r} has no samples")
+    n_prompt = n_response = 0
+    uids = set()
+    for s in meta.samples:
+        if s.prompt_len < 0 or s.response_len < 0:
+            raise WireError("bad_request", f"group {gid!r}: negative prompt_len/response_len")
+        n_prompt += s.prompt_len
+        n_response += s.response_len
+        uids.add(s.uid)
+    if len(uids) != len(meta.samples):
+        raise WireError("bad_request", f"group {gid!r}: duplicate uids within the group")
+    names: set[str] = set()
     total = 0
     for spec in specs:
-        total += _check_spec(meta.group_id, spec, buffer_sizes, rows)
+        if spec.name in names:
+            raise WireError("bad_request", f"group {gid!r}: tensor `{spec.name}` appears twice")
+        names.add(spec.name)
+        rows = n_prompt if spec.name in PROMPT_COLUMNS else n_response
+        total += _check_spec(gid, spec, buffer_sizes, rows)
+    if not _REQUIRED.issubset(names):
+        missing = sorted(_REQUIRED - names)
+        raise WireError("bad_request", f"group {gid!r}: missing column(s) {', '.join(missing)}")
     return total
 
 
-def _check_spec(group_id: str, spec: P.TensorSpec, buffer_sizes: Sequence[int], rows: dict[str, int]) -> int:
-    where = f"group {group_id!r}, tensor `{spec.name}`"
+_REQUIRED = frozenset((*PROMPT_COLUMNS, *RESPONSE_COLUMNS))
+
+
+def _check_spec(group_id: str, spec: P.TensorSpec, buffer_sizes: Sequence[int], rows: int) -> int:
     dtype = DTYPES.get(spec.dtype)
+    shape = spec.shape
     if dtype is None:
-        raise WireError("bad_request", f"{where}: unknown dtype {spec.dtype!r}")
-    if not spec.shape or any(d < 0 for d in spec.shape):
-        raise WireError("bad_request", f"{where}: shape {spec.shape} must have at least one non-negative dim")
+        raise WireError(
+            "bad_request", f"group {group_id!r}, tensor `{spec.name}`: unknown dtype {spec.dtype!r}"
+        )
+    if not shape or min(shape) < 0:
+        raise WireError("bad_request", f"group {group_id!r}, tensor `{spec.name}`: bad shape {shape}")
     want_dtype = COLUMN_DTYPES.get(spec.name)
     if want_dtype is not None and dtype != want_dtype:
-        raise WireError("bad_request", f"{where}: dtype {spec.dtype}, expected {DTYPE_NAMES[want_dtype]}")
-    want_rows = rows["prompt"] if spec.name in PROMPT_COLUMNS else rows["response"]
-    if spec.shape[0] != want_rows:
-        raise WireError(
-            "bad_request", f"{where}: first dimension {spec.shape[0]}, the header says {want_rows}"
-        )
-    nbytes = spec_nbytes(spec)
-    if spec.frame < 0:
-        if len(spec.data) != nbytes:
-            raise WireError("bad_request", f"{where}: {len(spec.data)} inline bytes, shape needs {nbytes}")
-        return nbytes
-    if spec.frame >= len(buffer_sizes):
-        raise WireError("bad_request", f"{where}: frame {spec.frame} missing ({len(buffer_sizes)} sent)")
-    if spec.offset < 0 or spec.offset % dtype.itemsize or spec.offset + nbytes > buffer_sizes[spec.frame]:
         raise WireError(
             "bad_request",
-            f"{where}: bytes [{spec.offset}, {spec.offset + nbytes}) do not fit frame {spec.frame} "
-            f"of {buffer_sizes[spec.frame]} bytes (or are misaligned)",
+            f"group {group_id!r}, tensor `{spec.name}`: dtype {spec.dtype}, expected {DTYPE_NAMES[want_dtype]}",
+        )
+    if shape[0] != rows:
+        raise WireError(
+            "bad_request",
+            f"group {group_id!r}, tensor `{spec.name}`: first dimension {shape[0]}, the header says {rows}",
+        )
+    nbytes = math.prod(shape) * dtype.itemsize
+    if spec.frame < 0:
+        if len(spec.data) != nbytes:
+            raise WireError(
+                "bad_request",
+                f"group {group_id!r}, tensor `{spec.name}`: {len(spec.data)} inline bytes, shape needs {nbytes}",
+            )
+        return nbytes
+    if spec.frame >= len(buffer_sizes):
+        raise WireError(
+            "bad_request",
+            f"group {group_id!r}, tensor `{spec.name}`: frame {spec.frame} missing ({len(buffer_sizes)} sent)",
+        )
+    end = spec.offset + nbytes
+    if spec.offset < 0 or spec.offset % dtype.itemsize or end > buffer_sizes[spec.frame]:
+        raise WireError(
+            "bad_request",
+            f"group {group_id!r}, tensor `{spec.name}`: bytes [{spec.offset}, {end}) do not fit frame "
+            f"{spec.frame} of {buffer_sizes[spec.frame]} bytes (or are misaligned)",
         )
     return nbytes

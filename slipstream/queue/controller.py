@@ -37,7 +37,7 @@ from typing import Any
 import msgspec
 
 from slipstream.queue import protocol as P
-from slipstream.queue.codec import WireError, validate_group
+from slipstream.queue.codec import ZERO_COPY_MIN_BYTES, WireError, tracked_frame, validate_group
 from slipstream.queue.config import QueueConfig
 from slipstream.queue.snapshot import SnapshotItem, read_snapshot, write_snapshot
 from slipstream.queue.stats import PartitionCounters
@@ -52,7 +52,7 @@ _PARTITION_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _EXPIRED_LEASES_KEPT = 4096
 
 ReplyTo = Any  # (socket, identity) as the server loop gives it
-Send = Callable[..., Any]  # send(reply_to, msg_type, header, buffers=(), track=False) -> tracker | None
+Send = Callable[..., None]  # send(reply_to, msg_type, header, buffers=())
 
 
 @dataclass(slots=True, eq=False)
@@ -113,14 +113,17 @@ class Controller:
         self._groups: dict[str, _Group] = {}
         self._by_token: dict[int, _Group] = {}
         self._partitions: dict[str, _Partition] = {}
-        self._leases: dict[str, _Lease] = {}
+        # Leases and reservations have one fixed timeout each, so insertion order is deadline order: expiry
+        # only looks at the front (a heap of them would grow with every put).
+        self._leases: OrderedDict[str, _Lease] = OrderedDict()
+        self._reserved: OrderedDict[int, float] = OrderedDict()  # token -> deadline
         self._expired: OrderedDict[str, list[str]] = OrderedDict()
         self._held_uids: set[str] = set()
         self._consumed_groups: set[str] = set()
         self._consumed_uids: set[str] = set()
         self._dropped: deque[GroupMeta] = deque()
         self._parked_puts: deque[_Waiter] = deque()
-        self._timers: list[tuple[float, int, str, Any]] = []
+        self._timers: list[tuple[float, int, str, Any]] = []  # parked requests, each with its own timeout
         self._timer_seq = itertools.count()
         self._jobs: list[tuple[Future, Callable[[Future], None]]] = []
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="queue-snapshot")
@@ -140,10 +143,8 @@ class Controller:
     def _timer(self, deadline: float, kind: str, key: Any) -> None:
         heapq.heappush(self._timers, (deadline, next(self._timer_seq), kind, key))
 
-    def _ok(
-        self, reply_to: ReplyTo, header: msgspec.Struct, buffers: Sequence[Any] = (), track: bool = False
-    ):
-        return self._send(reply_to, P.MsgType.OK, header, buffers, track)
+    def _ok(self, reply_to: ReplyTo, header: msgspec.Struct, buffers: Sequence[Any] = ()) -> None:
+        self._send(reply_to, P.MsgType.OK, header, buffers)
 
     def _is_seen(self, meta: GroupMeta) -> bool:
         gid = meta.group_id
@@ -265,7 +266,7 @@ class Controller:
             )
             group.num_buffers = 1
             self._hold(group)
-            self._timer(time.monotonic() + self.cfg.reserve_timeout_s, "reserve", token)
+            self._reserved[token] = time.monotonic() + self.cfg.reserve_timeout_s
             self._ok(reply_to, P.ReserveReply(req.req_id, "OK", token, unit, offset))
 
         self._admit(req.partition, req, req.nbytes, reply_to, reserve)
@@ -330,7 +331,6 @@ class Controller:
                 P.LeasedGroup(g.meta, g.specs, g.unit, g.token, g.nbytes, g.arena_offset, g.num_buffers)
             )
         self._leases[lease_id] = _Lease(lease_id, req.partition, [g.meta.group_id for g in groups], deadline)
-        self._timer(deadline, "lease", lease_id)
         self._ok(waiter.reply_to, P.LeaseReply(req.req_id, lease_id, self.cfg.lease_timeout_s, leased))
 
     def _return_to_ready(self, part: _Partition, group_ids: list[str]) -> None:
@@ -353,23 +353,33 @@ class Controller:
                 "unknown_lease", f"lease {req.lease_id!r} is unknown, acked or expired", req.req_id
             )
         unit = self.units[unit_index]
-        counts, buffers, pinned = [], [], []
+        counts, buffers = [], []
         for token in req.tokens:
             group = self._by_token.get(token)
             if group is None or group.lease_id != req.lease_id or group.unit != unit_index:
                 raise WireError("bad_request", f"token {token} is not in lease {req.lease_id!r} on this unit")
             if group.arena_offset >= 0:
-                buffers.append(unit.arena.buffer(group.arena_offset, group.nbytes))
-                pinned.append(group.arena_offset)
+                buffers.append(self._arena_frame(unit, group))
                 counts.append(1)
             else:
                 blobs = unit.blobs(token)
                 buffers.extend(blobs)
                 counts.append(len(blobs))
-        tracker = self._ok(reply_to, P.FetchReply(req.req_id, counts), buffers, bool(pinned))
-        for offset in pinned:  # the region must outlive ZeroMQ's read of it, even if the lease is acked now
-            unit.arena.pin(offset)
-            self._sends.append((tracker, unit, offset))
+        self._ok(reply_to, P.FetchReply(req.req_id, counts), buffers)
+
+    def _arena_frame(self, unit: StorageUnit, group: _Group) -> Any:
+        """An arena region as a frame for a client that cannot map the arena.
+
+        Large regions go zero-copy and stay pinned until ZeroMQ has sent them (the lease could be acked, and
+        the region reused, before that); small ones are simply copied.
+        """
+        view = unit.arena.buffer(group.arena_offset, group.nbytes)
+        if group.nbytes < ZERO_COPY_MIN_BYTES:
+            return view.tobytes()
+        frame = tracked_frame(view)
+        unit.arena.pin(group.arena_offset)
+        self._sends.append((frame.tracker, unit, group.arena_offset))
+        return frame
 
     def handle_ack(self, reply_to: ReplyTo, req: P.AckRequest, _buffers: list[Any]) -> None:
         lease = self._leases.get(req.lease_id)
@@ -438,17 +448,23 @@ class Controller:
         while self._timers and self._timers[0][0] <= now:
             _, _, kind, key = heapq.heappop(self._timers)
             getattr(self, f"_expire_{kind}")(key)
+        while self._leases and (lease := next(iter(self._leases.values()))).deadline <= now:
+            self._expire_lease(lease.lease_id)
+        while self._reserved and (item := next(iter(self._reserved.items())))[1] <= now:
+            self._expire_reserve(item[0])
         self._finish_background()
-        wait = self._timers[0][0] - now if self._timers else 1.0
+        deadlines = [self._timers[0][0]] if self._timers else []
+        if self._leases:
+            deadlines.append(next(iter(self._leases.values())).deadline)
+        if self._reserved:
+            deadlines.append(next(iter(self._reserved.values())))
+        wait = min(deadlines) - now if deadlines else 1.0
         if self._jobs or self._sends:
             wait = min(wait, 0.002)  # completions do not wake the poller: look again soon
         return max(0.0, min(wait, 1.0))
 
     def _expire_lease(self, lease_id: str) -> None:
-        lease = self._leases.get(lease_id)
-        if lease is None or lease.deadline > time.monotonic():
-            return
-        del self._leases[lease_id]
+        lease = self._leases.pop(lease_id)
         self._expired[lease_id] = lease.group_ids
         while len(self._expired) > _EXPIRED_LEASES_KEPT:
             self._expired.popitem(last=False)
@@ -458,6 +474,7 @@ class Controller:
         self._return_to_ready(part, lease.group_ids)
 
     def _expire_reserve(self, token: int) -> None:
+        del self._reserved[token]
         group = self._by_token.get(token)
         if group is not None and group.state == PENDING:
             log.warning("reservation for group %r lapsed without a commit", group.meta.group_id)

@@ -26,6 +26,7 @@ disconnects that sender and nothing else.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import secrets
 import selectors
@@ -161,11 +162,9 @@ class QueueServer:
             log.exception("request failed")
             self._send(reply_to, P.MsgType.ERROR, P.ErrorReply(req_id, "internal", repr(err)))
 
-    def _send(
-        self, reply_to: tuple, msg_type: int, header: msgspec.Struct, buffers: Any = (), track: bool = False
-    ) -> zmq.MessageTracker | None:
+    def _send(self, reply_to: tuple, msg_type: int, header: msgspec.Struct, buffers: Any = ()) -> None:
         sock, identity = reply_to
-        return send_frames(sock, [identity, *self._codec.encode(msg_type, header, buffers)], track)
+        send_frames(sock, [identity, *self._codec.encode(msg_type, header, buffers)])
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
@@ -179,6 +178,17 @@ class QueueServer:
         for unit in self.units:
             unit.close()
         self._ctx.term()
+
+
+def freeze_imports() -> None:
+    """Exclude everything allocated so far (torch's import leaves ~150k objects) from the cyclic GC.
+
+    Without it, each full collection walks all of torch's objects (about 0.1 s on a small CPU) while the
+    server holds requests; with it, collections only see the queue's own objects. Call it once a process
+    that hosts the server has finished importing (it is process-wide and harmless: frozen objects are just
+    never collected).
+    """
+    gc.freeze()
 
 
 # ------------------------------------------------------------------------------------ plain process
@@ -251,6 +261,7 @@ class QueueServerActor:
 
     def __init__(self, cfg: dict[str, Any]) -> None:
         self._server = QueueServer(msgspec.convert(cfg, QueueConfig)).start()
+        freeze_imports()
 
     def address(self) -> str:
         return self._server.address
@@ -289,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {err}", file=sys.stderr)
         return 2
     server = QueueServer(cfg)
+    freeze_imports()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

@@ -30,14 +30,13 @@ def _ids(lease):
     return [g.group_id for g in lease.groups]
 
 
-@pytest.mark.parametrize("shared_memory", [True, False])
-def test_put_lease_ack_fifo_and_payload_intact(server, client_of, shared_memory):
+@pytest.mark.parametrize(("producer_shm", "consumer_shm"), [(True, True), (True, False), (False, True)])
+def test_put_lease_ack_fifo_and_payload_intact(server, client_of, producer_shm, consumer_shm):
     srv = server(shm_min_group_bytes=1024)
-    producer, consumer = (
-        client_of(srv, shared_memory=shared_memory),
-        client_of(srv, shared_memory=shared_memory),
-    )
-    groups = [make_group(f"g{i}", payload=200 * (i % 2)) for i in range(5)]  # mixes socket and arena puts
+    producer = client_of(srv, shared_memory=producer_shm)
+    consumer = client_of(srv, shared_memory=consumer_shm)
+    # socket puts, small arena puts, and one large arena put (a zero-copy, pinned send to a socket consumer)
+    groups = [make_group(f"g{i}", payload=p) for i, p in enumerate([0, 200, 0, 10_000, 0])]
     assert all(producer.put(g) for g in groups)
     lease = consumer.lease(3, timeout_s=5)
     assert _ids(lease) == ["g0", "g1", "g2"] and lease.deadline > time.time()
@@ -53,8 +52,7 @@ def test_put_lease_ack_fifo_and_payload_intact(server, client_of, shared_memory)
     assert consumer.lease(1, timeout_s=0.2) is None
     stats = consumer.stats()
     assert stats.held_groups == 0 and stats.partitions["train"].acked_total == 5
-    if shared_memory:
-        assert stats.shm_bytes_used == 0
+    assert stats.shm_bytes_used == 0
 
 
 def test_duplicates_are_dropped_before_and_after_ack(server, client_of):
@@ -244,3 +242,38 @@ def test_no_server_is_a_clear_timeout():
     c.close()
     with pytest.raises(ValueError, match="expected tcp://HOST:PORT"):
         QueueClient("localhost:5555")
+
+
+def test_a_reservation_never_committed_is_released(server, client_of):
+    import zmq
+
+    from slipstream.queue import codec as C
+    from slipstream.queue import protocol as P
+
+    srv = server(reserve_timeout_s=0.3, shm_min_group_bytes=0)
+    c = client_of(srv)
+    group = make_group("a", payload=64)
+    specs, size = C.layout_region(group.tensors, 0)
+    codec = C.Codec()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(srv.address)
+    sock.send_multipart(
+        codec.encode(P.MsgType.RESERVE, P.ReserveRequest(1, "train", group.meta, specs, size, 5.0))
+    )
+    assert sock.poll(10_000)
+    reply = codec.decode_reply(sock.recv_multipart(), P.MsgType.RESERVE)
+    assert reply.status == "OK" and c.stats().reserved_groups == 1
+    assert c.put(make_group("a")) is False  # reserved counts as seen
+    deadline = time.monotonic() + 10
+    while c.stats().reserved_groups:  # the writer "died": the reservation lapses
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    sock.send_multipart(codec.encode(P.MsgType.COMMIT, P.CommitRequest(2, reply.token)))
+    assert sock.poll(10_000)
+    late = codec.decode_reply(sock.recv_multipart(), P.MsgType.COMMIT)
+    assert isinstance(late, P.ErrorReply) and late.kind == "expired"
+    sock.close()
+    ctx.term()
+    assert c.stats().shm_bytes_used == 0
+    assert c.put(group) is True  # never stored, so not seen
