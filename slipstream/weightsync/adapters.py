@@ -221,7 +221,10 @@ class EmbeddedAdapter(SGLangAdapter):
         self._paused = False
 
     def layout(self) -> Layout | None:
-        return None if self.per_tensor else Layout.slipstream(self.cfg.bucket_mb << 20)
+        # Large tensors travel from the trainer's memory as their own segments (our receiver takes them).
+        return (
+            None if self.per_tensor else Layout.slipstream(self.cfg.bucket_mb << 20, direct_min_bytes=1 << 20)
+        )
 
     async def ranks(self) -> int:
         return 1

@@ -94,14 +94,17 @@ class Layout:
     split_large: bool = True
     single_dtype: bool = False
     overflow: bool = False
+    # Tensors of at least this many bytes, already on the transport's device, are sent from their own
+    # memory as separate segments instead of being copied into the bucket (0: always copy).
+    direct_min_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.capacity < self.align or self.capacity % self.align:
             raise BucketError(f"bucket capacity {self.capacity} must be a positive multiple of {self.align}")
 
     @classmethod
-    def slipstream(cls, capacity: int) -> Layout:
-        return cls(capacity=_round_up(capacity, 64))
+    def slipstream(cls, capacity: int, direct_min_bytes: int = 0) -> Layout:
+        return cls(capacity=_round_up(capacity, 64), direct_min_bytes=direct_min_bytes)
 
     @classmethod
     def sglang(cls, capacity: int) -> Layout:
@@ -185,11 +188,22 @@ class BufferPool:
 
 @dataclass
 class PackedBucket:
-    """A bucket ready to send: ``data`` is ``meta.nbytes`` bytes of pool slot ``slot``."""
+    """A bucket ready to send: ``data`` is ``meta.nbytes`` bytes of pool slot ``slot``.
+
+    When ``meta.segments`` is set, the payload travels as those segments instead, and ``parts`` holds the
+    bytes of each (pool-buffer slices for packed runs, the tensors' own memory for direct ones).
+    """
 
     meta: BucketMeta
     data: torch.Tensor
     slot: int
+    parts: list[torch.Tensor] = field(default_factory=list)
+
+    def payloads(self) -> list[tuple[int, torch.Tensor]]:
+        """``(offset, bytes)`` of every transfer this bucket needs, in order."""
+        if not self.meta.segments:
+            return [(0, self.data)] if self.meta.nbytes else []
+        return [(off, part) for (off, _), part in zip(self.meta.segments, self.parts, strict=True)]
 
 
 @dataclass
@@ -206,6 +220,8 @@ class _Open:
     entries: list[TensorEntry] = field(default_factory=list)
     cursor: int = 0
     dtype: torch.dtype | None = None
+    # (offset, length, bytes or None for a run packed into the pool buffer)
+    segments: list[tuple[int, int, torch.Tensor | None]] = field(default_factory=list)
 
 
 class BucketPacker:
@@ -298,22 +314,39 @@ class BucketPacker:
     def _open(self, nbytes: int) -> _Open:
         return _Open(slot=self.pool.acquire(nbytes, timeout=self.timeout_s))
 
+    def _direct(self, data: torch.Tensor) -> bool:
+        limit = self.layout.direct_min_bytes
+        return bool(limit) and data.numel() >= limit and data.device == self.pool.device
+
     def _place(self, bucket: _Open, item: _Pending) -> _Open:
         start = _round_up(bucket.cursor, self.layout.align)
         end = start + item.data.numel()
-        buf = self.pool.ensure(bucket.slot, end, keep=bucket.cursor)
-        buf[start:end].copy_(item.data)
+        self._put(bucket, start, item.data)
         bucket.entries.append(TensorEntry(item.name, dtype_name(item.dtype), item.shape, start, end - start))
         bucket.cursor = end
         bucket.dtype = item.dtype
         return bucket
+
+    def _put(self, bucket: _Open, start: int, data: torch.Tensor) -> None:
+        """Copy ``data`` into the bucket at ``start``, or reference it as a direct segment."""
+        end = start + data.numel()
+        if self._direct(data):
+            bucket.segments.append((start, end - start, data))
+            return
+        buf = self.pool.ensure(bucket.slot, end, keep=bucket.cursor)
+        buf[start:end].copy_(data)
+        last = bucket.segments[-1] if bucket.segments else None
+        if last is not None and last[2] is None:  # extend the packed run (padding included)
+            bucket.segments[-1] = (last[0], end - last[0], None)
+        else:
+            bucket.segments.append((start, end - start, None))
 
     def _next_chunk(self) -> PackedBucket:
         assert self._chunk is not None
         item, offset = self._chunk
         size = min(self.layout.capacity, item.data.numel() - offset)
         bucket = self._open(size)
-        self.pool.buffer(bucket.slot)[:size].copy_(item.data[offset : offset + size])
+        self._put(bucket, 0, item.data[offset : offset + size])
         entry = TensorEntry(item.name, dtype_name(item.dtype), item.shape, 0, size, offset)
         bucket.entries.append(entry)
         bucket.cursor = size
@@ -325,12 +358,23 @@ class BucketPacker:
         return self._close(bucket, last=self._peek_end())
 
     def _close(self, bucket: _Open, last: bool) -> PackedBucket:
+        buf = self.pool.buffer(bucket.slot)
+        single = len(bucket.segments) == 1 and bucket.segments[0][2] is None and bucket.segments[0][0] == 0
+        segments = [] if single or not bucket.segments else [(o, n) for o, n, _ in bucket.segments]
+        parts = (
+            [] if not segments else [d if d is not None else buf[o : o + n] for o, n, d in bucket.segments]
+        )
         meta = BucketMeta(
-            version=self.version, index=self._index, nbytes=bucket.cursor, entries=bucket.entries, last=last
+            version=self.version,
+            index=self._index,
+            nbytes=bucket.cursor,
+            entries=bucket.entries,
+            last=last,
+            segments=segments,
         )
         self._index += 1
         self.bytes += bucket.cursor
-        return PackedBucket(meta=meta, data=self.pool.buffer(bucket.slot)[: bucket.cursor], slot=bucket.slot)
+        return PackedBucket(meta=meta, data=buf[: bucket.cursor], slot=bucket.slot, parts=parts)
 
 
 # ----------------------------------------------------------------------------------------------- staging
@@ -338,6 +382,11 @@ class BucketPacker:
 
 def check_meta(meta: BucketMeta) -> None:
     """Raise :class:`BucketError` naming the first entry that does not fit the bucket it claims."""
+    cursor = 0
+    for off, n in meta.segments:
+        if off < cursor or n < 0 or off + n > meta.nbytes:
+            raise BucketError(f"bucket {meta.index}: segment ({off}, {n}) overlaps or leaves the payload")
+        cursor = off + n
     for entry in meta.entries:
         full = tensor_nbytes(entry.shape, parse_dtype(entry.dtype))
         if entry.offset < 0 or entry.nbytes < 0 or entry.offset + entry.nbytes > meta.nbytes:
@@ -490,6 +539,11 @@ def _typed_view(raw: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> torc
         out = torch.empty(shape, dtype=dtype, device=raw.device)
         out.reshape(-1).view(torch.uint8).copy_(raw)
         return out
+
+
+def segments_of(meta: BucketMeta) -> list[tuple[int, int]]:
+    """The byte ranges of a bucket's payload that travel as separate transfers."""
+    return list(meta.segments) if meta.segments else ([(0, meta.nbytes)] if meta.nbytes else [])
 
 
 def per_tensor_buckets(

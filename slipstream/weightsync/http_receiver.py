@@ -44,7 +44,7 @@ import torch
 from fastapi import APIRouter, Request, Response
 
 from slipstream.utils.logging import get_logger
-from slipstream.weightsync.buckets import BucketError, StagingArea, flattened_meta, parse_dtype
+from slipstream.weightsync.buckets import BucketError, StagingArea, flattened_meta, parse_dtype, segments_of
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.errors import TransferError
 from slipstream.weightsync.groups import DistGroup, open_group
@@ -183,8 +183,7 @@ class WeightReceiver:
         for meta in metas:
             try:
                 dest = session.staging.destination(meta)
-                if meta.nbytes:
-                    await asyncio.to_thread(group.broadcast, dest, self.cfg.timeout_s)
+                await asyncio.to_thread(_receive, group, meta, dest, self.cfg.timeout_s)
             except (TransferError, BucketError) as err:
                 await self._close_group(req.group_name)
                 self._fail(session, f"bucket {meta.index}: {err}")
@@ -366,6 +365,13 @@ class WeightReceiver:
         if group is not None:
             group.broken = True
             await asyncio.to_thread(group.close, 0)
+
+
+def _receive(group: DistGroup, meta: BucketMeta, dest: torch.Tensor, timeout_s: float) -> None:
+    """Every segment of one bucket's payload, posted at once, landing in ``dest``."""
+    works = [group.broadcast_async(dest[off : off + n]) for off, n in segments_of(meta)]
+    for work in works:
+        group.wait(work, timeout_s)
 
 
 @dataclass

@@ -120,12 +120,14 @@ class DistLink:
         return cls(group, typed, cfg.timeout_s, group_name)  # type: ignore[arg-type]
 
     def send(self, bucket: PackedBucket) -> None:
-        data = bucket.data
-        if self.typed and bucket.meta.entries:
+        parts = [part for _, part in bucket.payloads()]
+        if self.typed and bucket.meta.entries and len(parts) == 1:
             dtype = parse_dtype(bucket.meta.entries[0].dtype)
-            if data.numel() % dtype.itemsize == 0:
-                data = data.view(dtype)
-        self.group.broadcast(data, self.timeout_s)
+            if parts[0].numel() % dtype.itemsize == 0:
+                parts = [parts[0].view(dtype)]
+        works = [self.group.broadcast_async(part) for part in parts]
+        for work in works:
+            self.group.wait(work, self.timeout_s)
 
     def fail(self) -> None:
         """Tear the group down at once (peers blocked in a broadcast then fail instead of waiting)."""

@@ -15,10 +15,9 @@ from collections.abc import Iterable
 import torch
 
 from slipstream.weightsync.base import SendStats, register_engine
-from slipstream.weightsync.buckets import as_bytes, dtype_name
+from slipstream.weightsync.buckets import per_tensor_buckets
 from slipstream.weightsync.errors import TransferError
 from slipstream.weightsync.torch_dist import TorchDistEngine
-from slipstream.weightsync.types import BucketMeta, TensorEntry
 
 
 @register_engine("naive")
@@ -31,33 +30,13 @@ class NaiveEngine(TorchDistEngine):
         group = self._require_group()
         stats = SendStats(version=version)
         start = time.perf_counter()
-        source = iter(named_tensors)
-        index = 0
+        buckets = per_tensor_buckets(named_tensors, version, group.device)
         try:
-            item = next(source, None)
-            while True:
-                following = next(source, None) if item is not None else None
-                if item is None:  # an empty version is one empty, final bucket
-                    meta, data = BucketMeta(version=version, index=0, nbytes=0, entries=[], last=True), None
-                else:
-                    name, tensor = item
-                    data = as_bytes(tensor).to(group.device)
-                    entry = TensorEntry(name, dtype_name(tensor.dtype), list(tensor.shape), 0, data.numel())
-                    meta = BucketMeta(
-                        version=version,
-                        index=index,
-                        nbytes=data.numel(),
-                        entries=[entry],
-                        last=following is None,
-                    )
-                await asyncio.to_thread(self._send_bucket, group, meta, data)
+            while (bucket := await asyncio.to_thread(next, buckets, None)) is not None:
+                await asyncio.to_thread(self._send_bucket, group, bucket)
                 stats.buckets += 1
-                stats.bytes += meta.nbytes
-                stats.tensors += len(meta.entries)
-                index += 1
-                if meta.last:
-                    break
-                item = following
+                stats.bytes += bucket.meta.nbytes
+                stats.tensors += len(bucket.meta.entries)
         except TransferError:
             raise
         except Exception as err:

@@ -160,7 +160,11 @@ class NixlEngine(CheckpointEngine):
                 if pick(peer, notice):
                     del self._inbox[i]
                     return peer, notice
-            for peer, msgs in self.agent.get_new_notifs().items():
+            try:
+                notifs = self.agent.get_new_notifs()
+            except Exception as err:
+                raise TransferError(f"reading NIXL notifications failed: {err}") from err
+            for peer, msgs in notifs.items():
                 for raw in msgs:
                     try:
                         self._inbox.append((_as_str(peer), _notice.decode(raw)))
@@ -292,9 +296,12 @@ class NixlEngine(CheckpointEngine):
         addr, length, dev = self._sender_buffers[notice.slot]
         if meta.nbytes > length:
             raise BucketError(f"bucket of {meta.nbytes} bytes exceeds the sender's {length}-byte buffer")
-        local = self.agent.get_xfer_descs([(dest.data_ptr(), meta.nbytes, self.dev_id)], self.mem_type)
-        remote = self.agent.get_xfer_descs([(addr, meta.nbytes, dev)], self.mem_type)
-        handle = self.agent.initialize_xfer("READ", local, remote, sender)
+        try:
+            handle = self._start_read(sender, dest, addr, dev, meta.nbytes)
+        except Exception as err:  # NIXL raises its own error types (the peer disconnected, ...)
+            raise TransferError(
+                f"READ of bucket {meta.index} could not start: {type(err).__name__} {err}"
+            ) from err
         try:
             state = self.agent.transfer(handle)
             deadline = time.monotonic() + self.cfg.timeout_s
@@ -307,8 +314,20 @@ class NixlEngine(CheckpointEngine):
                 state = self.agent.check_xfer_state(handle)
             if state != "DONE":
                 raise TransferError(f"READ of bucket {meta.index} ended in state {state}")
+        except TransferError:
+            raise
+        except Exception as err:
+            raise TransferError(f"READ of bucket {meta.index} failed: {type(err).__name__} {err}") from err
         finally:
-            self.agent.release_xfer_handle(handle)
+            try:
+                self.agent.release_xfer_handle(handle)
+            except Exception as err:
+                log.debug("release_xfer_handle: %s", err)
+
+    def _start_read(self, sender: str, dest: torch.Tensor, addr: int, dev: int, nbytes: int):
+        local = self.agent.get_xfer_descs([(dest.data_ptr(), nbytes, self.dev_id)], self.mem_type)
+        remote = self.agent.get_xfer_descs([(addr, nbytes, dev)], self.mem_type)
+        return self.agent.initialize_xfer("READ", local, remote, sender)
 
     def _ack(self, sender: str, notice: NixlNotice, error: str) -> None:
         ack = NixlNotice(kind="ack", version=notice.version, index=notice.index, ok=not error, error=error)

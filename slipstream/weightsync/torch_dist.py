@@ -39,6 +39,7 @@ from slipstream.weightsync.buckets import (
     Layout,
     PackedBucket,
     StagingArea,
+    segments_of,
 )
 from slipstream.weightsync.errors import TransferAborted, TransferError
 from slipstream.weightsync.groups import DistGroup, backend_for_device, open_group, reserve_port
@@ -49,6 +50,13 @@ log = get_logger(__name__)
 MAGIC = 0x534C5057  # "SLPW"
 KIND_BUCKET = 1
 KIND_ABORT = 2
+# Every bucket is announced by one fixed-size control broadcast (header + metadata), so a receiver can
+# post it before knowing anything; metadata longer than that follows in a second broadcast.
+CONTROL_BYTES = 64 << 10
+HEADER_BYTES = 32
+# Tensors this large are sent from the trainer's memory as their own segment, not copied into a bucket:
+# on CPU a copy costs as much as the transfer itself, and on GPU it is still a needless pass over memory.
+DIRECT_MIN_BYTES = 1 << 20
 _meta_decoder = msgspec.msgpack.Decoder(BucketMeta)
 
 
@@ -97,6 +105,9 @@ class TorchDistEngine(CheckpointEngine):
             raise ValueError(f"rank {info.rank} given to a {'sender' if self.is_sender else 'receiver'}")
         if self.is_sender and self._sock is None:
             raise RuntimeError("call prepare() on the sender before init_process_group()")
+        if self.group is not None:  # a rebuild (a receiver joined or left): everyone re-inits at once
+            self.group.close(barrier_timeout_s=0)
+            self.group = None
         self.group = open_group(
             master_address=info.address,
             master_port=info.port,
@@ -127,7 +138,7 @@ class TorchDistEngine(CheckpointEngine):
     # -- sending
 
     def layout(self) -> Layout:
-        return Layout.slipstream(self.bucket_bytes)
+        return Layout.slipstream(self.bucket_bytes, direct_min_bytes=DIRECT_MIN_BYTES)
 
     async def send_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
@@ -140,7 +151,7 @@ class TorchDistEngine(CheckpointEngine):
         start = time.perf_counter()
 
         async def send(bucket: PackedBucket) -> None:
-            await asyncio.to_thread(self._send_bucket, group, bucket.meta, bucket.data)
+            await asyncio.to_thread(self._send_bucket, group, bucket)
 
         try:
             await send_pipelined(packer, send, lambda b: pool.release(b.slot), stats)
@@ -153,24 +164,18 @@ class TorchDistEngine(CheckpointEngine):
         stats.seconds = time.perf_counter() - start
         return stats
 
-    def _send_bucket(self, group: DistGroup, meta: BucketMeta, data: torch.Tensor) -> None:
-        """Header, metadata and payload of one bucket (runs in a worker thread)."""
-        encoded = msgspec.msgpack.encode(meta)
-        header = torch.tensor([MAGIC, KIND_BUCKET, len(encoded), meta.nbytes], dtype=torch.int64)
-        meta_t = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
-        works = [
-            group.broadcast_async(header.to(group.device)),
-            group.broadcast_async(meta_t.to(group.device)),
-        ]
-        if meta.nbytes:
-            works.append(group.broadcast_async(data))
+    def _send_bucket(self, group: DistGroup, bucket: PackedBucket) -> None:
+        """Control message, then every payload segment, all in flight at once (runs in a worker thread)."""
+        works = [group.broadcast_async(part) for part in _control(bucket.meta, group.device)]
+        works += [group.broadcast_async(part) for _, part in bucket.payloads()]
         for work in works:
             group.wait(work, self.cfg.timeout_s)
 
     def _send_abort(self, group: DistGroup) -> None:
-        header = torch.tensor([MAGIC, KIND_ABORT, 0, 0], dtype=torch.int64)
+        control = torch.zeros(CONTROL_BYTES, dtype=torch.uint8)
+        control[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor([MAGIC, KIND_ABORT, 0, 0]))
         try:
-            group.broadcast(header.to(group.device), self.cfg.timeout_s)
+            group.broadcast(control.to(group.device), self.cfg.timeout_s)
         except TransferError as err:
             log.warning("could not tell receivers to drop the version: %s", err)
 
@@ -193,8 +198,7 @@ class TorchDistEngine(CheckpointEngine):
             except BucketError as err:
                 group.broken = True  # we cannot take part in the payload broadcast: the group is out of step
                 raise TransferError(f"bucket {meta.index} of version {meta.version}: {err}") from err
-            if meta.nbytes:
-                await asyncio.to_thread(group.broadcast, dest, self.cfg.timeout_s)
+            await asyncio.to_thread(self._recv_payload, group, meta, dest)
             stream.nbytes += meta.nbytes
             for item in staging.commit(meta):
                 yield item
@@ -204,18 +208,22 @@ class TorchDistEngine(CheckpointEngine):
                 return
 
     def _recv_meta(self, group: DistGroup) -> BucketMeta:
-        header = torch.zeros(4, dtype=torch.int64, device=group.device)
-        group.broadcast(header, self.cfg.timeout_s)
-        magic, kind, meta_len, payload_len = header.cpu().tolist()
+        control = torch.zeros(CONTROL_BYTES, dtype=torch.uint8, device=group.device)
+        group.broadcast(control, self.cfg.timeout_s)
+        control = control.cpu()
+        magic, kind, meta_len, payload_len = control[:HEADER_BYTES].view(torch.int64).tolist()
         if magic != MAGIC:
             group.broken = True
-            raise TransferError(f"bad bucket header {header.tolist()} (not a slipstream weight stream)")
+            raise TransferError("bad bucket header (not a slipstream weight stream)")
         if kind == KIND_ABORT:
             raise TransferAborted("the sender dropped this version")
-        raw = torch.empty(meta_len, dtype=torch.uint8, device=group.device)
-        group.broadcast(raw, self.cfg.timeout_s)
+        raw = control[HEADER_BYTES : HEADER_BYTES + meta_len].numpy().tobytes()
+        if meta_len > len(raw):
+            rest = torch.empty(meta_len - len(raw), dtype=torch.uint8, device=group.device)
+            group.broadcast(rest, self.cfg.timeout_s)
+            raw += rest.cpu().numpy().tobytes()
         try:
-            meta = _meta_decoder.decode(raw.cpu().numpy().tobytes())
+            meta = _meta_decoder.decode(raw)
         except msgspec.DecodeError as err:
             group.broken = True
             raise TransferError(f"undecodable bucket metadata: {err}") from err
@@ -225,3 +233,24 @@ class TorchDistEngine(CheckpointEngine):
                 f"bucket {meta.index}: header says {payload_len} bytes, metadata {meta.nbytes}"
             )
         return meta
+
+    def _recv_payload(self, group: DistGroup, meta: BucketMeta, dest: torch.Tensor) -> None:
+        works = [group.broadcast_async(dest[off : off + n]) for off, n in segments_of(meta)]
+        for work in works:
+            group.wait(work, self.cfg.timeout_s)
+
+
+def _control(meta: BucketMeta, device: torch.device) -> list[torch.Tensor]:
+    """The control broadcast(s) announcing ``meta``: a fixed-size block, plus the rest of long metadata."""
+    encoded = msgspec.msgpack.encode(meta)
+    control = torch.zeros(CONTROL_BYTES, dtype=torch.uint8)
+    header = torch.tensor([MAGIC, KIND_BUCKET, len(encoded), meta.nbytes], dtype=torch.int64)
+    control[:HEADER_BYTES].view(torch.int64).copy_(header)
+    first = min(len(encoded), CONTROL_BYTES - HEADER_BYTES)
+    control[HEADER_BYTES : HEADER_BYTES + first] = torch.frombuffer(
+        bytearray(encoded[:first]), dtype=torch.uint8
+    )
+    parts = [control.to(device)]
+    if first < len(encoded):
+        parts.append(torch.frombuffer(bytearray(encoded[first:]), dtype=torch.uint8).to(device))
+    return parts

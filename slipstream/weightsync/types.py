@@ -72,6 +72,9 @@ class BucketMeta(msgspec.Struct, kw_only=True, gc=False, omit_defaults=True):
 
     ``index`` counts buckets from 0 within the version; ``last`` marks the bucket that completes it, so a
     receiver knows a version is whole without knowing its size in advance (the sender streams).
+    ``segments`` lists the ``(offset, length)`` byte ranges of the payload that travel as separate
+    transfers (large tensors go straight from the sender's memory, unpacked); empty means one transfer of
+    all ``nbytes``. Bytes between segments are alignment padding and are never sent.
     """
 
     version: int
@@ -79,6 +82,7 @@ class BucketMeta(msgspec.Struct, kw_only=True, gc=False, omit_defaults=True):
     nbytes: int
     entries: list[TensorEntry]
     last: bool = False
+    segments: list[tuple[int, int]] = []
 
 
 class Rendezvous(msgspec.Struct, kw_only=True, omit_defaults=True):
