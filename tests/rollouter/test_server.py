@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import uuid
 
 import httpx
@@ -292,3 +293,30 @@ def test_control_routes_reject_bad_input(embedded_server):
     assert bad_field.status_code == 400
     assert info["weight_version"] == "0" and info["paused"] is None and info["vocab_size"] > 256
     assert health.status_code == 200
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {"temperature": 1e-38},
+        {"temperature": 1e30},
+        {"top_p": 1e-30},
+        {"top_k": 10**9},
+        {"max_new_tokens": 10**12},
+    ],
+    ids=["tiny-temperature", "huge-temperature", "tiny-top-p", "huge-top-k", "huge-max-new-tokens"],
+)
+def test_extreme_sampling_values_are_served(embedded_server, sampling):
+    body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3, **sampling}, "return_logprob": True}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=embedded_server.url, timeout=60) as http:
+            out = await http.post("/generate", json=body)
+            return out, await http.get("/health")
+
+    out, health = run(main())
+    assert out.status_code == 200 and health.status_code == 200
+    logprobs = [t[0] for t in out.json()["meta_info"]["output_token_logprobs"]]
+    assert logprobs and all(math.isfinite(lp) and lp <= 0 for lp in logprobs)
+    if sampling.get("temperature") == 1e-38:
+        assert logprobs == [0.0] * len(logprobs)

@@ -12,13 +12,15 @@ arithmetic and tensor layout and add two things:
 
 * a fast path that returns the scores untouched when no row of the batch needs the filter (skipped while
   a CUDA graph is being captured, where a data-dependent branch is not allowed);
-* greedy decoding for ``temperature == 0``: every token but the arg-max gets ``-inf``, so the sampler picks
-  the arg-max and the returned log-probability is 0.
+* greedy decoding for ``temperature < GREEDY_BELOW`` (1e-4; 0 is the usual way to ask): every token but the
+  arg-max gets ``-inf``, so the sampler picks the arg-max and the returned log-probability is 0. Dividing by
+  a temperature that small would overflow to ``inf`` and turn the sampling distribution into NaNs, which
+  stops transformers' generation loop for every request, so such values never reach the division.
 
 What the returned log-probabilities mean (the trainer must compute the same thing): transformers computes
 them from the *processed* scores, after the warpers, so a token's logprob is ``log_softmax(logits / T)``
 renormalised over the tokens that survive top-k and top-p. With both filters off (``top_k=-1``,
-``top_p=1``) that is exactly ``log_softmax(logits / T)[token]``; at ``T == 0`` it is 0.
+``top_p=1``) that is exactly ``log_softmax(logits / T)[token]``; for greedy requests it is 0.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from transformers.generation.continuous_batching.cb_logits_processors import (
 PLACEHOLDER_TEMPERATURE = 0.5
 PLACEHOLDER_TOP_K = 50
 PLACEHOLDER_TOP_P = 0.5
+# Temperatures below this decode greedily.
+GREEDY_BELOW = 1e-4
 
 
 def _capturing() -> bool:
@@ -42,11 +46,11 @@ def _capturing() -> bool:
 
 
 class FastTemperatureWarper(ContinuousBatchingTemperatureLogitsWarper):
-    """Divides by each row's temperature; a temperature of 0 (or below) means greedy."""
+    """Divides by each row's temperature; a temperature below ``GREEDY_BELOW`` means greedy."""
 
     def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
         temperatures = tensor_arg[: scores.size(0)].view(dtype=torch.float32).unsqueeze(-1)
-        greedy = temperatures <= 0
+        greedy = temperatures < GREEDY_BELOW
         scaled = scores / torch.where(greedy, torch.ones_like(temperatures), temperatures)
         not_argmax = scores < scores.amax(dim=-1, keepdim=True)
         return scaled.masked_fill(greedy & not_argmax, float("-inf"))
