@@ -160,8 +160,10 @@ def _worker(role: str, address: str) -> int:
     import torch
 
     from slipstream.queue.client import QueueClient
+    from slipstream.queue.server import freeze_imports
 
     torch.set_num_threads(int(os.environ.get("SLIPSTREAM_BENCH_THREADS", "1")))
+    freeze_imports()  # as the server does: keep full GC passes over torch's objects out of the timings
     client = QueueClient(address, timeout_s=120)
     client.ping()
     print(json.dumps({"ready": True}), flush=True)

@@ -91,6 +91,10 @@ class _Base:
     def _wait(self, timeout_s: float | None) -> float:
         return self.timeout_s if timeout_s is None else max(0.0, float(timeout_s))
 
+    @staticmethod
+    def _put_wait(timeout_s: float | None) -> float | None:
+        return None if timeout_s is None else max(0.0, float(timeout_s))  # None: the server's put_timeout_s
+
     def _deadline(self, calls: Sequence[Call]) -> float:
         return max(c.server_wait_s for c in calls) + self.timeout_s
 
@@ -142,8 +146,9 @@ class QueueClient(_Base):
         self, group: TrajectoryGroup, *, partition: str = "train", timeout_s: float | None = None
     ) -> bool:
         """Store a whole group; False (nothing stored) when its group id or any uid was already seen.
-        Waits on back-pressure up to ``timeout_s`` (default: the client's), then raises QueueFull."""
-        return self._run(lambda s: ops.put(s, group, partition, self._wait(timeout_s)))
+        Waits on back-pressure up to ``timeout_s`` (default: the server's ``put_timeout_s``), then raises
+        QueueFull."""
+        return self._run(lambda s: ops.put(s, group, partition, self._put_wait(timeout_s)))
 
     def lease(
         self,
@@ -311,7 +316,7 @@ class AsyncQueueClient(_Base):
     async def put(
         self, group: TrajectoryGroup, *, partition: str = "train", timeout_s: float | None = None
     ) -> bool:
-        return await self._run(lambda s: ops.put(s, group, partition, self._wait(timeout_s)))
+        return await self._run(lambda s: ops.put(s, group, partition, self._put_wait(timeout_s)))
 
     async def lease(
         self,

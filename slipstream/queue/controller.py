@@ -604,6 +604,7 @@ class Controller:
             cfg.max_message_bytes,
             cfg.inline_tensor_bytes,
             cfg.shm_min_group_bytes,
+            cfg.put_timeout_s,
         )
         self._ok(reply_to, reply)
 

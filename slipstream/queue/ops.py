@@ -67,6 +67,7 @@ class Session:
     units: list[P.UnitInfo]
     inline_tensor_bytes: int
     shm_min_group_bytes: int
+    put_timeout_s: float
     arenas: list[ArenaMapping] = field(default_factory=list)  # all units' arenas, or empty
 
     @property
@@ -84,7 +85,7 @@ Op = Generator[Call | list[Call], Any, Any]
 
 def hello(shared_memory: bool) -> Op:
     reply: P.HelloReply = yield Call(CONTROLLER, P.MsgType.HELLO, P.HelloRequest(0))
-    session = Session(reply.units, reply.inline_tensor_bytes, reply.shm_min_group_bytes)
+    session = Session(reply.units, reply.inline_tensor_bytes, reply.shm_min_group_bytes, reply.put_timeout_s)
     if shared_memory and reply.units and all(u.shm_path for u in reply.units):
         arenas = [ArenaMapping.open(u.shm_path, u.shm_size, reply.nonce) for u in reply.units]
         if all(a is not None for a in arenas):
@@ -96,8 +97,10 @@ def hello(shared_memory: bool) -> Op:
     return session
 
 
-def put(session: Session, group: TrajectoryGroup, partition: str, timeout_s: float) -> Op:
+def put(session: Session, group: TrajectoryGroup, partition: str, timeout_s: float | None) -> Op:
     group.validate()
+    if timeout_s is None:
+        timeout_s = session.put_timeout_s
     if session.shared_memory and group.nbytes >= session.shm_min_group_bytes:
         specs, size = layout_region(group.tensors, session.inline_tensor_bytes)
         request = P.ReserveRequest(0, partition, group.meta, specs, size, timeout_s)

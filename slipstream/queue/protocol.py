@@ -194,6 +194,8 @@ class HelloReply(_Wire):
     max_message_bytes: int
     inline_tensor_bytes: int
     shm_min_group_bytes: int
+    # How long a put with no timeout of its own waits on back-pressure.
+    put_timeout_s: float
 
 
 class PutReply(_Wire):
