@@ -54,6 +54,8 @@ def _count(nbytes: int, quick: bool) -> int:
 
 
 def _window(nbytes: int) -> int:
+    """Groups in flight at once (at most 8 and 1 GiB); the consumer takes half of them per lease, so the
+    producer fills one half while the consumer holds the other, as a trainer leasing whole batches does."""
     return max(1, min(WINDOW, INFLIGHT_BYTES // nbytes))
 
 
@@ -141,7 +143,8 @@ def _consumer(client: Any, cmd: dict) -> dict:
     got: dict[str, float] = {}
     bad = 0
     while len(got) < cmd["count"]:
-        lease = client.lease(WINDOW, min_groups=1, timeout_s=120)
+        want = min(cmd.get("batch", 1), cmd["count"] - len(got))
+        lease = client.lease(want, timeout_s=120)
         if lease is None:
             raise RuntimeError("consumer timed out waiting for groups")
         now = time.perf_counter()
@@ -225,7 +228,8 @@ def _slipstream(sizes: list[int], quick: bool, latency_n: int) -> tuple[dict[int
         for nbytes in sizes:
             count = _count(nbytes, quick)
             for tag, n in ((f"w{nbytes}", 2), (f"m{nbytes}", count)):
-                consumer.send({"cmd": "throughput", "count": n, "bytes": nbytes})
+                batch = max(1, _window(nbytes) // 2)
+                consumer.send({"cmd": "throughput", "count": n, "bytes": nbytes, "batch": batch})
                 producer.send({"cmd": "throughput", "count": n, "bytes": nbytes, "tag": tag})
                 t_start = producer.read()["t_start"]
                 done = consumer.read()
