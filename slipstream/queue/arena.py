@@ -72,6 +72,19 @@ class Arena:
                 return off
         return None
 
+    def shrink(self, offset: int, nbytes: int) -> None:
+        """Give back the tail of a region beyond its first ``nbytes`` (rounded up to 64)."""
+        size = self._sizes[offset]
+        keep = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        if keep >= size:
+            return
+        self._sizes[offset] = keep
+        self.used -= size - keep
+        tail = (offset + keep, size - keep)
+        i = bisect.bisect_left(self._free, tail)
+        self._free.insert(i, tail)
+        self._coalesce(i)
+
     def free(self, offset: int) -> None:
         """Give a region back; deferred while it is pinned."""
         if self._pins.get(offset):

@@ -74,6 +74,13 @@ class _Base:
         self._abandoned: dict[int, P.MsgType] = {}
         self._closed = False
 
+    def _closing_ops(self) -> list[ops.Op]:
+        """Nack the leases still held and release unused arena credits."""
+        out = [ops.nack(lease_id) for lease_id in list(self._held)]
+        if self._session is not None:
+            out.append(ops.release_credits(self._session))
+        return out
+
     def _endpoint(self, target: int) -> str:
         if target == CONTROLLER:
             return self.address
@@ -205,11 +212,11 @@ class QueueClient(_Base):
             if self._closed:
                 return
             self.timeout_s = min(self.timeout_s, 5.0)
-            for lease_id in list(self._held):
+            for op in self._closing_ops():
                 try:
-                    self._drive(ops.nack(lease_id))
+                    self._drive(op)
                 except QueueError as err:
-                    log.warning("could not give lease %s back on close: %s", lease_id, err)
+                    log.warning("could not hand back what this client held on close: %s", err)
             self._closed = True
             for sock in self._sockets.values():
                 sock.close(linger=0)
@@ -369,11 +376,11 @@ class AsyncQueueClient(_Base):
         if self._closed:
             return
         self.timeout_s = min(self.timeout_s, 5.0)
-        for lease_id in list(self._held):
+        for op in self._closing_ops():
             try:
-                await self._drive(ops.nack(lease_id))
+                await self._drive(op)
             except QueueError as err:
-                log.warning("could not give lease %s back on close: %s", lease_id, err)
+                log.warning("could not hand back what this client held on close: %s", err)
         self._closed = True
         for sock in self._sockets.values():
             if self._loop is not None:

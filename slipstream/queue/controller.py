@@ -9,16 +9,20 @@ a waiting request of one kind never holds up another.
 
 Lifecycle of a group (``seq`` is its put order; the ready set is always sorted by it)::
 
-    put (socket) ───────────────────────────────► READY ──lease──► LEASED ──ack──► consumed (gone)
-    reserve ──► PENDING (arena region) ──commit──┘   ▲               │
-        └── reservation deadline passes: released     └─nack/deadline┘  (back in front, order kept)
+    put (socket frames) ─────────────────► READY ──lease──► LEASED ──ack──► consumed (gone)
+    commit (into an arena credit) ───────┘   ▲                │
+                                             └─nack/deadline──┘  (back in front, order kept)
+
+Same-host producers write into arena *credits* (regions reserved for their next put, see
+:mod:`slipstream.queue.credits`): a commit both admits the group written there and hands out the next credit,
+so a shared-memory put is one round trip, like a socket put.
 
 Invariants:
-  * a group id or uid is accepted at most once: ``_is_seen`` covers held groups (pending, ready, leased)
-    and everything ever acked, so a replayed put is refused and nothing is trained twice;
+  * a group id or uid is accepted at most once: ``_is_seen`` covers held groups (ready, leased) and
+    everything ever acked, so a replayed put is refused and nothing is trained twice;
   * a group is handed out only from READY and never after its ack; a lease whose deadline passed goes back
     to the ready set, and a late ack of it still consumes whatever of it was not handed out again;
-  * ``held_groups``/``held_bytes`` count PENDING + READY + LEASED, which is what capacity bounds.
+  * ``held_groups``/``held_bytes`` count READY + LEASED groups, which is what capacity bounds.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import msgspec
 from slipstream.queue import protocol as P
 from slipstream.queue.codec import ZERO_COPY_MIN_BYTES, WireError, tracked_frame, validate_group
 from slipstream.queue.config import QueueConfig
+from slipstream.queue.credits import Credits
 from slipstream.queue.snapshot import SnapshotItem, read_snapshot, write_snapshot
 from slipstream.queue.stats import PartitionCounters
 from slipstream.queue.storage import StorageUnit
@@ -47,7 +52,7 @@ from slipstream.utils.logging import get_logger
 
 log = get_logger(__name__)
 
-PENDING, READY, LEASED = 0, 1, 2
+READY, LEASED = 1, 2
 _PARTITION_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _EXPIRED_LEASES_KEPT = 4096
 
@@ -66,7 +71,7 @@ class _Group:
     token: int
     arena_offset: int = -1  # -1: buffers live in the unit's blob store
     num_buffers: int = 0
-    state: int = PENDING
+    state: int = READY
     lease_id: str = ""
 
 
@@ -87,6 +92,8 @@ class _Waiter:
     deadline: float
     nbytes: int = 0
     on_admit: Callable[[], None] | None = None
+    on_duplicate: Callable[[], None] | None = None
+    on_timeout: Callable[[], None] | None = None
     done: bool = False
 
 
@@ -113,10 +120,10 @@ class Controller:
         self._groups: dict[str, _Group] = {}
         self._by_token: dict[int, _Group] = {}
         self._partitions: dict[str, _Partition] = {}
-        # Leases and reservations have one fixed timeout each, so insertion order is deadline order: expiry
-        # only looks at the front (a heap of them would grow with every put).
+        # Leases have one fixed timeout, so insertion order is deadline order: expiry only looks at the
+        # front (a heap of them would grow with every lease).
         self._leases: OrderedDict[str, _Lease] = OrderedDict()
-        self._reserved: OrderedDict[int, float] = OrderedDict()  # token -> deadline
+        self.credits = Credits(self.units, self._tokens, cfg.reserve_timeout_s)
         self._expired: OrderedDict[str, list[str]] = OrderedDict()
         self._held_uids: set[str] = set()
         self._consumed_groups: set[str] = set()
@@ -174,12 +181,20 @@ class Controller:
 
     # ----------------------------------------------------------------------------------- admission
     def _admit(
-        self, partition: str, req: Any, nbytes: int, reply_to: ReplyTo, on_admit: Callable[[], None]
+        self,
+        req: P.PutRequest | P.CommitRequest,
+        nbytes: int,
+        reply_to: ReplyTo,
+        on_admit: Callable[[], None],
+        on_duplicate: Callable[[], None],
+        on_timeout: Callable[[], None] | None = None,
     ) -> None:
-        """Run ``on_admit`` now or when capacity allows; answer a duplicate or a timeout itself."""
-        self._part(partition)
+        """Run ``on_admit`` now or once capacity allows; ``on_duplicate`` when the group was seen; on a
+        timeout, ``on_timeout`` then a QueueFull reply."""
+        self._part(req.partition)
         if self._is_seen(req.meta):
-            self._duplicate(partition, req, reply_to)
+            self._part(req.partition).counters.duplicates_total += 1
+            on_duplicate()
             return
         if nbytes > self.cfg.capacity_bytes:
             raise WireError(
@@ -192,7 +207,8 @@ class Controller:
         if not self._parked_puts and self._fits(nbytes):
             on_admit()
             return
-        waiter = _Waiter(reply_to, req, time.monotonic() + max(0.0, req.timeout_s), nbytes, on_admit)
+        deadline = time.monotonic() + max(0.0, req.timeout_s)
+        waiter = _Waiter(reply_to, req, deadline, nbytes, on_admit, on_duplicate, on_timeout)
         self._parked_puts.append(waiter)
         self._timer(waiter.deadline, "put", waiter)
 
@@ -201,13 +217,6 @@ class Controller:
             self.held_groups < self.cfg.capacity_groups
             and self.held_bytes + nbytes <= self.cfg.capacity_bytes
         )
-
-    def _duplicate(self, partition: str, req: Any, reply_to: ReplyTo) -> None:
-        self._part(partition).counters.duplicates_total += 1
-        if isinstance(req, P.PutRequest):
-            self._ok(reply_to, P.PutReply(req.req_id, False))
-        else:
-            self._ok(reply_to, P.ReserveReply(req.req_id, "DUPLICATE"))
 
     def _admit_parked(self) -> None:
         while self._parked_puts:
@@ -218,7 +227,8 @@ class Controller:
             if self._is_seen(waiter.req.meta):
                 self._parked_puts.popleft()
                 waiter.done = True
-                self._duplicate(waiter.req.partition, waiter.req, waiter.reply_to)
+                self._part(waiter.req.partition).counters.duplicates_total += 1
+                self._guarded(waiter.reply_to, waiter.req.req_id, waiter.on_duplicate)
                 continue
             if not self._fits(waiter.nbytes):
                 return
@@ -249,46 +259,37 @@ class Controller:
             self._make_ready(group)
             self._ok(reply_to, P.PutReply(req.req_id, True))
 
-        self._admit(req.partition, req, nbytes, reply_to, store)
+        self._admit(req, nbytes, reply_to, store, lambda: self._ok(reply_to, P.PutReply(req.req_id, False)))
 
     def handle_reserve(self, reply_to: ReplyTo, req: P.ReserveRequest, _buffers: list[Any]) -> None:
-        validate_group(req.meta, req.tensors, [req.nbytes])
-
-        def reserve() -> None:
-            placed = self._alloc(req.meta.group_id, req.nbytes)
-            if placed is None:
-                self._ok(reply_to, P.ReserveReply(req.req_id, "NO_SPACE"))
-                return
-            unit, offset = placed
-            token = next(self._tokens)
-            group = _Group(
-                next(self._seq), req.partition, req.meta, req.tensors, req.nbytes, unit, token, offset
-            )
-            group.num_buffers = 1
-            self._hold(group)
-            self._reserved[token] = time.monotonic() + self.cfg.reserve_timeout_s
-            self._ok(reply_to, P.ReserveReply(req.req_id, "OK", token, unit, offset))
-
-        self._admit(req.partition, req, req.nbytes, reply_to, reserve)
-
-    def _alloc(self, group_id: str, nbytes: int) -> tuple[int, int] | None:
-        first = P.unit_for(group_id, len(self.units))
-        for i in range(len(self.units)):
-            unit = self.units[(first + i) % len(self.units)]
-            if unit.arena is not None:
-                offset = unit.arena.alloc(nbytes)
-                if offset is not None:
-                    return unit.index, offset
-        return None
+        self.credits.release(req.release)
+        credit = self.credits.grant(req.nbytes) if req.nbytes > 0 else None
+        self._ok(reply_to, P.ReserveReply(req.req_id, credit))
 
     def handle_commit(self, reply_to: ReplyTo, req: P.CommitRequest, _buffers: list[Any]) -> None:
-        group = self._by_token.get(req.token)
-        if group is None or group.state != PENDING:
-            raise WireError(
-                "expired", f"reservation {req.token} is unknown or lapsed (reserve_timeout_s)", req.req_id
+        self.credits.release(req.release)
+        held = self.credits.take(req.token, req.req_id)  # ours until stored, or handed back below
+        try:
+            nbytes = validate_group(req.meta, req.tensors, [held.nbytes])
+        except WireError:
+            self.credits.give_back(held)
+            raise
+
+        def store() -> None:
+            self.credits.trim(held, req.tensors)
+            group = _Group(
+                next(self._seq), req.partition, req.meta, req.tensors, nbytes, held.unit, req.token
             )
-        self._make_ready(group)
-        self._ok(reply_to, P.DoneReply(req.req_id))
+            group.arena_offset, group.num_buffers = held.offset, 1
+            self._hold(group)
+            self._make_ready(group)
+            credit = self.credits.grant(req.next_nbytes) if req.next_nbytes > 0 else None
+            self._ok(reply_to, P.CommitReply(req.req_id, True, credit))
+
+        def duplicate() -> None:
+            self._ok(reply_to, P.CommitReply(req.req_id, False, self.credits.give_back(held)))
+
+        self._admit(req, nbytes, reply_to, store, duplicate, lambda: self.credits.give_back(held))
 
     def _make_ready(self, group: _Group) -> None:
         group.state = READY
@@ -450,14 +451,13 @@ class Controller:
             getattr(self, f"_expire_{kind}")(key)
         while self._leases and (lease := next(iter(self._leases.values()))).deadline <= now:
             self._expire_lease(lease.lease_id)
-        while self._reserved and (item := next(iter(self._reserved.items())))[1] <= now:
-            self._expire_reserve(item[0])
+        credit_deadline = self.credits.expire(now)
         self._finish_background()
         deadlines = [self._timers[0][0]] if self._timers else []
         if self._leases:
             deadlines.append(next(iter(self._leases.values())).deadline)
-        if self._reserved:
-            deadlines.append(next(iter(self._reserved.values())))
+        if credit_deadline is not None:
+            deadlines.append(credit_deadline)
         wait = min(deadlines) - now if deadlines else 1.0
         if self._jobs or self._sends:
             wait = min(wait, 0.002)  # completions do not wake the poller: look again soon
@@ -473,18 +473,12 @@ class Controller:
         log.warning("lease %s expired: %d group(s) back to the ready set", lease_id, len(lease.group_ids))
         self._return_to_ready(part, lease.group_ids)
 
-    def _expire_reserve(self, token: int) -> None:
-        del self._reserved[token]
-        group = self._by_token.get(token)
-        if group is not None and group.state == PENDING:
-            log.warning("reservation for group %r lapsed without a commit", group.meta.group_id)
-            self._release(group)
-            self._admit_parked()
-
     def _expire_put(self, waiter: _Waiter) -> None:
         if waiter.done:
             return
         waiter.done = True
+        if waiter.on_timeout is not None:
+            waiter.on_timeout()
         msg = (
             f"queue full for {waiter.req.timeout_s:.1f}s: holding {self.held_groups}/{self.cfg.capacity_groups} "
             f"groups and {self.held_bytes}/{self.cfg.capacity_bytes} bytes; the consumer is not keeping up "
@@ -522,8 +516,6 @@ class Controller:
             raise WireError("bad_request", "a snapshot or restore is already running", req.req_id)
         items, pins = [], []
         for group in sorted(self._groups.values(), key=lambda g: g.seq):
-            if group.state == PENDING:
-                continue  # not yet put: its producer will commit or retry
             unit = self.units[group.unit]
             if group.arena_offset >= 0:
                 buffers = [unit.arena.buffer(group.arena_offset, group.nbytes)]
@@ -632,7 +624,7 @@ class Controller:
             capacity_bytes=self.cfg.capacity_bytes,
             puts_waiting=sum(not w.done for w in self._parked_puts),
             leases_waiting=sum(not w.done for p in self._partitions.values() for w in p.waiters),
-            reserved_groups=sum(g.state == PENDING for g in self._groups.values()),
+            credits=len(self.credits),
             consumed_uids=len(self._consumed_uids),
             dropped_waiting=len(self._dropped),
             duplicates_total=sum(p.counters.duplicates_total for p in self._partitions.values()),

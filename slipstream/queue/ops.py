@@ -4,7 +4,7 @@ Every operation is a generator that *yields* the requests it needs (a :class:`Ca
 send at once, e.g. fetches from several storage units) and receives their decoded replies; the client's
 driver does the socket IO (blocking in :class:`~slipstream.queue.client.QueueClient`, awaiting in
 :class:`~slipstream.queue.client.AsyncQueueClient`) and throws :class:`QueueError` back into the generator
-when a request fails. So the protocol logic (reserve → write the arena → commit; lease → fetch what is not
+when a request fails. So the protocol logic (write into an arena credit → commit; lease → fetch what is not
 in shared memory → assemble) exists once and both clients behave identically.
 """
 
@@ -60,19 +60,53 @@ class Call:
     with_buffers: bool = False
 
 
+_MAX_CREDITS = 4  # arena credits a client keeps (one per concurrent put is enough)
+
+
 @dataclass
 class Session:
-    """What a client learned from HELLO."""
+    """What a client learned from HELLO, plus the arena credits it holds."""
 
     units: list[P.UnitInfo]
     inline_tensor_bytes: int
     shm_min_group_bytes: int
     put_timeout_s: float
     arenas: list[ArenaMapping] = field(default_factory=list)  # all units' arenas, or empty
+    # (credit, monotonic time until which it may be written: half its ttl, see credits.py)
+    credits: list[tuple[P.Credit, float]] = field(default_factory=list)
+    releases: list[int] = field(default_factory=list)
 
     @property
     def shared_memory(self) -> bool:
         return bool(self.arenas)
+
+    def take_credit(self, nbytes: int) -> P.Credit | None:
+        """A held credit of at least ``nbytes`` that is still safe to write, removed from the pool."""
+        now = time.monotonic()
+        found, keep = None, []
+        for credit, usable_until in self.credits:
+            if now >= usable_until:
+                self.releases.append(credit.token)
+            elif found is None and credit.nbytes >= nbytes:
+                found = credit
+            else:
+                keep.append((credit, usable_until))
+        if found is None:  # a reserve follows: give back credits too small for the sizes now being put
+            self.releases.extend(c.token for c, _ in keep)
+            keep = []
+        self.credits = keep
+        return found
+
+    def add_credit(self, credit: P.Credit | None) -> None:
+        if credit is None:
+            return
+        self.credits.append((credit, time.monotonic() + credit.ttl_s / 2))
+        while len(self.credits) > _MAX_CREDITS:
+            self.releases.append(self.credits.pop(0)[0].token)
+
+    def drain_releases(self) -> list[int]:
+        out, self.releases = self.releases, []
+        return out
 
     def close(self) -> None:
         for arena in self.arenas:
@@ -102,21 +136,47 @@ def put(session: Session, group: TrajectoryGroup, partition: str, timeout_s: flo
     if timeout_s is None:
         timeout_s = session.put_timeout_s
     if session.shared_memory and group.nbytes >= session.shm_min_group_bytes:
-        specs, size = layout_region(group.tensors, session.inline_tensor_bytes)
-        request = P.ReserveRequest(0, partition, group.meta, specs, size, timeout_s)
-        reply: P.ReserveReply = yield Call(CONTROLLER, P.MsgType.RESERVE, request, server_wait_s=timeout_s)
-        if reply.status == "DUPLICATE":
-            return False
-        if reply.status == "OK":
-            write_region(session.arenas[reply.unit].buffer(reply.offset, size), group.tensors, specs)
-            yield Call(CONTROLLER, P.MsgType.COMMIT, P.CommitRequest(0, reply.token))
-            return True
-        # NO_SPACE: the arena is full of unconsumed groups right now; the socket has no such limit.
+        stored = yield from _put_arena(session, group, partition, timeout_s)
+        if stored is not None:
+            return stored
+        # no arena room right now; the socket has no such limit
     specs, buffers = pack_frames(group.tensors, session.inline_tensor_bytes)
     unit = P.unit_for(group.group_id, len(session.units))
     request = P.PutRequest(0, partition, group.meta, specs, timeout_s)
     put_reply: P.PutReply = yield Call(unit, P.MsgType.PUT, request, buffers, server_wait_s=timeout_s)
     return put_reply.stored
+
+
+def _put_arena(session: Session, group: TrajectoryGroup, partition: str, timeout_s: float) -> Op:
+    """Write the group into an arena credit and commit it (one round trip with a credit in hand, two
+    without); None when the arena has no room."""
+    specs, size = layout_region(group.tensors, session.inline_tensor_bytes)
+    credit = session.take_credit(size)
+    if credit is None:
+        request = P.ReserveRequest(0, size, session.drain_releases())
+        reserved: P.ReserveReply = yield Call(CONTROLLER, P.MsgType.RESERVE, request)
+        credit = reserved.credit
+        if credit is None:
+            return None
+    write_region(session.arenas[credit.unit].buffer(credit.offset, size), group.tensors, specs)
+    commit = P.CommitRequest(
+        0, credit.token, partition, group.meta, specs, timeout_s, size, session.drain_releases()
+    )
+    try:
+        reply: P.CommitReply = yield Call(CONTROLLER, P.MsgType.COMMIT, commit, server_wait_s=timeout_s)
+    except QueueFull:
+        session.add_credit(credit)  # the server handed it back; any other failure: never write it again
+        raise
+    session.add_credit(reply.credit)  # the next credit, or this one again after a duplicate
+    return reply.stored
+
+
+def release_credits(session: Session) -> Op:
+    """Give every held credit back (when a client closes), so the arena need not wait for them to lapse."""
+    tokens = session.drain_releases() + [c.token for c, _ in session.credits]
+    session.credits = []
+    if tokens:
+        yield Call(CONTROLLER, P.MsgType.RESERVE, P.ReserveRequest(0, 0, tokens))
 
 
 def lease(

@@ -112,21 +112,27 @@ class PutRequest(_Wire):
 
 
 class ReserveRequest(_Wire):
-    """Ask for an arena region of ``nbytes`` for a group (same-host clients); specs hold region offsets."""
+    """Ask for an arena region of ``nbytes`` (a *credit* for a same-host client's next put); ``nbytes`` 0
+    only gives back the credits in ``release``."""
 
     req_id: int
-    partition: str
-    meta: GroupMeta
-    tensors: list[TensorSpec]
     nbytes: int
-    timeout_s: float
+    release: list[int] = []
 
 
 class CommitRequest(_Wire):
-    """The group of reservation ``token`` is written into its region: make it ready."""
+    """The group is written into the region of credit ``token``: admit it (dedup, capacity) and make it
+    ready; ``next_nbytes`` asks for the credit of the next put in the same round trip."""
 
     req_id: int
     token: int
+    partition: str
+    meta: GroupMeta
+    # Offsets are within the credit's region (frame 0).
+    tensors: list[TensorSpec]
+    timeout_s: float
+    next_nbytes: int = 0
+    release: list[int] = []
 
 
 class LeaseRequest(_Wire):
@@ -204,13 +210,27 @@ class PutReply(_Wire):
     stored: bool
 
 
+class Credit(_Wire):
+    """An arena region reserved for one client's next put, valid for ``ttl_s`` seconds unless committed."""
+
+    token: int
+    unit: int
+    offset: int
+    nbytes: int
+    ttl_s: float
+
+
 class ReserveReply(_Wire):
     req_id: int
-    # DUPLICATE: already seen, nothing to write. NO_SPACE: the arena is full right now; put over the socket.
-    status: str
-    token: int = 0
-    unit: int = 0
-    offset: int = 0
+    # None: the arena has no room right now; put over the socket.
+    credit: Credit | None = None
+
+
+class CommitReply(_Wire):
+    req_id: int
+    # False: the group id or a uid was already seen; the credit stays the client's (returned again).
+    stored: bool
+    credit: Credit | None = None
 
 
 class LeasedGroup(_Wire):
@@ -282,7 +302,8 @@ class QueueStats(msgspec.Struct, kw_only=True, gc=False):
     capacity_bytes: int = 0
     puts_waiting: int = 0
     leases_waiting: int = 0
-    reserved_groups: int = 0
+    # Arena credits handed out and not yet used.
+    credits: int = 0
     consumed_uids: int = 0
     dropped_waiting: int = 0
     duplicates_total: int = 0
@@ -341,7 +362,7 @@ REPLY_TYPES: dict[MsgType, type[msgspec.Struct]] = {
     MsgType.HELLO: HelloReply,
     MsgType.PUT: PutReply,
     MsgType.RESERVE: ReserveReply,
-    MsgType.COMMIT: DoneReply,
+    MsgType.COMMIT: CommitReply,
     MsgType.LEASE: LeaseReply,
     MsgType.FETCH: FetchReply,
     MsgType.ACK: AckReply,

@@ -52,7 +52,9 @@ def test_put_lease_ack_fifo_and_payload_intact(server, client_of, producer_shm, 
     assert consumer.lease(1, timeout_s=0.2) is None
     stats = consumer.stats()
     assert stats.held_groups == 0 and stats.partitions["train"].acked_total == 5
-    assert stats.shm_bytes_used == 0
+    assert stats.credits == (1 if producer_shm else 0)  # the producer's credit for its next put
+    producer.close()  # hands the credit back
+    assert consumer.stats().shm_bytes_used == 0
 
 
 def test_duplicates_are_dropped_before_and_after_ack(server, client_of):
@@ -244,7 +246,7 @@ def test_no_server_is_a_clear_timeout():
         QueueClient("localhost:5555")
 
 
-def test_a_reservation_never_committed_is_released(server, client_of):
+def test_an_unused_arena_credit_lapses_and_cannot_be_committed_late(server, client_of):
     import zmq
 
     from slipstream.queue import codec as C
@@ -252,28 +254,41 @@ def test_a_reservation_never_committed_is_released(server, client_of):
 
     srv = server(reserve_timeout_s=0.3, shm_min_group_bytes=0)
     c = client_of(srv)
-    group = make_group("a", payload=64)
-    specs, size = C.layout_region(group.tensors, 0)
     codec = C.Codec()
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.connect(srv.address)
-    sock.send_multipart(
-        codec.encode(P.MsgType.RESERVE, P.ReserveRequest(1, "train", group.meta, specs, size, 5.0))
-    )
+    sock.send_multipart(codec.encode(P.MsgType.RESERVE, P.ReserveRequest(1, 4096)))
     assert sock.poll(10_000)
-    reply = codec.decode_reply(sock.recv_multipart(), P.MsgType.RESERVE)
-    assert reply.status == "OK" and c.stats().reserved_groups == 1
-    assert c.put(make_group("a")) is False  # reserved counts as seen
+    credit = codec.decode_reply(sock.recv_multipart(), P.MsgType.RESERVE).credit
+    assert credit is not None and c.stats().credits == 1 and c.stats().shm_bytes_used == 4096
     deadline = time.monotonic() + 10
-    while c.stats().reserved_groups:  # the writer "died": the reservation lapses
+    while c.stats().credits:  # the writer "died": the credit lapses and its region is freed
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    sock.send_multipart(codec.encode(P.MsgType.COMMIT, P.CommitRequest(2, reply.token)))
+    assert c.stats().shm_bytes_used == 0
+    group = make_group("a", payload=64)
+    specs, _ = C.layout_region(group.tensors, 0)
+    sock.send_multipart(
+        codec.encode(P.MsgType.COMMIT, P.CommitRequest(2, credit.token, "train", group.meta, specs, 1.0))
+    )
     assert sock.poll(10_000)
     late = codec.decode_reply(sock.recv_multipart(), P.MsgType.COMMIT)
     assert isinstance(late, P.ErrorReply) and late.kind == "expired"
     sock.close()
     ctx.term()
-    assert c.stats().shm_bytes_used == 0
     assert c.put(group) is True  # never stored, so not seen
+
+
+def test_credits_make_later_arena_puts_one_round_trip_and_survive_duplicates(server, client_of):
+    srv = server(shm_min_group_bytes=0)
+    c = client_of(srv)
+    assert c.put(make_group("a", payload=100))  # reserve + commit, and a credit for the next put
+    assert c.stats().credits == 1
+    assert c.put(make_group("a", payload=100)) is False  # duplicate: the credit comes back unused
+    assert c.stats().credits == 1
+    assert c.put(make_group("b", payload=100))  # written into the credit
+    lease = c.lease(2, timeout_s=5)
+    assert [g.group_id for g in lease.groups] == ["a", "b"]
+    assert torch.equal(lease.groups[1].tensors["payload"], make_group("b", payload=100).tensors["payload"])
+    c.ack(lease)
