@@ -89,6 +89,13 @@ def _group(tag: str, i: int, payload: Any):
 def _producer(client: Any, cmd: dict) -> dict:
     import torch
 
+    if cmd["cmd"] == "ping":
+        rtts = []
+        for _ in range(cmd["count"]):
+            t0 = time.perf_counter()
+            client.ping()
+            rtts.append(time.perf_counter() - t0)
+        return {"rtt": rtts}
     if cmd["cmd"] == "latency":
         starts = {}
         rtts = []
@@ -144,7 +151,7 @@ def _consumer(client: Any, cmd: dict) -> dict:
     bad = 0
     while len(got) < cmd["count"]:
         want = min(cmd.get("batch", 1), cmd["count"] - len(got))
-        lease = client.lease(want, timeout_s=120)
+        lease = client.lease(want, min_groups=min(want, cmd.get("min_groups", want)), timeout_s=120)
         if lease is None:
             raise RuntimeError("consumer timed out waiting for groups")
         now = time.perf_counter()
@@ -237,7 +244,10 @@ def _slipstream(sizes: list[int], quick: bool, latency_n: int) -> tuple[dict[int
                     raise RuntimeError(f"{done['bad']} payload(s) arrived corrupted at {nbytes} bytes")
             out[nbytes] = _gbps(count * nbytes, done["t_end"] - t_start)
             _log(f"slipstream {nbytes:>10} B x {count:>4}: {out[nbytes]:8.2f} Gbit/s")
-        consumer.send({"cmd": "latency", "count": latency_n})
+        producer.send({"cmd": "ping", "count": latency_n})  # the consumer is idle meanwhile
+        ping = producer.read()["rtt"]
+        # the consumer takes whatever is ready, so no backlog builds up behind it
+        consumer.send({"cmd": "latency", "count": latency_n, "batch": WINDOW, "min_groups": 1})
         producer.send({"cmd": "latency", "count": latency_n, "tag": "lat"})
         sent = producer.read()
         got = consumer.read()["got"]
@@ -245,16 +255,54 @@ def _slipstream(sizes: list[int], quick: bool, latency_n: int) -> tuple[dict[int
         producer.close()
         consumer.close()
         server.stop()
-    rtt = [x * 1e6 for x in sent["rtt"][latency_n // 10 :]]  # the first tenth warms up
-    e2e = [(got[g] - t) * 1e6 for g, t in sent["starts"].items() if g in got]
-    lat = {
-        "put_p50": _pct(rtt, 0.5),
-        "put_p99": _pct(rtt, 0.99),
-        "e2e_p50": _pct(e2e, 0.5),
-        "e2e_p99": _pct(e2e, 0.99),
-    }
-    _log(f"small put round trip p50 {lat['put_p50']:.0f} us, p99 {lat['put_p99']:.0f} us")
+    warm = latency_n // 10  # the first tenth warms up
+    ping_us = [x * 1e6 for x in ping[warm:]]
+    put_us = [x * 1e6 for x in sent["rtt"][warm:]]
+    e2e_us = [(got[g] - t) * 1e6 for g, t in list(sent["starts"].items())[warm:] if g in got]
+    lat = {}
+    for name, values in (("ping", ping_us), ("put", put_us), ("e2e", e2e_us)):
+        lat[f"{name}_p50"], lat[f"{name}_p99"] = _pct(values, 0.5), _pct(values, 0.99)
+    _log(
+        f"round trip p50/p99: ping {lat['ping_p50']:.0f}/{lat['ping_p99']:.0f} us, tiny put "
+        f"{lat['put_p50']:.0f}/{lat['put_p99']:.0f} us, put-to-lease {lat['e2e_p50']:.0f}/{lat['e2e_p99']:.0f} us"
+    )
     return out, lat
+
+
+_ECHO_SERVER = """
+import sys, zmq
+sock = zmq.Context().socket(zmq.ROUTER)
+print(sock.bind_to_random_port("tcp://127.0.0.1"), flush=True)
+while True:
+    sock.send_multipart(sock.recv_multipart(copy=False), copy=False)
+"""
+
+
+def _zmq_echo(n: int) -> dict[str, float]:
+    """The floor under any round trip here: a bare pyzmq DEALER/ROUTER echo between two processes."""
+    import zmq
+
+    proc = subprocess.Popen([sys.executable, "-c", _ECHO_SERVER], stdout=subprocess.PIPE, text=True)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        sock.connect(f"tcp://127.0.0.1:{int(proc.stdout.readline())}")
+        rtts = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            sock.send_multipart([b"\x0d", b"x" * 40])
+            if not sock.poll(10_000):
+                raise RuntimeError("the echo process stopped answering")
+            sock.recv_multipart()
+            rtts.append((time.perf_counter() - t0) * 1e6)
+    finally:
+        sock.close(0)
+        ctx.term()
+        proc.kill()
+        proc.wait()
+    rtts = rtts[n // 10 :]
+    _log(f"raw zmq echo round trip p50/p99: {_pct(rtts, 0.5):.0f}/{_pct(rtts, 0.99):.0f} us")
+    return {"p50": _pct(rtts, 0.5), "p99": _pct(rtts, 0.99)}
 
 
 def _ray_consume(refs: list, i: int) -> tuple[float, bool]:
@@ -345,8 +393,10 @@ class BenchRow(msgspec.Struct):
 
 
 def run(sizes: list[int], quick: bool = False, with_ray: bool = True) -> dict[str, Any]:
+    latency_n = 300 if quick else 2000
     memcpy = _memcpy(sizes)
-    ours, lat = _slipstream(sizes, quick, 300 if quick else 2000)
+    echo = _zmq_echo(latency_n)
+    ours, lat = _slipstream(sizes, quick, latency_n)
     ray_ = _ray(sizes, quick) if with_ray else {}
     rows = [
         BenchRow(n, round(ours[n], 3), round(ray_.get(n, float("nan")), 3), round(memcpy[n], 3))
@@ -354,11 +404,19 @@ def run(sizes: list[int], quick: bool = False, with_ray: bool = True) -> dict[st
     ]
     return {
         "rows": msgspec.to_builtins(rows),
-        "latency_us_p50": round(lat["put_p50"], 1),
-        "latency_us_p99": round(lat["put_p99"], 1),
+        "latency_us_p50": round(lat["ping_p50"], 1),
+        "latency_us_p99": round(lat["ping_p99"], 1),
+        "put_latency_us_p50": round(lat["put_p50"], 1),
+        "put_latency_us_p99": round(lat["put_p99"], 1),
         "e2e_latency_us_p50": round(lat["e2e_p50"], 1),
         "e2e_latency_us_p99": round(lat["e2e_p99"], 1),
-        "units": "gbps = 1e9 bits/s; latency = round trip of a ~100-byte put; e2e = put start to lease return",
+        "zmq_echo_us_p50": round(echo["p50"], 1),
+        "zmq_echo_us_p99": round(echo["p99"], 1),
+        "units": (
+            "gbps = 1e9 bits/s; latency = round trip of a small request through the queue client and server; "
+            "put_latency = round trip of a put of a ~100-byte group while a consumer drains; e2e = put start to "
+            "lease return; zmq_echo = bare pyzmq echo between two processes (the floor)"
+        ),
     }
 
 

@@ -50,6 +50,9 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
 
+_TYPE_BYTES: dict[bytes, P.MsgType] = {bytes((t,)): t for t in P.MsgType if t in P.REQUEST_TYPES}
+
+
 class WireError(Exception):
     """A message that cannot be served; the server answers it with an ERROR reply of this ``kind``."""
 
@@ -83,27 +86,38 @@ class Codec:
     def decode_request(
         self, frames: Sequence[Any], allowed: frozenset[P.MsgType], max_bytes: int
     ) -> tuple[P.MsgType, Any, list[Any]]:
-        """``[type, header, *buffers]`` -> (type, typed header, buffers); raise WireError when malformed."""
+        """``[type, header, *buffers]`` -> (type, typed header, buffers); raise WireError when malformed.
+
+        The request id for an error reply is only dug out on the error paths (this runs on every message).
+        """
         if len(frames) < 2:
             raise WireError(
                 "bad_request", f"truncated message: {len(frames)} frame(s), need a type and a header"
             )
-        total = sum(len(f) for f in frames)
-        req_id = self.req_id(frames[1])
+        total = 0
+        for frame in frames:
+            total += len(frame)
         if total > max_bytes:
             raise WireError(
-                "too_large", f"message of {total} bytes exceeds max_message_bytes={max_bytes}", req_id
+                "too_large",
+                f"message of {total} bytes exceeds max_message_bytes={max_bytes}",
+                self.req_id(frames[1]),
             )
-        kind = bytes(frames[0])
-        if len(kind) != 1 or kind[0] not in P.MsgType._value2member_map_:
-            raise WireError("bad_request", f"unknown message type {kind[:8]!r}", req_id)
-        msg_type = P.MsgType(kind[0])
-        if msg_type not in allowed:
-            raise WireError("bad_request", f"{msg_type.name} is not served on this socket", req_id)
+        msg_type = _TYPE_BYTES.get(bytes(frames[0]))
+        if msg_type is None or msg_type not in allowed:
+            kind = bytes(frames[0])[:8]
+            what = (
+                f"unknown message type {kind!r}"
+                if msg_type is None
+                else f"{msg_type.name} is not served here"
+            )
+            raise WireError("bad_request", what, self.req_id(frames[1]))
         try:
             header = self._requests[msg_type].decode(frames[1])
         except (msgspec.DecodeError, msgspec.ValidationError) as err:
-            raise WireError("bad_request", f"malformed {msg_type.name} header: {err}", req_id) from None
+            raise WireError(
+                "bad_request", f"malformed {msg_type.name} header: {err}", self.req_id(frames[1])
+            ) from None
         return msg_type, header, list(frames[2:])
 
     def decode_reply(self, frames: Sequence[Any], request: P.MsgType) -> Any:

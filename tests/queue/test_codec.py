@@ -104,7 +104,7 @@ def test_decode_request_rejects_malformed_messages():
         codec.decode_request(good[:1], P.CONTROLLER_TYPES, 1 << 20)
     with pytest.raises(C.WireError, match="unknown message type"):
         codec.decode_request([b"\x42", good[1]], P.CONTROLLER_TYPES, 1 << 20)
-    with pytest.raises(C.WireError, match="not served on this socket") as err:
+    with pytest.raises(C.WireError, match="not served here") as err:
         codec.decode_request(codec.encode(P.MsgType.PUT, P.PingRequest(3)), P.CONTROLLER_TYPES, 1 << 20)
     assert err.value.req_id == 3
     with pytest.raises(C.WireError, match="malformed LEASE header"):
