@@ -34,14 +34,15 @@ import secrets
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from slipstream.queue import protocol as P
-from slipstream.queue.codec import ZERO_COPY_MIN_BYTES, WireError, tracked_frame, validate_group
+from slipstream.queue.background import Background
+from slipstream.queue.codec import WireError, validate_group
 from slipstream.queue.config import QueueConfig
 from slipstream.queue.credits import Credits
 from slipstream.queue.snapshot import SnapshotItem, read_snapshot, write_snapshot
@@ -132,9 +133,7 @@ class Controller:
         self._parked_puts: deque[_Waiter] = deque()
         self._timers: list[tuple[float, int, str, Any]] = []  # parked requests, each with its own timeout
         self._timer_seq = itertools.count()
-        self._jobs: list[tuple[Future, Callable[[Future], None]]] = []
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="queue-snapshot")
-        self._sends: list[tuple[Any, StorageUnit, int]] = []  # (tracker, unit, arena offset) still sending
+        self._background = Background()
         self.held_groups = 0
         self.held_bytes = 0
 
@@ -167,7 +166,7 @@ class Controller:
         self.held_bytes += group.nbytes
 
     def _release(self, group: _Group) -> None:
-        """Forget a group and free its storage (after its ack, or when its reservation lapses)."""
+        """Forget a group and free its storage (after its ack)."""
         del self._groups[group.meta.group_id]
         del self._by_token[group.token]
         self._held_uids.difference_update(s.uid for s in group.meta.samples)
@@ -359,28 +358,10 @@ class Controller:
             group = self._by_token.get(token)
             if group is None or group.lease_id != req.lease_id or group.unit != unit_index:
                 raise WireError("bad_request", f"token {token} is not in lease {req.lease_id!r} on this unit")
-            if group.arena_offset >= 0:
-                buffers.append(self._arena_frame(unit, group))
-                counts.append(1)
-            else:
-                blobs = unit.blobs(token)
-                buffers.extend(blobs)
-                counts.append(len(blobs))
+            frames = unit.frames(token, group.arena_offset, group.nbytes, self._background.track)
+            buffers.extend(frames)
+            counts.append(len(frames))
         self._ok(reply_to, P.FetchReply(req.req_id, counts), buffers)
-
-    def _arena_frame(self, unit: StorageUnit, group: _Group) -> Any:
-        """An arena region as a frame for a client that cannot map the arena.
-
-        Large regions go zero-copy and stay pinned until ZeroMQ has sent them (the lease could be acked, and
-        the region reused, before that); small ones are simply copied.
-        """
-        view = unit.arena.buffer(group.arena_offset, group.nbytes)
-        if group.nbytes < ZERO_COPY_MIN_BYTES:
-            return view.tobytes()
-        frame = tracked_frame(view)
-        unit.arena.pin(group.arena_offset)
-        self._sends.append((frame.tracker, unit, group.arena_offset))
-        return frame
 
     def handle_ack(self, reply_to: ReplyTo, req: P.AckRequest, _buffers: list[Any]) -> None:
         lease = self._leases.get(req.lease_id)
@@ -452,14 +433,14 @@ class Controller:
         while self._leases and (lease := next(iter(self._leases.values()))).deadline <= now:
             self._expire_lease(lease.lease_id)
         credit_deadline = self.credits.expire(now)
-        self._finish_background()
+        self._background.poll()
         deadlines = [self._timers[0][0]] if self._timers else []
         if self._leases:
             deadlines.append(next(iter(self._leases.values())).deadline)
         if credit_deadline is not None:
             deadlines.append(credit_deadline)
         wait = min(deadlines) - now if deadlines else 1.0
-        if self._jobs or self._sends:
+        if self._background.busy:
             wait = min(wait, 0.002)  # completions do not wake the poller: look again soon
         return max(0.0, min(wait, 1.0))
 
@@ -495,24 +476,9 @@ class Controller:
         self._ok(waiter.reply_to, P.LeaseReply(waiter.req.req_id))
         self._serve_waiters(self._part(partition))  # a head waiter that timed out may unblock the next
 
-    def _finish_background(self) -> None:
-        if self._sends:
-            still = []
-            for tracker, unit, offset in self._sends:
-                if tracker.done:
-                    unit.arena.unpin(offset)
-                else:
-                    still.append((tracker, unit, offset))
-            self._sends = still
-        if self._jobs:
-            done = [(f, cb) for f, cb in self._jobs if f.done()]
-            self._jobs = [(f, cb) for f, cb in self._jobs if not f.done()]
-            for future, callback in done:
-                callback(future)
-
     # ---------------------------------------------------------------------------- snapshot / restore
     def handle_snapshot(self, reply_to: ReplyTo, req: P.PathRequest, _buffers: list[Any]) -> None:
-        if self._jobs:
+        if self._background.has_jobs:
             raise WireError("bad_request", "a snapshot or restore is already running", req.req_id)
         items, pins = [], []
         for group in sorted(self._groups.values(), key=lambda g: g.seq):
@@ -526,23 +492,20 @@ class Controller:
             items.append(
                 SnapshotItem(group.partition, group.state == LEASED, group.meta, group.specs, buffers)
             )
-        future = self._executor.submit(
-            write_snapshot, req.path, items, sorted(self._consumed_groups), sorted(self._consumed_uids),
-            list(self._dropped),
-        )  # fmt: skip
 
         def done(f: Future) -> None:
             for unit, offset in pins:
                 unit.arena.unpin(offset)
             self._reply_job(reply_to, req.req_id, f, lambda summary: summary)
 
-        self._jobs.append((future, done))
+        consumed = (sorted(self._consumed_groups), sorted(self._consumed_uids), list(self._dropped))
+        self._background.submit(done, write_snapshot, req.path, items, *consumed)
 
     def handle_restore(self, reply_to: ReplyTo, req: P.PathRequest, _buffers: list[Any]) -> None:
-        if self._jobs:
+        if self._background.has_jobs:
             raise WireError("bad_request", "a snapshot or restore is already running", req.req_id)
-        future = self._executor.submit(read_snapshot, req.path)
-        self._jobs.append((future, lambda f: self._reply_job(reply_to, req.req_id, f, self._install)))
+        done = lambda f: self._reply_job(reply_to, req.req_id, f, self._install)  # noqa: E731
+        self._background.submit(done, read_snapshot, req.path)
 
     def _reply_job(self, reply_to: ReplyTo, req_id: int, future: Future, finish: Callable) -> None:
         def run() -> None:
@@ -635,4 +598,4 @@ class Controller:
         )
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._background.close()

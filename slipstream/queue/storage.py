@@ -15,12 +15,14 @@ threads (``io_threads``), which is where the bytes actually move.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import zmq
 
 from slipstream.queue import protocol as P
 from slipstream.queue.arena import Arena
+from slipstream.queue.codec import ZERO_COPY_MIN_BYTES, tracked_frame
 
 
 class StorageUnit:
@@ -38,6 +40,25 @@ class StorageUnit:
 
     def blobs(self, token: int) -> list[Any]:
         return self._blobs[token]
+
+    def frames(
+        self, token: int, arena_offset: int, nbytes: int, track: Callable[[Any, Callable[[], None]], None]
+    ) -> list[Any]:
+        """A group's buffers, ready to send: its blobs, or its arena region (``arena_offset >= 0``).
+
+        A large region goes zero-copy and stays pinned until ZeroMQ's tracker says it was sent (the lease
+        could be acked and the region reused before that); ``track(tracker, on_sent)`` arranges the unpin.
+        A small one is simply copied.
+        """
+        if arena_offset < 0:
+            return self._blobs[token]
+        view = self.arena.buffer(arena_offset, nbytes)
+        if nbytes < ZERO_COPY_MIN_BYTES:
+            return [view.tobytes()]
+        frame = tracked_frame(view)
+        self.arena.pin(arena_offset)
+        track(frame.tracker, lambda: self.arena.unpin(arena_offset))
+        return [frame]
 
     def drop(self, token: int) -> None:
         del self._blobs[token]
