@@ -52,6 +52,10 @@ SMOLLM2_135M = dict(
     tie_word_embeddings=True,
 )
 SETS = {"smollm2-135m-bf16": torch.bfloat16, "smollm2-135m-fp32": torch.float32}
+# A 2-layer miniature of the same architecture, for smoke tests of the bench itself.
+TINY = dict(SMOLLM2_135M, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # fmt: skip
+SMOKE_SETS = {"tiny-fp32": (TINY, torch.float32)}
 
 
 def model_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
@@ -64,8 +68,8 @@ def model_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def make_set(name: str, fill: float = 0.0) -> list[tuple[str, torch.Tensor]]:
-    dtype = SETS[name]
-    return [(n, torch.full(shape, fill, dtype=dtype)) for n, shape in model_shapes(SMOLLM2_135M)]
+    config, dtype = SMOKE_SETS[name] if name in SMOKE_SETS else (SMOLLM2_135M, SETS[name])
+    return [(n, torch.full(shape, fill, dtype=dtype)) for n, shape in model_shapes(config)]
 
 
 def set_bytes(tensors: list[tuple[str, torch.Tensor]]) -> int:
@@ -236,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-s", type=float, default=120.0)
     args = parser.parse_args(argv)
     sets = [s for s in args.sets.split(",") if s]
-    unknown = [s for s in sets if s not in SETS]
+    unknown = [s for s in sets if s not in SETS and s not in SMOKE_SETS]
     if unknown:
         parser.error(f"unknown tensor set(s) {unknown}; known: {list(SETS)}")
     torch.set_num_threads(1)

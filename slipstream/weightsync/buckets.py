@@ -239,7 +239,7 @@ class BucketPacker:
         version: int,
         layout: Layout,
         pool: BufferPool,
-        timeout_s: float | None = None,
+        timeout_s: float = 300.0,
     ) -> None:
         self._source: Iterator[tuple[str, torch.Tensor]] = iter(named_tensors)
         self.version = version

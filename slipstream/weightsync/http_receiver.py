@@ -87,6 +87,7 @@ class _Session:
     next_index: int = 0
     error: str | None = None
     started: float = field(default_factory=time.perf_counter)
+    active: float = field(default_factory=time.monotonic)
     receive_s: float = 0.0
     stream_task: asyncio.Task | None = None
 
@@ -112,6 +113,8 @@ class WeightReceiver:
         self.last_error = ""
         self.last_apply_s = 0.0
         self.last_receive_s = 0.0
+        # How long any wait lasts: the trainer's limit once it has said so (init_weights_update_group).
+        self.wait_s = self.cfg.timeout_s
 
     # -- groups
 
@@ -136,6 +139,7 @@ class WeightReceiver:
             backend=backend,
             timeout_s=req.timeout_s or self.cfg.timeout_s,
         )
+        self.wait_s = req.timeout_s or self.cfg.timeout_s
         self.groups[req.group_name] = group
         return WeightUpdateResp(success=True, message=f"joined `{req.group_name}` as rank {req.rank_offset}")
 
@@ -143,7 +147,7 @@ class WeightReceiver:
         group = self.groups.pop(req.group_name, None)
         if group is None:
             return WeightUpdateResp(success=False, message=f"no group `{req.group_name}`")
-        await asyncio.to_thread(group.close, min(10.0, self.cfg.timeout_s))
+        await asyncio.to_thread(group.close, min(10.0, self.wait_s))
         return WeightUpdateResp(success=True, message=f"left `{req.group_name}`")
 
     # -- versions
@@ -153,6 +157,7 @@ class WeightReceiver:
             self._fail(self.session, "superseded by a new begin_weight_update before it ended")
         session = _Session(version=parse_version(req.weight_version))
         self.session = session
+        self._watch(session)
         if req.stream == "nixl":
             if self._nixl is None:
                 raise RequestError("stream `nixl` needs /weightsync/nixl/prepare and /connect first")
@@ -183,7 +188,7 @@ class WeightReceiver:
         for meta in metas:
             try:
                 dest = session.staging.destination(meta)
-                await asyncio.to_thread(_receive, group, meta, dest, self.cfg.timeout_s)
+                await asyncio.to_thread(_receive, group, meta, dest, self.wait_s)
             except (TransferError, BucketError) as err:
                 await self._close_group(req.group_name)
                 self._fail(session, f"bucket {meta.index}: {err}")
@@ -191,6 +196,7 @@ class WeightReceiver:
             session.staging.commit(meta)
             session.next_index = max(session.next_index, meta.index + 1)
         session.receive_s += time.perf_counter() - start
+        session.active = time.monotonic()
         if problem:
             self._fail(session, problem)
             raise RequestError(problem)
@@ -203,7 +209,7 @@ class WeightReceiver:
         version = parse_version(req.weight_version)
         if session.stream_task is not None:
             try:
-                await asyncio.wait_for(session.stream_task, self.cfg.timeout_s)
+                await asyncio.wait_for(session.stream_task, self.wait_s)
             except (TransferError, TimeoutError) as err:
                 self._fail(session, f"stream: {err or 'timed out'}")
         if session.error is not None:
@@ -352,6 +358,22 @@ class WeightReceiver:
                 shown = ", ".join(sorted(missing)[:5])
                 return f"version {version} misses {len(missing)} parameters (e.g. {shown})"
         return ""
+
+    def _watch(self, session: _Session) -> None:
+        """Discard ``session`` if the trainer goes quiet for longer than it said it would ever wait."""
+        loop = asyncio.get_running_loop()
+
+        def check() -> None:
+            if self.session is not session or session.stream_task is not None:
+                return
+            idle = time.monotonic() - session.active
+            if idle < self.wait_s:
+                loop.call_later(self.wait_s - idle + 0.1, check)
+                return
+            self._fail(session, f"no update for {idle:.0f} s: the trainer went away mid-version")
+            self.session = None
+
+        loop.call_later(self.wait_s + 0.1, check)
 
     def _fail(self, session: _Session, reason: str) -> None:
         if session.error is None:

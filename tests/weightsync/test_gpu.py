@@ -1,0 +1,84 @@
+"""Weight sync on a GPU: NCCL groups, NIXL on GPU memory, and live vLLM / SGLang servers when installed.
+
+Every test here needs CUDA (``gpu`` marker); the live-server tests also need the pinned server package and a
+local model directory in ``SLIPSTREAM_TEST_MODEL`` (nothing is downloaded).
+"""
+
+from __future__ import annotations
+
+import os
+
+import msgspec
+import pytest
+import torch
+from wsync_helpers import digest, mixed_tensors, pipe, recv, send, spawn
+
+from slipstream.weightsync.base import get_engine_class, make_engine, receive_into
+from slipstream.weightsync.config import WeightSyncConfig
+from slipstream.weightsync.types import InitInfo, Rendezvous
+
+pytestmark = pytest.mark.gpu
+
+
+def cuda_tensors(version: int):
+    return [(n, t.cuda()) for n, t in mixed_tensors(version)]
+
+
+def _gpu_receiver(conn, backend: str) -> None:
+    import asyncio
+
+    from wsync_helpers import DictTarget
+
+    cfg = WeightSyncConfig(backend=backend, bucket_mb=1, timeout_s=60, device="cuda")
+    engine = make_engine(cfg, is_sender=False)
+    send(conn, msgspec.to_builtins(engine.prepare()))
+    engine.init_process_group(msgspec.convert(recv(conn), InitInfo))
+    target = DictTarget(cuda_tensors(0))
+    asyncio.run(receive_into(engine, target))
+    send(
+        conn,
+        {"version": target.weight_version, "digest": digest({k: v.cpu() for k, v in target.tensors.items()})},
+    )
+    engine.finalize()
+
+
+@pytest.mark.parametrize("backend", ["torch_dist", "nixl"])
+def test_a_version_crosses_between_two_processes_on_the_gpu_bit_exact(backend):
+    import asyncio
+
+    mine, theirs = pipe()
+    child = spawn(_gpu_receiver, theirs, backend)
+    cfg = WeightSyncConfig(backend=backend, bucket_mb=1, timeout_s=60, device="cuda")
+    engine = make_engine(cfg, is_sender=True)
+    rendezvous = msgspec.convert(recv(mine), Rendezvous)
+    info, (theirs_info,) = get_engine_class(backend).build_topology(engine.prepare(), [rendezvous], "gpu")
+    send(mine, msgspec.to_builtins(theirs_info))
+    engine.init_process_group(info)
+    asyncio.run(engine.send_weights(cuda_tensors(5), 5))
+    reply = recv(mine, timeout=120)
+    engine.finalize()
+    child.join(timeout=60)
+    assert reply == {"version": 5, "digest": digest(mixed_tensors(5))}
+
+
+@pytest.mark.skipif(not os.environ.get("SLIPSTREAM_TEST_MODEL"), reason="needs SLIPSTREAM_TEST_MODEL")
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_a_live_server_takes_a_version_and_reports_it(kind):
+    pytest.importorskip(kind)
+    from transformers import AutoModelForCausalLM
+
+    from slipstream.rollouter.launch import launch_server
+    from slipstream.weightsync.publisher import WeightPublisher
+
+    path = os.environ["SLIPSTREAM_TEST_MODEL"]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
+    with launch_server(kind, path) as server:
+        server.wait_healthy(900)
+        pub = WeightPublisher(
+            WeightSyncConfig(bucket_mb=64, timeout_s=300, device="cuda"), [server.url], kind
+        )
+        try:
+            report = pub.publish(1, ((n, p.detach()) for n, p in model.named_parameters()))
+            assert report.ok == [server.url], report
+        finally:
+            pub.close()

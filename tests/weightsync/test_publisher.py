@@ -1,0 +1,220 @@
+"""The WeightPublisher against real serving processes over HTTP on loopback.
+
+Servers are child processes running our receiver routes in front of a dict of tensors (wsync_target_
+server.py), which reports a digest of what it serves; one test uses the real embedded server. Failures are
+injected by processes exiting abruptly in the middle of a version.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from wsync_helpers import digest, mixed_tensors, spawn
+from wsync_target_server import serve
+
+from slipstream.utils.net import free_port
+from slipstream.weightsync.config import WeightSyncConfig
+from slipstream.weightsync.publisher import WeightPublisher, make_publish_fn
+
+TIMEOUT_S = 5.0
+
+
+def config(backend: str = "torch_dist", **kw) -> WeightSyncConfig:
+    return WeightSyncConfig(backend=backend, bucket_mb=1, timeout_s=TIMEOUT_S, device="cpu", **kw)
+
+
+class Servers:
+    def __init__(self) -> None:
+        self.procs = []
+
+    def start(self, die_on_update: int | None = None) -> str:
+        port = free_port()
+        self.procs.append(spawn(serve, port, die_on_update))
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    return url
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        raise TimeoutError(f"server {url} did not start")
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.join(timeout=10)
+
+
+@pytest.fixture
+def servers():
+    s = Servers()
+    yield s
+    s.stop()
+
+
+def served(url: str) -> dict:
+    return httpx.get(f"{url}/digest", timeout=10).json()
+
+
+def status(url: str) -> dict:
+    return httpx.get(f"{url}/weightsync/status", timeout=10).json()
+
+
+@pytest.mark.parametrize("backend", ["torch_dist", "nixl", "naive"])
+def test_versions_reach_every_server_bit_exact_and_a_late_server_gets_the_current_one(servers, backend):
+    first, late = servers.start(), servers.start()
+    pub = WeightPublisher(config(backend), [first], "embedded")
+    try:
+        for version in (1, 2):
+            report = pub.publish(version, iter(mixed_tensors(version)))
+            assert report.ok == [first] and not report.failed
+            assert served(first) == {"version": version, "digest": digest(mixed_tensors(version))}
+        catch_up = pub.add_server(late)
+        assert catch_up is not None and catch_up.ok == [late]
+        assert served(late) == {"version": 2, "digest": digest(mixed_tensors(2))}
+        report = pub.publish(3, iter(mixed_tensors(3)))
+        assert sorted(report.ok) == sorted([first, late])
+        assert served(first) == served(late) == {"version": 3, "digest": digest(mixed_tensors(3))}
+        assert status(first)["failed_versions"] == 0
+    finally:
+        pub.close()
+
+
+def test_a_server_killed_mid_sync_is_dropped_and_the_others_get_the_version(servers):
+    healthy, doomed = servers.start(), servers.start(die_on_update=2)
+    pub = WeightPublisher(config(), [healthy, doomed], "embedded")
+    try:
+        start = time.monotonic()
+        report = pub.publish(1, iter(mixed_tensors(1)))
+        assert time.monotonic() - start < 6 * TIMEOUT_S  # nobody hangs
+        assert doomed in report.failed and report.ok == [healthy] and report.retried
+        assert pub.down.keys() == {doomed}
+        assert served(healthy) == {"version": 1, "digest": digest(mixed_tensors(1))}
+        report = pub.publish(2, iter(mixed_tensors(2)))  # the next push goes to the live server only
+        assert report.ok == [healthy] and served(healthy)["version"] == 2
+    finally:
+        pub.close()
+
+
+def _dying_trainer(urls: list[str]) -> None:
+    """Publishes version 1, then dies three tensors into version 2."""
+    torch.set_num_threads(1)
+    pub = WeightPublisher(config(), urls, "embedded")
+    pub.publish(1, iter(mixed_tensors(1)))
+
+    def dies():
+        for i, item in enumerate(mixed_tensors(2)):
+            if i == 3:
+                os._exit(1)
+            yield item
+
+    pub.publish(2, dies())
+
+
+def test_a_trainer_killed_mid_sync_leaves_the_old_version_serving_and_a_new_trainer_takes_over(servers):
+    url = servers.start()
+    trainer = spawn(_dying_trainer, [url])
+    trainer.join(timeout=60)
+    assert trainer.exitcode == 1
+    deadline = time.monotonic() + 3 * TIMEOUT_S
+    while status(url)["failed_versions"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.2)  # the server notices within its timeout
+    state = status(url)
+    assert state["failed_versions"] == 1 and state["weight_version"] == 1 and state["last_error"]
+    assert served(url) == {"version": 1, "digest": digest(mixed_tensors(1))}
+    pub = WeightPublisher(config(), [url], "embedded")
+    try:
+        assert pub.publish(3, iter(mixed_tensors(3))).ok == [url]
+        assert served(url) == {"version": 3, "digest": digest(mixed_tensors(3))}
+    finally:
+        pub.close()
+
+
+def test_requests_that_cannot_be_honoured_get_an_error_naming_the_problem(servers):
+    url = servers.start()
+    post = lambda path, body: httpx.post(f"{url}{path}", json=body, timeout=10)  # noqa: E731
+    update = {"names": ["w"], "dtypes": ["float32"], "shapes": [[2]], "load_format": "flattened_bucket"}
+    r = post("/update_weights_from_distributed", update)
+    assert r.status_code == 400 and "no group `weight_update_group`" in r.json()["message"]
+    r = post("/end_weight_update", {})
+    assert r.status_code == 400 and "begin_weight_update" in r.json()["message"]
+    r = post("/begin_weight_update", {"weight_version": "seven"})
+    assert r.status_code == 400 and "must be an integer" in r.json()["message"]
+    r = post("/begin_weight_update", {"stream": "nixl"})
+    assert r.status_code == 400 and "/weightsync/nixl/prepare" in r.json()["message"]
+    r = post("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
+                                            "world_size": 2, "backend": "mpi"})  # fmt: skip
+    assert r.status_code == 400 and "backend `mpi`" in r.json()["message"]
+    r = httpx.post(f"{url}/begin_weight_update", content=b"{not json", timeout=10)
+    assert r.status_code == 400 and "bad request body" in r.json()["message"]
+    assert served(url)["version"] == 0  # nothing changed what serves
+
+
+def test_other_trainer_ranks_only_iterate():
+    seen = []
+    make_publish_fn(None)(4, (seen.append(n) or (n, t) for n, t in mixed_tensors(4)))
+    assert seen == [n for n, _ in mixed_tensors(4)]
+
+
+def test_the_embedded_server_keeps_answering_while_a_version_arrives_and_then_serves_it(tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    from slipstream.rollouter.config import EmbeddedServerConfig, RolloutConfig
+    from slipstream.rollouter.launch import launch_server
+
+    engine_cfg = EmbeddedServerConfig(num_threads=1, max_model_len=512, kv_cache_tokens=4096, seed=0)
+    server = launch_server("embedded", tiny_model_path, cfg=RolloutConfig(embedded=engine_cfg))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-1.5)  # a version that generates different tokens
+    prompt = [5, 77, 101, 33]
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+    answers: list[tuple[float, dict]] = []
+    stop = threading.Event()
+
+    def keep_asking() -> None:
+        with httpx.Client(timeout=60) as http:
+            while not stop.is_set():
+                answer = http.post(f"{server.url}/generate", json=body).json()
+                answers.append((time.monotonic(), answer))
+
+    def slowly():  # a trainer that takes a while to gather its tensors: the transfer spans seconds
+        for name, p in model.named_parameters():
+            time.sleep(0.1)
+            yield name, p.detach()
+
+    try:
+        server.wait_healthy(180)
+        asker = threading.Thread(target=keep_asking)
+        asker.start()
+        pub = WeightPublisher(config(), [server.url], "embedded")
+        try:
+            while not answers:
+                time.sleep(0.05)
+            began = time.monotonic()
+            report = pub.publish(1, slowly())
+            ended = time.monotonic()
+            assert report.ok == [server.url], report
+            count = len(answers)
+            while len(answers) < count + 2:
+                time.sleep(0.05)
+        finally:
+            stop.set()
+            asker.join(timeout=60)
+            pub.close()
+        during = [a for t, a in answers if began + 0.3 < t < ended - 0.3]
+        assert during, "no request was answered while the version was being received"
+        assert all(a["meta_info"]["weight_version"] == "0" for a in during)  # the old version, unmixed
+        last = answers[-1][1]
+        assert last["meta_info"]["weight_version"] == "1"
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt) :]
+        assert last["output_ids"] == expected.tolist()[: len(last["output_ids"])]  # the new weights, exactly
+    finally:
+        server.stop()
