@@ -131,14 +131,14 @@ class _Base:
 
 
 class QueueClient(_Base):
-    """Blocking client. Worked example::
+    """Blocking client (the trainer's). Worked example::
 
-    client = QueueClient(handle.address)
-    client.put(TrajectoryGroup.from_trajectories(trajs))          # True (False: seen before)
-    lease = client.lease(1, timeout_s=10)
-    client.ack(lease)
-    client.stats().partitions["train"].acked_total                 # 1
-    client.close()
+        client = QueueClient(handle.address)
+        client.put(TrajectoryGroup.from_trajectories(trajs))     # True (False: seen before)
+        lease = client.lease(1, timeout_s=10)
+        client.ack(lease)
+        client.stats().partitions["train"].acked_total            # 1
+        client.close()
     """
 
     def __init__(self, address: str, *, timeout_s: float = 60.0, shared_memory: bool = True) -> None:
