@@ -131,7 +131,9 @@ class _Base:
 
 
 class QueueClient(_Base):
-    """Blocking client (the trainer's). Worked example::
+    """Blocking client (the trainer's).
+
+    Worked example::
 
         client = QueueClient(handle.address)
         client.put(TrajectoryGroup.from_trajectories(trajs))     # True (False: seen before)
