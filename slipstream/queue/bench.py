@@ -3,19 +3,23 @@
 Method (one run, one machine, the same bytes for every contender):
 
 * **slipstream**: a queue server process, one producer process and one consumer process on loopback. The
-  producer ``put``s groups carrying one payload tensor of ``bytes`` bytes; the consumer ``lease``s (up to
-  8 groups, at least 1), checks a marker byte at both ends of every payload and ``ack``s. Throughput is
-  ``count * bytes / (last ack - first put)``; at most ``window`` groups (and 1 GiB) are in flight, held by
-  the queue's own back-pressure.
+  producer ``put``s groups carrying one payload tensor of ``bytes`` bytes, ``CONCURRENCY`` puts in flight
+  from an ``AsyncQueueClient`` (as the rollouter's agent loops do); the consumer ``lease``s half of the
+  in-flight window at a time (a trainer leases whole batches), checks a marker byte at both ends of every
+  payload and ``ack``s. At most ``WINDOW`` groups (and 1 GiB) are in flight, held by the queue's own
+  back-pressure. Throughput is ``count * bytes / (last ack - first put)``.
 * **ray**: the same two roles as Ray actors: the producer ``ray.put``s a numpy array (Ray's zero-copy path)
   and passes the ref to the consumer actor, which ``ray.get``s it and checks the same marker bytes; the same
   in-flight window.
-* **memcpy**: ``dst.copy_(src)`` of the same size in this process: one copy, the physical limit.
+* **memcpy**: ``dst.copy_(src)`` of the same size in this process, one thread (as each queue process).
 
 Neither consumer copies the payload out: both get a view (an arena view or Ray's plasma view), which is
 what a trainer then collates from. Timestamps are ``time.perf_counter`` (CLOCK_MONOTONIC, shared by all
-processes of the host). Latency: the round trip of a ``put`` of a tiny group (about 100 bytes) while the
-consumer drains concurrently, and the producer-to-consumer delay (put start to lease return).
+processes of the host). Latency (the first tenth of each series is warm-up): ``latency_us`` is the round
+trip of a small request (``ping``) through the queue's client and server; ``put_latency_us`` the round trip
+of a put of a ~100-byte group while the consumer drains; ``e2e_latency_us`` put start to the consumer's
+lease returning it; ``zmq_echo_us`` a bare pyzmq echo between two processes, the floor under all of them.
+All worker processes ``gc.freeze()`` after their imports, as the server does.
 
 Child processes are controlled with JSON lines on stdin/stdout (no pickling); progress goes to stderr and
 the last stdout line is the JSON result.
