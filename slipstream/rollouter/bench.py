@@ -99,7 +99,9 @@ def logprob_max_abs_err(model, prompts, outs, temperature: float) -> float:
     return worst
 
 
-def run_bench(model_name: str, max_new_tokens: int, concurrencies: list[int], threads: int, log) -> dict:
+def run_bench(
+    model_name: str, max_new_tokens: int, concurrencies: list[int], threads: int, log, repeats: int = 1
+) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from slipstream.rollouter.launch import launch_server
@@ -111,23 +113,37 @@ def run_bench(model_name: str, max_new_tokens: int, concurrencies: list[int], th
     prompts = make_prompts(tokenizer, max(concurrencies))
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0)
     engine_cfg = EmbeddedServerConfig(num_threads=threads, max_model_len=1024, kv_cache_tokens=65536, seed=0)
-    results: dict = {"model": model_name, "max_new_tokens": max_new_tokens, "threads": threads}
+    results: dict = {
+        "model": model_name,
+        "max_new_tokens": max_new_tokens,
+        "threads": threads,
+        "repeats": repeats,
+    }
     results["load_avg_1m_start"] = round(os.getloadavg()[0], 2)
     fidelity_outs = None
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     log(f"starting the embedded server ({path})")
     with launch_server("embedded", path, cfg=RolloutConfig(embedded=engine_cfg)) as server:
         server.wait_healthy(600)
-        # Each pair runs back to back, so a change in machine load affects both sides alike.
+        # Each pair runs back to back, so a change in machine load affects both sides alike; with repeats,
+        # each side keeps its best run (the one least disturbed by other work on the machine).
         for n in concurrencies:
-            outs, seconds = asyncio.run(_embedded_wave(server.url, prompts[:n], sampling))
-            tokens = sum(len(o.output_ids) for o in outs)
-            results[f"embedded_tok_s_{n}"] = round(tokens / seconds, 2)
-            log(f"embedded  n={n}: {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.1f} tok/s")
-            fidelity_outs = fidelity_outs or (prompts[:n], outs)
-            tokens, seconds = hf_generate_wave(model, tokenizer, prompts[:n], sampling)
-            results[f"hf_generate_tok_s_{n}"] = round(tokens / seconds, 2)
-            log(f"generate  n={n}: {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.1f} tok/s")
+            best_embedded = best_generate = 0.0
+            for r in range(repeats):
+                outs, seconds = asyncio.run(_embedded_wave(server.url, prompts[:n], sampling))
+                tokens = sum(len(o.output_ids) for o in outs)
+                best_embedded = max(best_embedded, tokens / seconds)
+                log(
+                    f"embedded  n={n} #{r}: {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.1f} tok/s"
+                )
+                fidelity_outs = fidelity_outs or (prompts[:n], outs)
+                tokens, seconds = hf_generate_wave(model, tokenizer, prompts[:n], sampling)
+                best_generate = max(best_generate, tokens / seconds)
+                log(
+                    f"generate  n={n} #{r}: {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.1f} tok/s"
+                )
+            results[f"embedded_tok_s_{n}"] = round(best_embedded, 2)
+            results[f"hf_generate_tok_s_{n}"] = round(best_generate, 2)
     err = logprob_max_abs_err(model, *fidelity_outs, temperature=sampling.temperature)
     results["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
     first = concurrencies[0]
@@ -151,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--threads", type=int, default=os.cpu_count() or 1, help="torch threads for both sides"
     )
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="runs per side and concurrency; the best counts"
+    )
     parser.add_argument("--json", action="store_true", help="print only the JSON summary on stdout")
     ns = parser.parse_args(argv)
     # A plain SIGTERM would skip the `with` blocks and leave the server process running.
@@ -159,6 +178,6 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"[bench rollout] {msg}", file=sys.stderr if ns.json else sys.stdout, flush=True)
 
-    summary = run_bench(ns.model, ns.max_new_tokens, ns.concurrency, ns.threads, log)
+    summary = run_bench(ns.model, ns.max_new_tokens, ns.concurrency, ns.threads, log, ns.repeats)
     print(json.dumps(summary))
     return 0

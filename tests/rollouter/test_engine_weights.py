@@ -102,6 +102,23 @@ def test_logprobs_match_teacher_forcing_across_sampling_settings(live):
         assert torch.allclose(torch.tensor(state.logprobs), expected, atol=1e-4), (temperature, top_k)
 
 
+def test_chunked_prefill_of_long_prompts_is_faithful(live):
+    """Prompts longer than max_batch_tokens (512 here) are prefilled in chunks that attend to their prefix."""
+    engine = live.engine
+    prompts = [[(7 * i) % 250 + 1 for i in range(700)], [(3 * i) % 250 + 1 for i in range(90)], [4, 5]]
+
+    async def main():
+        params = SamplingParams(max_new_tokens=12, temperature=0.9)
+        states = [
+            await engine.submit(p, params, rid=f"long-{i}", ignore_eos=True) for i, p in enumerate(prompts)
+        ]
+        return [await engine.wait(s) for s in states]
+
+    for state in live.call(main()):
+        expected = teacher_logprobs(engine, state.input_ids, state.output_ids, 0.9)
+        assert torch.allclose(torch.tensor(state.logprobs), expected, atol=1e-4), len(state.input_ids)
+
+
 def test_in_place_update_mid_request_restamps_later_tokens(live):
     engine = live.engine
     original = _lm_head(engine).detach().clone()

@@ -49,6 +49,7 @@ import torch
 
 from slipstream.agents.protocol import SamplingParams
 from slipstream.rollouter.config import EmbeddedServerConfig
+from slipstream.rollouter.embedded import attention
 from slipstream.rollouter.embedded.sampling import (
     PLACEHOLDER_TEMPERATURE,
     PLACEHOLDER_TOP_K,
@@ -166,6 +167,8 @@ class EmbeddedEngine:
         from transformers import AutoModelForCausalLM
 
         self.cfg = cfg or EmbeddedServerConfig()
+        if self.cfg.attn_implementation == "sdpa":
+            attention.install()
         self.model_path = str(model_path)
         self.tokenizer = _load_tokenizer(self.model_path)
         dtype = getattr(torch, self.cfg.dtype)
