@@ -2,9 +2,9 @@
 
 Both speak the protocol written once in :mod:`slipstream.queue.ops` over long-lived DEALER sockets (one to
 the controller, one per storage unit, opened on first use), with many requests in flight matched by
-``req_id``. A same-host client maps the server's shared-memory arenas at its first call (``HELLO``) and then
-moves payloads of ``shm_min_group_bytes`` or more with a single memcpy each way; otherwise, or with
-``shared_memory=False``, payloads travel as zero-copy socket frames.
+``req_id``. A same-host client maps the server's shared-memory arenas at its first call (``HELLO``); its puts
+then copy each group once into an arena region and its leases get views of those pages (no bytes on any
+socket). Across hosts, or with ``shared_memory=False``, payloads travel as zero-copy socket frames.
 
 Lifecycle of a batch on the consumer side::
 

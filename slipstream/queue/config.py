@@ -37,9 +37,10 @@ class QueueConfig(ConfigStruct):
     # Size of each storage unit's shared-memory arena (server-owned, pre-faulted at start, reused). Groups
     # that do not fit right now travel as socket frames instead, so this bounds memory, not throughput.
     shm_bytes_per_unit: Annotated[int, msgspec.Meta(ge=0)] = 512 * MiB
-    # Groups smaller than this go through the socket even for same-host clients: one round trip instead of
-    # the two an arena write takes (reserve, then commit), which wins below a few hundred KiB.
-    shm_min_group_bytes: Annotated[int, msgspec.Meta(ge=0)] = 256 * 1024
+    # Groups smaller than this go through the socket even for same-host clients. 0: all of them use the
+    # arena; measured here that is never slower (a put is one round trip either way once the client holds an
+    # arena credit) and it saves the consumer the fetch round trip a socket-stored group needs.
+    shm_min_group_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
     # Tensors up to this many bytes ride inside the msgpack header instead of their own frame.
     inline_tensor_bytes: Annotated[int, msgspec.Meta(ge=0)] = 512
     # An arena reservation whose writer never commits (it died mid-put) is released after this long.
