@@ -268,11 +268,6 @@ class Controller:
     def handle_commit(self, reply_to: ReplyTo, req: P.CommitRequest, _buffers: list[Any]) -> None:
         self.credits.release(req.release)
         held = self.credits.take(req.token, req.req_id)  # ours until stored, or handed back below
-        try:
-            nbytes = validate_group(req.meta, req.tensors, [held.nbytes])
-        except WireError:
-            self.credits.give_back(held)
-            raise
 
         def store() -> None:
             self.credits.trim(held, req.tensors)
@@ -288,7 +283,12 @@ class Controller:
         def duplicate() -> None:
             self._ok(reply_to, P.CommitReply(req.req_id, False, self.credits.give_back(held)))
 
-        self._admit(req, nbytes, reply_to, store, duplicate, lambda: self.credits.give_back(held))
+        try:
+            nbytes = validate_group(req.meta, req.tensors, [held.nbytes])
+            self._admit(req, nbytes, reply_to, store, duplicate, lambda: self.credits.give_back(held))
+        except WireError:
+            self.credits.give_back(held)  # a refused commit leaves the credit with its producer
+            raise
 
     def _make_ready(self, group: _Group) -> None:
         group.state = READY

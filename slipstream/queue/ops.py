@@ -165,7 +165,11 @@ def _put_arena(session: Session, group: TrajectoryGroup, partition: str, timeout
     try:
         reply: P.CommitReply = yield Call(CONTROLLER, P.MsgType.COMMIT, commit, server_wait_s=timeout_s)
     except QueueFull:
-        session.add_credit(credit)  # the server handed it back; any other failure: never write it again
+        session.add_credit(credit)  # the server handed it back
+        raise
+    except QueueError:
+        # Never write it again; ask for it to be freed (a no-op if the commit did store the group).
+        session.releases.append(credit.token)
         raise
     session.add_credit(reply.credit)  # the next credit, or this one again after a duplicate
     return reply.stored
