@@ -149,8 +149,10 @@ def put(session: Session, group: TrajectoryGroup, partition: str, timeout_s: flo
 
 def _put_arena(session: Session, group: TrajectoryGroup, partition: str, timeout_s: float) -> Op:
     """Write the group into an arena credit and commit it (one round trip with a credit in hand, two
-    without); None when the arena has no room."""
+    without); None when the socket is the better way (no room in the arena, or nothing to put there)."""
     specs, size = layout_region(group.tensors, session.inline_tensor_bytes)
+    if size == 0:
+        return None  # every tensor rides inline: a socket put carries it all in its header
     credit = session.take_credit(size)
     if credit is None:
         request = P.ReserveRequest(0, size, session.drain_releases())

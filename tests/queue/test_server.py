@@ -296,11 +296,11 @@ def test_credits_make_later_arena_puts_one_round_trip_and_survive_duplicates(ser
 
 def test_a_refused_arena_put_gives_its_credit_back(server, client_of):
     c = client_of(server(shm_min_group_bytes=0))
-    assert c.put(make_group("a", payload=10))
+    assert c.put(make_group("a", payload=100))
     with pytest.raises(QueueError, match="partition"):
-        c.put(make_group("b", payload=10), partition="bad name!")
+        c.put(make_group("b", payload=100), partition="bad name!")
     assert c.stats().credits == 1  # handed back by the server, no longer used by the client
-    assert c.put(make_group("c", payload=10))  # reserves afresh and releases the old credit with it
+    assert c.put(make_group("c", payload=100))  # reserves afresh and releases the old credit with it
     assert c.stats().credits == 1
     lease = c.lease(5, min_groups=1, timeout_s=5)
     assert [g.group_id for g in lease.groups] == ["a", "c"]
