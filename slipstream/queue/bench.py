@@ -425,7 +425,10 @@ def run(sizes: list[int], quick: bool = False, with_ray: bool = True) -> dict[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="slipstream bench queue", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="slipstream bench queue",
+        description="TransferQueue throughput and latency against memcpy and Ray's object store.",
+    )
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line (last line)")
     parser.add_argument("--sizes", type=str, help="comma-separated payload sizes in bytes")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")

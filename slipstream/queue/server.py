@@ -66,6 +66,7 @@ class QueueServer:
         self._codec = Codec()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._closed = False
         nonce = secrets.token_bytes(16)
         self._socket = self._bind(cfg.port)
         self.port = int(self._socket.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
@@ -170,8 +171,11 @@ class QueueServer:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
+        elif not self._closed:
+            self._close()  # never served: nothing else will release the sockets and arenas
 
     def _close(self) -> None:
+        self._closed = True
         self.controller.close()
         for sock in self._routes:
             sock.close(linger=0)
@@ -278,7 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     """``slipstream queue serve``: run a server in the foreground until SIGTERM/SIGINT."""
     from slipstream.config import ConfigError, from_dict
 
-    parser = argparse.ArgumentParser(prog="slipstream queue serve", description=main.__doc__)
+    parser = argparse.ArgumentParser(
+        prog="slipstream queue serve", description="Run a TransferQueue server until SIGTERM or SIGINT."
+    )
     parser.add_argument("--host", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="controller port (default: a free one)")
     parser.add_argument("--num-storage-units", type=int, help="storage units (default 2)")
