@@ -220,6 +220,15 @@ def layout_region(tensors: Mapping[str, torch.Tensor], inline_bytes: int) -> tup
     return specs, size
 
 
+def region_extent(specs: Sequence[P.TensorSpec]) -> int:
+    """Bytes of a region that its tensors span (offsets are aligned, so this can exceed their sum)."""
+    end = 0
+    for spec in specs:
+        if spec.frame >= 0:
+            end = max(end, spec.offset + spec_nbytes(spec))
+    return end
+
+
 def write_region(region: memoryview, tensors: Mapping[str, torch.Tensor], specs: list[P.TensorSpec]) -> None:
     """Copy each non-inline tensor into ``region`` (a writable view of an arena region) at its offset."""
     for spec in specs:

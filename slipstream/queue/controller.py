@@ -42,7 +42,7 @@ import msgspec
 
 from slipstream.queue import protocol as P
 from slipstream.queue.background import Background
-from slipstream.queue.codec import WireError, validate_group
+from slipstream.queue.codec import WireError, region_extent, validate_group
 from slipstream.queue.config import QueueConfig
 from slipstream.queue.credits import Credits
 from slipstream.queue.snapshot import SnapshotItem, read_snapshot, write_snapshot
@@ -71,6 +71,7 @@ class _Group:
     unit: int
     token: int
     arena_offset: int = -1  # -1: buffers live in the unit's blob store
+    region_bytes: int = 0  # bytes of the arena region its tensors span
     num_buffers: int = 0
     state: int = READY
     lease_id: str = ""
@@ -274,7 +275,11 @@ class Controller:
             group = _Group(
                 next(self._seq), req.partition, req.meta, req.tensors, nbytes, held.unit, req.token
             )
-            group.arena_offset, group.num_buffers = held.offset, 1
+            group.arena_offset, group.region_bytes, group.num_buffers = (
+                held.offset,
+                region_extent(req.tensors),
+                1,
+            )
             self._hold(group)
             self._make_ready(group)
             credit = self.credits.grant(req.next_nbytes) if req.next_nbytes > 0 else None
@@ -328,7 +333,7 @@ class Controller:
             g.state, g.lease_id = LEASED, lease_id
             part.counters.on_lease(g, req.consumer_version)
             leased.append(
-                P.LeasedGroup(g.meta, g.specs, g.unit, g.token, g.nbytes, g.arena_offset, g.num_buffers)
+                P.LeasedGroup(g.meta, g.specs, g.unit, g.token, g.arena_offset, g.region_bytes, g.num_buffers)
             )
         self._leases[lease_id] = _Lease(lease_id, req.partition, [g.meta.group_id for g in groups], deadline)
         self._ok(waiter.reply_to, P.LeaseReply(req.req_id, lease_id, self.cfg.lease_timeout_s, leased))
@@ -358,7 +363,7 @@ class Controller:
             group = self._by_token.get(token)
             if group is None or group.lease_id != req.lease_id or group.unit != unit_index:
                 raise WireError("bad_request", f"token {token} is not in lease {req.lease_id!r} on this unit")
-            frames = unit.frames(token, group.arena_offset, group.nbytes, self._background.track)
+            frames = unit.frames(token, group.arena_offset, group.region_bytes, self._background.track)
             buffers.extend(frames)
             counts.append(len(frames))
         self._ok(reply_to, P.FetchReply(req.req_id, counts), buffers)
@@ -484,7 +489,7 @@ class Controller:
         for group in sorted(self._groups.values(), key=lambda g: g.seq):
             unit = self.units[group.unit]
             if group.arena_offset >= 0:
-                buffers = [unit.arena.buffer(group.arena_offset, group.nbytes)]
+                buffers = [unit.arena.buffer(group.arena_offset, group.region_bytes)]
                 unit.arena.pin(group.arena_offset)
                 pins.append((unit, group.arena_offset))
             else:

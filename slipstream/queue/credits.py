@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from slipstream.queue import protocol as P
-from slipstream.queue.codec import WireError, spec_nbytes
+from slipstream.queue.codec import WireError, region_extent
 from slipstream.queue.storage import StorageUnit
 from slipstream.utils.logging import get_logger
 
@@ -81,8 +81,7 @@ class Credits:
 
     def trim(self, held: Held, specs: Sequence[P.TensorSpec]) -> None:
         """Free the part of a taken credit's region the group does not use."""
-        used = max((s.offset + spec_nbytes(s) for s in specs if s.frame >= 0), default=0)
-        self._arena(held.unit).shrink(held.offset, used)
+        self._arena(held.unit).shrink(held.offset, region_extent(specs))
 
     def release(self, tokens: Iterable[int]) -> None:
         for token in tokens:

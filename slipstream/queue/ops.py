@@ -214,7 +214,7 @@ def _buffers(session: Session, reply: P.LeaseReply) -> Generator[Any, Any, list[
     wanted: dict[int, list[int]] = {}  # unit -> indexes into reply.groups
     for i, g in enumerate(reply.groups):
         if g.arena_offset >= 0 and session.shared_memory:
-            out[i] = [session.arenas[g.unit].buffer(g.arena_offset, g.nbytes)]
+            out[i] = [session.arenas[g.unit].buffer(g.arena_offset, g.region_bytes)]
         elif g.num_buffers:
             wanted.setdefault(g.unit, []).append(i)
     if not wanted:

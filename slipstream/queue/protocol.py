@@ -238,9 +238,10 @@ class LeasedGroup(_Wire):
     tensors: list[TensorSpec]
     unit: int
     token: int
-    nbytes: int
-    # Byte offset of the group's region in the unit's arena, or -1 when its buffers must be fetched.
+    # Byte offset and length of the group's region in the unit's arena (offset -1: its buffers must be
+    # fetched from the unit instead).
     arena_offset: int = -1
+    region_bytes: int = 0
     num_buffers: int = 0
 
 

@@ -123,7 +123,10 @@ def test_snapshot_and_restore_survive_a_server_restart(server_process, tmp_path)
     path = tmp_path / "queue.snap"
     first = server_process(shm_min_group_bytes=1024)
     client = QueueClient(first.address, timeout_s=30)
-    sent = {f"g{i}": make_group(f"g{i}", payload=100 * (i % 2), version=i) for i in range(6)}
+    sent = {
+        f"g{i}": make_group(f"g{i}", n=2 + 3 * (i % 2), response_len=60, payload=7, version=i)
+        for i in range(6)
+    }
     for group in sent.values():
         client.put(group)
     held = client.lease(2, timeout_s=5)  # g0, g1: leased at snapshot time
@@ -131,7 +134,7 @@ def test_snapshot_and_restore_survive_a_server_restart(server_process, tmp_path)
     client.ack(client.lease(1, timeout_s=5), dropped=["g3"])  # g3 consumed without training
     summary = client.snapshot(path)
     assert summary["groups"] == 4 and summary["leased_groups"] == 2 and summary["dropped"] == 1
-    assert summary["consumed_uids"] == 4
+    assert summary["consumed_uids"] == 2 + 5  # g2 and g3
     assert [g.group_id for g in held.groups] == ["g0", "g1"]
     client.close()
     first.stop()

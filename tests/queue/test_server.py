@@ -35,8 +35,10 @@ def test_put_lease_ack_fifo_and_payload_intact(server, client_of, producer_shm, 
     srv = server(shm_min_group_bytes=1024)
     producer = client_of(srv, shared_memory=producer_shm)
     consumer = client_of(srv, shared_memory=consumer_shm)
-    # socket puts, small arena puts, and one large arena put (a zero-copy, pinned send to a socket consumer)
+    # all-inline groups, small arena puts, a group of several frame-sized tensors (aligned offsets leave
+    # gaps between them), and a large one (a zero-copy, pinned send to a socket consumer)
     groups = [make_group(f"g{i}", payload=p) for i, p in enumerate([0, 200, 0, 10_000, 0])]
+    groups[2] = make_group("g2", n=8, response_len=101, payload=3)
     assert all(producer.put(g) for g in groups)
     lease = consumer.lease(3, timeout_s=5)
     assert _ids(lease) == ["g0", "g1", "g2"] and lease.deadline > time.time()
