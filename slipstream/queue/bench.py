@@ -63,6 +63,12 @@ def _window(nbytes: int) -> int:
     return max(1, min(WINDOW, INFLIGHT_BYTES // nbytes))
 
 
+def _warmup(nbytes: int) -> int:
+    """Untimed puts before each size: two full windows, so every buffer a contender cycles through (arena
+    regions, plasma pages) has been touched once."""
+    return 2 * _window(nbytes)
+
+
 def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes * 8 / seconds / 1e9  # gigabits per second
 
@@ -238,7 +244,7 @@ def _slipstream(sizes: list[int], quick: bool, latency_n: int) -> tuple[dict[int
     try:
         for nbytes in sizes:
             count = _count(nbytes, quick)
-            for tag, n in ((f"w{nbytes}", 2), (f"m{nbytes}", count)):
+            for tag, n in ((f"w{nbytes}", _warmup(nbytes)), (f"m{nbytes}", count)):
                 batch = max(1, _window(nbytes) // 2)
                 consumer.send({"cmd": "throughput", "count": n, "bytes": nbytes, "batch": batch})
                 producer.send({"cmd": "throughput", "count": n, "bytes": nbytes, "tag": tag})
@@ -359,7 +365,7 @@ def _ray(sizes: list[int], quick: bool) -> dict[int, float]:
         producer = ray.remote(num_cpus=1)(RayProducer).remote()
         for nbytes in sizes:
             count, window = _count(nbytes, quick), _window(nbytes)
-            ray.get(producer.run.remote(consumer, nbytes, 2, window))
+            ray.get(producer.run.remote(consumer, nbytes, _warmup(nbytes), window))
             res = ray.get(producer.run.remote(consumer, nbytes, count, window))
             if res["bad"]:
                 raise RuntimeError(f"ray delivered {res['bad']} corrupted payload(s)")

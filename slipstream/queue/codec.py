@@ -20,7 +20,9 @@ The recipe is vLLM's (``vllm/v1/serial_utils.py``), made stricter:
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -230,13 +232,38 @@ def region_extent(specs: Sequence[P.TensorSpec]) -> int:
 
 
 def write_region(region: memoryview, tensors: Mapping[str, torch.Tensor], specs: list[P.TensorSpec]) -> None:
-    """Copy each non-inline tensor into ``region`` (a writable view of an arena region) at its offset."""
+    """Copy each non-inline tensor into ``region`` (a writable view of an arena region) at its offset.
+
+    Tensors of ``PARALLEL_COPY_MIN_BYTES`` or more are copied in chunks by a few threads (``copy_`` releases
+    the GIL): one core's copy does not saturate memory bandwidth, and for large payloads this copy is the
+    whole cost of a put (Ray's ``put`` does the same).
+    """
     for spec in specs:
         if spec.frame < 0:
             continue
-        src = tensors[spec.name].detach()
+        src = tensors[spec.name].detach().reshape(-1)
         dst = torch.frombuffer(region, dtype=src.dtype, count=src.numel(), offset=spec.offset)
-        dst.copy_(src.reshape(-1))
+        if src.numel() * src.element_size() < PARALLEL_COPY_MIN_BYTES or src.device.type != "cpu":
+            dst.copy_(src)
+        else:
+            _parallel_copy(dst, src)
+
+
+PARALLEL_COPY_MIN_BYTES = 32 << 20
+_COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
+_copy_pool: ThreadPoolExecutor | None = None
+
+
+def _parallel_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    global _copy_pool
+    if _copy_pool is None:
+        _copy_pool = ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="queue-copy")
+    step = -(-src.numel() // _COPY_THREADS)
+    jobs = [
+        _copy_pool.submit(dst[i : i + step].copy_, src[i : i + step]) for i in range(0, src.numel(), step)
+    ]
+    for job in jobs:
+        job.result()
 
 
 def as_buffer(buffer: Any) -> memoryview:
