@@ -320,3 +320,33 @@ def test_extreme_sampling_values_are_served(embedded_server, sampling):
     assert logprobs and all(math.isfinite(lp) and lp <= 0 for lp in logprobs)
     if sampling.get("temperature") == 1e-38:
         assert logprobs == [0.0] * len(logprobs)
+
+
+def test_client_disconnect_aborts_the_request(embedded_server):
+    """A client that goes away (stream or not) leaves nothing running on the server."""
+    body = {"input_ids": [2, 3], "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}
+
+    async def drained(http) -> bool:
+        for _ in range(600):
+            if (await http.get("/model_info")).json()["num_running_requests"] == 0:
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    async def main():
+        async with httpx.AsyncClient(base_url=embedded_server.url, timeout=60) as http:
+            async with httpx.AsyncClient(base_url=embedded_server.url, timeout=60) as doomed:
+                async with doomed.stream(
+                    "POST", "/generate", json={**body, "stream": True, "rid": "dc-s"}
+                ) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            break  # leave mid-stream
+            after_stream = await drained(http)
+            async with httpx.AsyncClient(base_url=embedded_server.url, timeout=60) as doomed:
+                task = asyncio.create_task(doomed.post("/generate", json={**body, "rid": "dc-n"}))
+                await _running(http)
+                task.cancel()
+            return after_stream, await drained(http)
+
+    assert run(main()) == (True, True)
