@@ -286,7 +286,9 @@ def test_vllm_client_generate_api_and_version_fallback(fake):
 
 
 def test_errors_name_the_server_and_its_message(fake):
-    fake.reply("POST", "/generate", (400, {"error": {"message": "input too long"}}))
+    fake.reply(
+        "POST", "/generate", (400, {"error": {"message": "input too long"}}), (503, {"error": "engine down"})
+    )
 
     async def main():
         client = SGLangClient(fake.url)
@@ -294,6 +296,11 @@ def test_errors_name_the_server_and_its_message(fake):
         try:
             with pytest.raises(ServerError, match="input too long") as bad:
                 await client.generate([1], SAMPLING)
+            with pytest.raises(
+                ServerUnavailable, match="engine down"
+            ) as down:  # the balancer fails over on it
+                await client.generate([1], SAMPLING)
+            assert down.value.status == 503
             with pytest.raises(ServerUnavailable):
                 await dead.generate([1], SAMPLING)
             return bad.value.status, await dead.health()

@@ -6,9 +6,9 @@ modes of design.md §3, health, weight version. Each client keeps one long-lived
 (connection pooling, keep-alive), never a connection per request; create and use it inside one event loop
 and ``await aclose()`` at the end.
 
-Errors: :class:`ServerUnavailable` when the server cannot be reached or the connection breaks (the load
-balancer then moves the request to another replica), :class:`ServerError` when it answered with an error
-status (the message is the server's own).
+Errors: :class:`ServerUnavailable` when the server cannot be reached, the connection breaks or it answers
+503 (the load balancer then moves the request to another replica), :class:`ServerError` when it answered
+with another error status (the message is the server's own).
 
 Pause modes are named as in SGLang (``abort``, ``in_place``, ``retract``) plus vLLM's ``wait``; each
 client maps them to its server's names and raises ``ValueError`` for a mode its server lacks.
@@ -37,10 +37,11 @@ class ServerError(RuntimeError):
 
 
 class ServerUnavailable(ServerError):
-    """The server could not be reached, or the connection broke mid-request."""
+    """The server could not be reached, the connection broke mid-request, or it answered 503 (its engine is
+    down, or, for vLLM, paused: :class:`VLLMClient` retries those itself). ``status`` is 0 or 503."""
 
-    def __init__(self, url: str, message: str) -> None:
-        super().__init__(url, 0, message)
+    def __init__(self, url: str, message: str, status: int = 0) -> None:
+        super().__init__(url, status, message)
 
 
 def parse_version(value: Any) -> int:
@@ -125,6 +126,8 @@ class ServerClient(ABC):
             response = await self._http.request(method, path, **kwargs)
         except (httpx.TransportError, httpx.TimeoutException) as err:
             raise ServerUnavailable(self.base_url, f"{method} {path}: {type(err).__name__}: {err}") from err
+        if response.status_code == 503:
+            raise ServerUnavailable(self.base_url, error_message(response), status=503)
         if response.status_code >= 400:
             raise ServerError(self.base_url, response.status_code, error_message(response))
         return response
