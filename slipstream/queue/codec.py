@@ -19,6 +19,7 @@ The recipe is vLLM's (``vllm/v1/serial_utils.py``), made stricter:
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -234,33 +235,39 @@ def region_extent(specs: Sequence[P.TensorSpec]) -> int:
 def write_region(region: memoryview, tensors: Mapping[str, torch.Tensor], specs: list[P.TensorSpec]) -> None:
     """Copy each non-inline tensor into ``region`` (a writable view of an arena region) at its offset.
 
-    Tensors of ``PARALLEL_COPY_MIN_BYTES`` or more are copied in chunks by a few threads (``copy_`` releases
-    the GIL): one core's copy does not saturate memory bandwidth, and for large payloads this copy is the
-    whole cost of a put (Ray's ``put`` does the same).
+    Large contiguous CPU tensors (``BULK_COPY_MIN_BYTES`` or more) are copied with libc ``memmove`` in a
+    few chunks on a few threads (the call releases the GIL). For copies far beyond the caches, glibc's
+    ``memmove`` uses non-temporal stores, measured here at 1.5x ``Tensor.copy_`` for 256 MiB, and one
+    core's copy does not use all of the memory bandwidth; for large payloads this copy is the whole cost of
+    a put. (Ray's ``put`` copies the same way.) Smaller copies stay in cache, where ``copy_`` is as fast.
     """
     for spec in specs:
         if spec.frame < 0:
             continue
         src = tensors[spec.name].detach().reshape(-1)
         dst = torch.frombuffer(region, dtype=src.dtype, count=src.numel(), offset=spec.offset)
-        if src.numel() * src.element_size() < PARALLEL_COPY_MIN_BYTES or src.device.type != "cpu":
-            dst.copy_(src)
+        nbytes = src.numel() * src.element_size()
+        if nbytes >= BULK_COPY_MIN_BYTES and src.is_cpu and src.is_contiguous():
+            _bulk_copy(dst.data_ptr(), src.data_ptr(), nbytes)
         else:
-            _parallel_copy(dst, src)
+            dst.copy_(src)
 
 
-PARALLEL_COPY_MIN_BYTES = 32 << 20
+BULK_COPY_MIN_BYTES = 16 << 20
 _COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
 _copy_pool: ThreadPoolExecutor | None = None
 
 
-def _parallel_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+def _bulk_copy(dst: int, src: int, nbytes: int) -> None:
+    """``memmove`` of ``nbytes`` between two addresses the caller keeps alive, in page-aligned chunks."""
     global _copy_pool
     if _copy_pool is None:
         _copy_pool = ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="queue-copy")
-    step = -(-src.numel() // _COPY_THREADS)
+    step = -(-nbytes // _COPY_THREADS)
+    step = -(-step // 4096) * 4096
     jobs = [
-        _copy_pool.submit(dst[i : i + step].copy_, src[i : i + step]) for i in range(0, src.numel(), step)
+        _copy_pool.submit(ctypes.memmove, dst + i, src + i, min(step, nbytes - i))
+        for i in range(0, nbytes, step)
     ]
     for job in jobs:
         job.result()

@@ -132,3 +132,19 @@ def test_every_dtype_roundtrips_through_a_region(dtype):
     out = C.unpack(specs, [region[: C.region_extent(specs)]])
     for name, t in tensors.items():
         assert torch.equal(out[name], t), name
+
+
+def test_bulk_copies_in_chunks_land_every_byte(monkeypatch):
+    monkeypatch.setattr(C, "BULK_COPY_MIN_BYTES", 10_000)
+    monkeypatch.setattr(C, "_COPY_THREADS", 3)  # chunk edges away from any natural boundary
+    tensors = {
+        "odd": (torch.arange(100_003) % 251).to(torch.uint8),
+        "wide": torch.arange(30_001, dtype=torch.float64),
+        "strided": torch.arange(60_000, dtype=torch.int32).reshape(200, 300).t(),  # takes the copy_ path
+    }
+    specs, size = C.layout_region(tensors, inline_bytes=0)
+    region = memoryview(bytearray(size))
+    C.write_region(region, tensors, specs)
+    out = C.unpack(specs, [region])
+    for name, t in tensors.items():
+        assert torch.equal(out[name], t), name
