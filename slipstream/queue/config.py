@@ -34,9 +34,10 @@ class QueueConfig(ConfigStruct):
     max_message_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 4 * GiB
     # Same-host clients move payloads through shared memory instead of the socket when it is faster.
     shared_memory: bool = True
-    # Size of each storage unit's shared-memory arena (server-owned, pre-faulted at start, reused). Groups
-    # that do not fit right now travel as socket frames instead, so this bounds memory, not throughput.
-    shm_bytes_per_unit: Annotated[int, msgspec.Meta(ge=0)] = 512 * MiB
+    # Size of each storage unit's shared-memory arena (server-owned, pre-faulted at start, reused): this much
+    # memory per unit is taken when the server starts. Groups that do not fit right now travel as socket
+    # frames instead, so it bounds memory, not correctness; raise it for large payloads (multimodal data).
+    shm_bytes_per_unit: Annotated[int, msgspec.Meta(ge=0)] = 256 * MiB
     # Groups smaller than this go through the socket even for same-host clients. 0: all of them use the
     # arena; measured here that is never slower (a put is one round trip either way once the client holds an
     # arena credit) and it saves the consumer the fetch round trip a socket-stored group needs.
