@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 import httpx
 import msgspec
 
+from slipstream.weightsync.base import resolve_device
 from slipstream.weightsync.buckets import Layout
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.errors import TransferError
@@ -221,10 +222,11 @@ class EmbeddedAdapter(SGLangAdapter):
         self._paused = False
 
     def layout(self) -> Layout | None:
-        # Large tensors travel from the trainer's memory as their own segments (our receiver takes them).
-        return (
-            None if self.per_tensor else Layout.slipstream(self.cfg.bucket_mb << 20, direct_min_bytes=1 << 20)
-        )
+        # Large tensors travel from the trainer's memory as their own segments (our receiver takes them);
+        # the threshold is torch_dist's (see DIRECT_MIN_BYTES there).
+        cap = self.cfg.bucket_mb << 20
+        direct = 1 << 20 if resolve_device(self.cfg).type == "cuda" else cap // 2
+        return None if self.per_tensor else Layout.slipstream(cap, direct_min_bytes=direct)
 
     async def ranks(self) -> int:
         return 1

@@ -38,6 +38,7 @@ Worked example (two processes; the rendezvous structs are passed between them as
 from __future__ import annotations
 
 import asyncio
+import collections
 import importlib
 import time
 from abc import ABC, abstractmethod
@@ -196,17 +197,20 @@ def make_engine(
 
 async def send_pipelined(
     buckets: Iterator[PackedBucket],
-    send: Callable[[PackedBucket], Awaitable[None]],
+    start: Callable[[PackedBucket], Awaitable[None]],
     release: Callable[[PackedBucket], None],
     stats: SendStats,
+    depth: int = 1,
 ) -> None:
-    """Send every bucket with ``send``, packing the next one in a worker thread meanwhile.
+    """Send every bucket, packing the next one in a worker thread meanwhile.
 
-    At most two buckets exist at a time (the one being sent and the one being packed); ``release`` gives
-    each bucket's buffer back once ``send`` returned (or failed). Exceptions from packing (the caller's
-    tensor iterator) and from ``send`` propagate; a packing thread still running is waited for first, so
-    no buffer is left held. The worker thread uses the caller's CUDA device (the tensor iterator may run
-    collectives on it).
+    ``start(bucket)`` must put the bucket's transfer on its way before it returns (issue order is transfer
+    order) and return an awaitable that completes with it; up to ``depth`` transfers are in flight at once
+    (1 when each must be acknowledged before the next may start, as with a server's blocking HTTP call).
+    ``release`` gives a bucket's buffer back once its transfer completed (or failed). Exceptions from
+    packing (the caller's tensor iterator) and from transfers propagate, after every thread still running
+    has been waited for, so no buffer is left held. The packing thread uses the caller's CUDA device (the
+    tensor iterator may run collectives on it).
     """
     cuda = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
@@ -222,21 +226,34 @@ async def send_pipelined(
         finally:
             stats.pack_s += time.perf_counter() - t0
 
+    in_flight: collections.deque[tuple[PackedBucket, asyncio.Future]] = collections.deque()
+
+    async def finish_oldest() -> None:
+        bucket, done = in_flight.popleft()
+        try:
+            await done
+        finally:
+            release(bucket)
+        stats.buckets += 1
+
     pending: asyncio.Task | None = asyncio.create_task(pack())
     try:
         while pending is not None:
             bucket = await pending
             pending = None
             if bucket is None:
-                return
+                break
+            in_flight.append((bucket, asyncio.ensure_future(start(bucket))))
             if not bucket.meta.last:
                 pending = asyncio.create_task(pack())
-            try:
-                await send(bucket)
-            finally:
-                release(bucket)
-            stats.buckets += 1
+            while len(in_flight) >= depth:
+                await finish_oldest()
+        while in_flight:
+            await finish_oldest()
     finally:
+        for bucket, done in in_flight:  # after a failure: wait for the rest, then give buffers back
+            await asyncio.gather(done, return_exceptions=True)
+            release(bucket)
         if pending is not None:
             try:
                 leftover = await pending

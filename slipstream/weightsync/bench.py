@@ -151,7 +151,8 @@ class Bench:
         for conn, info in zip(self.conns, infos, strict=True):
             conn.send_bytes(msgspec.msgpack.encode(info))
         self.engine.init_process_group(mine_info)
-        self.naive.group = self.engine.group  # same group, same receive path: only the sender differs
+        # Same group and metadata channel, same receive path: only the sender differs.
+        self.naive.group, self.naive.meta = self.engine.group, self.engine.meta
         self.version = 0
 
     def command(self, cmd: Cmd) -> list[Reply]:

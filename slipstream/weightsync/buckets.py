@@ -250,6 +250,7 @@ class BucketPacker:
         self._chunk: tuple[_Pending, int] | None = None
         self._index = 0
         self._done = False
+        self._held: int | None = None  # the slot of the bucket being filled, until it is handed out
         self.tensors = 0
         self.bytes = 0
 
@@ -259,6 +260,17 @@ class BucketPacker:
     def __next__(self) -> PackedBucket:
         if self._done:
             raise StopIteration
+        try:
+            return self._next()
+        except BaseException:
+            if self._held is not None:  # the bucket being filled will never be handed out
+                self.pool.release(self._held)
+            self._done = True
+            raise
+        finally:
+            self._held = None
+
+    def _next(self) -> PackedBucket:
         if self._chunk is not None:
             return self._next_chunk()
         bucket: _Open | None = None
@@ -312,7 +324,8 @@ class BucketPacker:
         return start + item.data.numel() <= self.layout.capacity
 
     def _open(self, nbytes: int) -> _Open:
-        return _Open(slot=self.pool.acquire(nbytes, timeout=self.timeout_s))
+        self._held = self.pool.acquire(nbytes, timeout=self.timeout_s)
+        return _Open(slot=self._held)
 
     def _direct(self, data: torch.Tensor) -> bool:
         limit = self.layout.direct_min_bytes

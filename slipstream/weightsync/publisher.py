@@ -230,7 +230,7 @@ class WeightPublisher:
                 raise TransferError("; ".join(errors))
             stats.bytes += bucket.meta.nbytes
 
-        await send_pipelined(buckets, send, lambda b: self.pool.release(b.slot), stats)
+        await send_pipelined(buckets, send, lambda b: self.pool.release(b.slot), stats, depth=1)
         return stats
 
     async def _ensure_link(self, report: PublishReport) -> list[str]:

@@ -209,3 +209,14 @@ def _as_dtype(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return raw % 2 == 1
     n = raw.numel() // dtype.itemsize * dtype.itemsize
     return raw[:n].view(dtype)
+
+
+def test_a_failing_tensor_iterator_gives_the_buffer_back():
+    def broken():
+        yield "a", torch.ones(10)
+        raise RuntimeError("gather failed")
+
+    pool = BufferPool("cpu", slots=1)
+    with pytest.raises(RuntimeError, match="gather failed"):
+        list(BucketPacker(broken(), 1, Layout.slipstream(MiB), pool, timeout_s=1))
+    pool.acquire(1, timeout=0.1)  # the only slot is free again
