@@ -218,3 +218,19 @@ def test_the_embedded_server_keeps_answering_while_a_version_arrives_and_then_se
         assert last["output_ids"] == expected.tolist()[: len(last["output_ids"])]  # the new weights, exactly
     finally:
         server.stop()
+
+
+def test_a_version_the_server_cannot_take_is_refused_by_name_and_the_next_one_goes_through(servers):
+    url = servers.start()
+    pub = WeightPublisher(config(keep_last=False), [url], "embedded")
+    try:
+        bad = [(n, torch.zeros(3, 3) if n == "lm_head.weight" else t) for n, t in mixed_tensors(1)]
+        report = pub.publish(1, iter(bad))
+        assert (
+            report.ok == [] and "`lm_head.weight`: sent shape [3, 3], serving [33, 17]" in report.failed[url]
+        )
+        assert served(url)["version"] == 0 and status(url)["failed_versions"] == 1
+        assert pub.publish(2, iter(mixed_tensors(2))).ok == [url]
+        assert served(url) == {"version": 2, "digest": digest(mixed_tensors(2))}
+    finally:
+        pub.close()
