@@ -109,6 +109,11 @@ class Arena:
             self._freed_while_pinned.discard(offset)
             self.free(offset)
 
+    def reclaim(self, offset: int) -> None:
+        """Cancel a free that a pin deferred: the region stays allocated (a journalled group taken back
+        by a rollback keeps the region it was consumed from)."""
+        self._freed_while_pinned.discard(offset)
+
     def region(self, offset: int, nbytes: int) -> torch.Tensor:
         return self.view[offset : offset + nbytes]
 

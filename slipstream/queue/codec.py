@@ -223,6 +223,25 @@ def layout_region(tensors: Mapping[str, torch.Tensor], inline_bytes: int) -> tup
     return specs, size
 
 
+def blob_layout(specs: Sequence[P.TensorSpec]) -> tuple[list[P.TensorSpec], int]:
+    """Specs that place a group's non-inline tensors one after another in one blob (frame 0, 64-byte
+    aligned offsets, like an arena region) and the blob's size; for writing groups to files."""
+    out, size = [], 0
+    for spec in specs:
+        if spec.frame < 0:
+            out.append(spec)
+            continue
+        out.append(P.TensorSpec(spec.name, spec.dtype, spec.shape, frame=0, offset=size))
+        size += -(-spec_nbytes(spec) // ALIGN) * ALIGN
+    return out, size
+
+
+def bytes_view(buffer: Any) -> memoryview:
+    """A flat byte view of a frame, array, mapping or bytes-like object (no copy)."""
+    view = buffer.buffer if hasattr(buffer, "buffer") else memoryview(buffer)
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
 def region_extent(specs: Sequence[P.TensorSpec]) -> int:
     """Bytes of a region that its tensors span (offsets are aligned, so this can exceed their sum)."""
     end = 0

@@ -46,5 +46,13 @@ class QueueConfig(ConfigStruct):
     inline_tensor_bytes: Annotated[int, msgspec.Meta(ge=0)] = 512
     # An arena reservation whose writer never commits (it died mid-put) is released after this long.
     reserve_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
+    # Keep every acked group (header and payload) in a journal until the next snapshot, so a trainer that
+    # crashes and restores its last snapshot on this still-running server gets back what it acked since.
+    # Costs one copy of every consumed byte on a server thread; turn it off only where the server never
+    # outlives its trainer (then restore merges as on a fresh server).
+    journal: bool = True
+    # Directory of the journal's (anonymous, never named) files; "" means the system temp dir ($TMPDIR). Pick a
+    # local disk with room for what the trainer consumes between two snapshots, or /dev/shm to keep it in RAM.
+    journal_dir: str = ""
     # ZeroMQ IO threads of the server; more help only when many remote clients move data at once.
     io_threads: Annotated[int, msgspec.Meta(ge=1)] = 2

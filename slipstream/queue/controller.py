@@ -9,9 +9,15 @@ a waiting request of one kind never holds up another.
 
 Lifecycle of a group (``seq`` is its put order; the ready set is always sorted by it)::
 
-    put (socket frames) ─────────────────► READY ──lease──► LEASED ──ack──► consumed (gone)
-    commit (into an arena credit) ───────┘   ▲                │
-                                             └─nack/deadline──┘  (back in front, order kept)
+    put (socket frames) ─────────────────► READY ──lease──► LEASED ──ack──► consumed, journalled
+    commit (into an arena credit) ───────┘   ▲  ▲             │                  │         │
+                                             │  └nack/deadline┘    next snapshot │         │ restore of a
+                                             │                     commits: gone ◄┘         │ known snapshot
+                                             └──────────────────────────────────────────────┘ (rollback)
+
+Acked groups go to the :mod:`~slipstream.queue.journal` (header and payload, copied out of shared memory)
+until the next snapshot commits, so a trainer that crashes and restores its last snapshot on this live server
+gets back what it acked since; snapshot and restore live in :mod:`slipstream.queue.recovery`.
 
 Same-host producers write into arena *credits* (regions reserved for their next put, see
 :mod:`slipstream.queue.credits`): a commit both admits the group written there and hands out the next credit,
@@ -22,7 +28,8 @@ Invariants:
     everything ever acked, so a replayed put is refused and nothing is trained twice;
   * a group is handed out only from READY and never after its ack; a lease whose deadline passed goes back
     to the ready set, and a late ack of it still consumes whatever of it was not handed out again;
-  * ``held_groups``/``held_bytes`` count READY + LEASED groups, which is what capacity bounds.
+  * ``held_groups``/``held_bytes`` count READY + LEASED groups; capacity bounds them plus the consumed
+    groups whose journal copy is not written yet (their buffers are still held).
 """
 
 from __future__ import annotations
@@ -34,7 +41,6 @@ import secrets
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +51,8 @@ from slipstream.queue.background import Background
 from slipstream.queue.codec import WireError, region_extent, validate_group
 from slipstream.queue.config import QueueConfig
 from slipstream.queue.credits import Credits
-from slipstream.queue.snapshot import SnapshotItem, read_snapshot, write_snapshot
+from slipstream.queue.journal import Journal
+from slipstream.queue.recovery import Recovery
 from slipstream.queue.stats import PartitionCounters
 from slipstream.queue.storage import StorageUnit
 from slipstream.queue.types import GroupMeta
@@ -106,7 +113,7 @@ class _Partition:
     counters: PartitionCounters = field(default_factory=PartitionCounters)
 
 
-class Controller:
+class Controller(Recovery):
     """Metadata owner of one queue server. Not thread-safe: only the server loop thread calls it."""
 
     def __init__(self, cfg: QueueConfig, units: Sequence[StorageUnit], send: Send, nonce: bytes) -> None:
@@ -135,6 +142,8 @@ class Controller:
         self._timers: list[tuple[float, int, str, Any]] = []  # parked requests, each with its own timeout
         self._timer_seq = itertools.count()
         self._background = Background()
+        self.journal = Journal(cfg.journal_dir) if cfg.journal else None
+        self._commits: OrderedDict[str, tuple[frozenset[str], frozenset[str]]] = OrderedDict()
         self.held_groups = 0
         self.held_bytes = 0
 
@@ -165,6 +174,30 @@ class Controller:
         self._held_uids.update(s.uid for s in group.meta.samples)
         self.held_groups += 1
         self.held_bytes += group.nbytes
+
+    def _hold_restored(
+        self,
+        partition: str,
+        meta: GroupMeta,
+        specs: list[P.TensorSpec],
+        nbytes: int,
+        unit: int,
+        seq: int,
+        buffers: Sequence[Any],
+        arena_offset: int = -1,
+        region_bytes: int = 0,
+    ) -> None:
+        """Hold a group a restore brings back: in an arena region, or with ``buffers`` in its unit's blob
+        store. It joins the ready set when the caller merges it in (``_return_to_ready``)."""
+        self._part(partition)
+        token = next(self._tokens)
+        group = _Group(seq, partition, meta, specs, nbytes, unit, token)
+        if arena_offset >= 0:
+            group.arena_offset, group.region_bytes, group.num_buffers = arena_offset, region_bytes, 1
+        else:
+            self.units[unit].store(token, list(buffers))
+            group.num_buffers = len(buffers)
+        self._hold(group)
 
     def _release(self, group: _Group) -> None:
         """Forget a group and free its storage (after its ack)."""
@@ -213,10 +246,11 @@ class Controller:
         self._timer(waiter.deadline, "put", waiter)
 
     def _fits(self, nbytes: int) -> bool:
-        return (
-            self.held_groups < self.cfg.capacity_groups
-            and self.held_bytes + nbytes <= self.cfg.capacity_bytes
-        )
+        groups, held = self.held_groups, self.held_bytes
+        if self.journal is not None:  # consumed groups whose journal copy is not written hold memory too
+            groups += self.journal.backlog_groups
+            held += self.journal.backlog_bytes
+        return groups < self.cfg.capacity_groups and held + nbytes <= self.cfg.capacity_bytes
 
     def _admit_parked(self) -> None:
         while self._parked_puts:
@@ -404,12 +438,24 @@ class Controller:
         self._admit_parked()
 
     def _consume(self, group: _Group, dropped: bool) -> None:
+        if self.journal is not None:
+            self._journal(group, dropped)
         self._release(group)
         self._consumed_groups.add(group.meta.group_id)
         self._consumed_uids.update(s.uid for s in group.meta.samples)
         self._part(group.partition).counters.on_ack(dropped)
         if dropped:
             self._dropped.append(group.meta)
+
+    def _journal(self, group: _Group, dropped: bool) -> None:
+        unit = self.units[group.unit]
+        if group.arena_offset >= 0:
+            region = unit.arena.buffer(group.arena_offset, group.region_bytes)
+            self.journal.append(group.partition, group.meta, group.seq, group.nbytes, dropped, group.unit,
+                                group.specs, [region], unit.arena, group.arena_offset, group.region_bytes)  # fmt: skip
+        else:
+            self.journal.append(group.partition, group.meta, group.seq, group.nbytes, dropped, group.unit,
+                                group.specs, unit.blobs(group.token))  # fmt: skip
 
     def handle_nack(self, reply_to: ReplyTo, req: P.NackRequest, _buffers: list[Any]) -> None:
         lease = self._leases.pop(req.lease_id, None)
@@ -439,6 +485,8 @@ class Controller:
             self._expire_lease(lease.lease_id)
         credit_deadline = self.credits.expire(now)
         self._background.poll()
+        if self.journal is not None and self.journal.poll():
+            self._admit_parked()  # written journal copies free capacity
         deadlines = [self._timers[0][0]] if self._timers else []
         if self._leases:
             deadlines.append(next(iter(self._leases.values())).deadline)
@@ -465,10 +513,12 @@ class Controller:
         waiter.done = True
         if waiter.on_timeout is not None:
             waiter.on_timeout()
+        backlog = self.journal.backlog_groups if self.journal is not None else 0
         msg = (
             f"queue full for {waiter.req.timeout_s:.1f}s: holding {self.held_groups}/{self.cfg.capacity_groups} "
-            f"groups and {self.held_bytes}/{self.cfg.capacity_bytes} bytes; the consumer is not keeping up "
-            f"(raise queue.capacity_groups/capacity_bytes or the put timeout)"
+            f"groups and {self.held_bytes}/{self.cfg.capacity_bytes} bytes"
+            + (f" (+{backlog} acked groups still being journalled)" if backlog else "")
+            + "; the consumer is not keeping up (raise queue.capacity_groups/capacity_bytes or the put timeout)"
         )
         self._send(waiter.reply_to, P.MsgType.ERROR, P.ErrorReply(waiter.req.req_id, "queue_full", msg))
         self._admit_parked()  # the next one in line may fit
@@ -480,78 +530,6 @@ class Controller:
         waiter.done = True
         self._ok(waiter.reply_to, P.LeaseReply(waiter.req.req_id))
         self._serve_waiters(self._part(partition))  # a head waiter that timed out may unblock the next
-
-    # ---------------------------------------------------------------------------- snapshot / restore
-    def handle_snapshot(self, reply_to: ReplyTo, req: P.PathRequest, _buffers: list[Any]) -> None:
-        if self._background.has_jobs:
-            raise WireError("bad_request", "a snapshot or restore is already running", req.req_id)
-        items, pins = [], []
-        for group in sorted(self._groups.values(), key=lambda g: g.seq):
-            unit = self.units[group.unit]
-            if group.arena_offset >= 0:
-                buffers = [unit.arena.buffer(group.arena_offset, group.region_bytes)]
-                unit.arena.pin(group.arena_offset)
-                pins.append((unit, group.arena_offset))
-            else:
-                buffers = unit.blobs(group.token)
-            items.append(
-                SnapshotItem(group.partition, group.state == LEASED, group.meta, group.specs, buffers)
-            )
-
-        def done(f: Future) -> None:
-            for unit, offset in pins:
-                unit.arena.unpin(offset)
-            self._reply_job(reply_to, req.req_id, f, lambda summary: summary)
-
-        consumed = (sorted(self._consumed_groups), sorted(self._consumed_uids), list(self._dropped))
-        self._background.submit(done, write_snapshot, req.path, items, *consumed)
-
-    def handle_restore(self, reply_to: ReplyTo, req: P.PathRequest, _buffers: list[Any]) -> None:
-        if self._background.has_jobs:
-            raise WireError("bad_request", "a snapshot or restore is already running", req.req_id)
-        done = lambda f: self._reply_job(reply_to, req.req_id, f, self._install)  # noqa: E731
-        self._background.submit(done, read_snapshot, req.path)
-
-    def _reply_job(self, reply_to: ReplyTo, req_id: int, future: Future, finish: Callable) -> None:
-        def run() -> None:
-            summary = finish(future.result())
-            self._ok(reply_to, P.SummaryReply(req_id, summary))
-
-        self._guarded(reply_to, req_id, run)
-
-    def _install(self, loaded: tuple[Any, list[bytearray]]) -> dict[str, Any]:
-        """Merge a snapshot into this queue: its groups go in front of anything put since, order kept."""
-        header, blobs = loaded
-        self._consumed_groups.update(header.consumed_groups)
-        self._consumed_uids.update(header.consumed_uids)
-        known = {m.group_id for m in self._dropped}
-        self._dropped.extend(m for m in header.dropped if m.group_id not in known)
-        first = min((g.seq for g in self._groups.values()), default=0)
-        restored = skipped = 0
-        new_by_part: dict[str, list[str]] = {}
-        for i, (snap, blob) in enumerate(zip(header.groups, blobs, strict=True)):
-            if self._is_seen(snap.meta):
-                skipped += 1
-                continue
-            self._part(snap.partition)
-            token = next(self._tokens)
-            unit = P.unit_for(snap.meta.group_id, len(self.units))
-            self.units[unit].store(token, [blob])
-            seq = first - len(header.groups) + i
-            group = _Group(
-                seq, snap.partition, snap.meta, snap.tensors, snap.nbytes, unit, token, -1, 1, READY
-            )
-            self._hold(group)
-            new_by_part.setdefault(snap.partition, []).append(snap.meta.group_id)
-            restored += 1
-        for name, ids in new_by_part.items():
-            self._return_to_ready(self._part(name), ids)
-        return {
-            "groups": restored,
-            "skipped_seen": skipped,
-            "consumed_uids": len(header.consumed_uids),
-            "dropped": len(header.dropped),
-        }
 
     # ---------------------------------------------------------------------------------- hello, stats
     def handle_hello(self, reply_to: ReplyTo, req: P.HelloRequest, _buffers: list[Any]) -> None:
@@ -598,9 +576,14 @@ class Controller:
             duplicates_total=sum(p.counters.duplicates_total for p in self._partitions.values()),
             shm_bytes_total=sum(a.size for a in arenas),
             shm_bytes_used=sum(a.used for a in arenas),
+            journal_groups=len(self.journal) if self.journal is not None else 0,
+            journal_bytes=self.journal.bytes if self.journal is not None else 0,
+            journal_backlog_groups=self.journal.backlog_groups if self.journal is not None else 0,
             rate_window_s=PartitionCounters.WINDOW_S,
             uptime_s=time.monotonic() - self._started,
         )
 
     def close(self) -> None:
         self._background.close()
+        if self.journal is not None:
+            self.journal.close()

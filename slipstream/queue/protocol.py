@@ -310,6 +310,11 @@ class QueueStats(msgspec.Struct, kw_only=True, gc=False):
     duplicates_total: int = 0
     shm_bytes_total: int = 0
     shm_bytes_used: int = 0
+    # Groups acked since the last snapshot, kept (with their payload bytes) for a rollback restore, and
+    # how many of them are still being copied to the journal file.
+    journal_groups: int = 0
+    journal_bytes: int = 0
+    journal_backlog_groups: int = 0
     rate_window_s: float = 0.0
     uptime_s: float = 0.0
 

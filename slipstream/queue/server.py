@@ -133,11 +133,16 @@ class QueueServer:
         poller = zmq.Poller()
         for sock in self._routes:
             poller.register(sock, zmq.POLLIN)
+        if self.controller.journal is not None:  # finished journal copies wake the loop (tick settles them)
+            poller.register(self.controller.journal.fileno, zmq.POLLIN)
         try:
             while not self._stop.is_set() and not should_stop():
                 wait = min(self.controller.tick(), 0.1)
                 for sock, _ in poller.poll(wait * 1000):
-                    self._drain(sock)
+                    if sock in self._routes:
+                        self._drain(sock)
+                    else:
+                        self.controller.journal.clear_wakeups()
         finally:
             self._close()
 

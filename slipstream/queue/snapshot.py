@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 
 from slipstream.queue import protocol as P
-from slipstream.queue.codec import ALIGN, WireError, spec_nbytes, validate_group
+from slipstream.queue.codec import ALIGN, WireError, blob_layout, bytes_view, spec_nbytes, validate_group
 from slipstream.queue.types import GroupMeta
 
 MAGIC = b"SLIPSTQ1"
@@ -49,6 +49,8 @@ class SnapshotHeader(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     consumed_groups: list[str]
     consumed_uids: list[str]
     dropped: list[GroupMeta]
+    # Random per snapshot; a server that wrote (or restored) it can roll back to it. Empty in older files.
+    snapshot_id: str = ""
 
 
 class SnapshotItem(msgspec.Struct, gc=False):
@@ -61,32 +63,28 @@ class SnapshotItem(msgspec.Struct, gc=False):
     buffers: list[Any]
 
 
-def _relayout(specs: Sequence[P.TensorSpec]) -> tuple[list[P.TensorSpec], int]:
-    out, size = [], 0
-    for spec in specs:
-        if spec.frame < 0:
-            out.append(spec)
-            continue
-        out.append(P.TensorSpec(spec.name, spec.dtype, spec.shape, frame=0, offset=size))
-        size += -(-spec_nbytes(spec) // ALIGN) * ALIGN
-    return out, size
-
-
 def write_snapshot(
     path: str,
     items: Sequence[SnapshotItem],
     consumed_groups: Sequence[str],
     consumed_uids: Sequence[str],
     dropped: Sequence[GroupMeta],
+    snapshot_id: str = "",
 ) -> dict[str, Any]:
     """Write the file (runs on a worker thread; the server keeps the buffers pinned meanwhile)."""
     groups, offset = [], 0
     for item in items:
-        specs, size = _relayout(item.tensors)
+        specs, size = blob_layout(item.tensors)
         groups.append(SnapGroup(item.partition, item.leased, item.meta, specs, size, offset))
         offset += size
     header = SnapshotHeader(
-        FORMAT_VERSION, time.time(), groups, list(consumed_groups), list(consumed_uids), list(dropped)
+        FORMAT_VERSION,
+        time.time(),
+        groups,
+        list(consumed_groups),
+        list(consumed_uids),
+        list(dropped),
+        snapshot_id,
     )
     body = msgspec.msgpack.encode(header)
     target = Path(path)
@@ -108,6 +106,7 @@ def write_snapshot(
         "bytes": offset,
         "consumed_uids": len(consumed_uids),
         "dropped": len(dropped),
+        "snapshot_id": snapshot_id,
     }
 
 
@@ -117,16 +116,11 @@ def _write_blob(f: Any, item: SnapshotItem, group: SnapGroup) -> None:
         if old.frame < 0:
             continue
         f.write(b"\0" * (new.offset - written))
-        src = _bytes_view(item.buffers[old.frame])
+        src = bytes_view(item.buffers[old.frame])
         n = spec_nbytes(old)
         f.write(src[old.offset : old.offset + n])
         written = new.offset + n
     f.write(b"\0" * (group.nbytes - written))
-
-
-def _bytes_view(buffer: Any) -> memoryview:
-    view = buffer.buffer if hasattr(buffer, "buffer") else memoryview(buffer)
-    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
 def _pad(n: int) -> int:
