@@ -2,12 +2,22 @@
 
 Method (one run, one machine, the same bytes for every contender):
 
-* **slipstream**: a queue server process, one producer process and one consumer process on loopback. The
-  producer ``put``s groups carrying one payload tensor of ``bytes`` bytes, ``CONCURRENCY`` puts in flight
-  from an ``AsyncQueueClient`` (as the rollouter's agent loops do); the consumer ``lease``s half of the
-  in-flight window at a time (a trainer leases whole batches), checks a marker byte at both ends of every
-  payload and ``ack``s. At most ``WINDOW`` groups (and 1 GiB) are in flight, held by the queue's own
-  back-pressure. Throughput is ``count * bytes / (last ack - first put)``.
+* **slipstream**: a queue server process, one producer process and one consumer process on loopback (same
+  host: control requests over the direct channel, payloads through the shared-memory arena). The producer
+  ``put``s groups carrying one payload tensor of ``bytes`` bytes, ``CONCURRENCY`` puts in flight from an
+  ``AsyncQueueClient`` (as the rollouter's agent loops do); the consumer ``lease``s half of the in-flight
+  window at a time (a trainer leases whole batches), checks a marker byte at both ends of every payload and
+  ``ack``s. At most ``WINDOW`` groups (and 1 GiB) are in flight, held by the queue's own back-pressure.
+  Throughput is ``count * bytes / (last ack - first put)``. Two kinds of put, each on its own rows:
+
+  - **copy-in** (``slipstream_gbps``): the producer's payload tensor (made once, reused) is copied into the
+    arena by ``put``;
+  - **in place** (``slipstream_inplace_gbps``): the producer gets the group from ``alloc_group``, writes
+    its small columns and the two marker bytes into the arena views and ``put``s it: no payload byte is
+    copied by anyone (the rest of the payload is whatever the region held, as copy-in reuses one tensor).
+
+  Both run against a server with the default config (``queue.journal`` on: every acked payload is also
+  copied into the journal file) and against one with ``queue.journal=false`` (``*_nojournal_gbps``).
 * **ray**: the same two roles as Ray actors: the producer ``ray.put``s a numpy array (Ray's zero-copy path)
   and passes the ref to the consumer actor, which ``ray.get``s it and checks the same marker bytes; the same
   in-flight window.
@@ -16,10 +26,12 @@ Method (one run, one machine, the same bytes for every contender):
 Neither consumer copies the payload out: both get a view (an arena view or Ray's plasma view), which is
 what a trainer then collates from. Timestamps are ``time.perf_counter`` (CLOCK_MONOTONIC, shared by all
 processes of the host). Latency (the first tenth of each series is warm-up): ``latency_us`` is the round
-trip of a small request (``ping``) through the queue's client and server; ``put_latency_us`` the round trip
-of a put of a ~100-byte group while the consumer drains; ``e2e_latency_us`` put start to the consumer's
-lease returning it; ``zmq_echo_us`` a bare pyzmq echo between two processes, the floor under all of them.
-All worker processes ``gc.freeze()`` after their imports, as the server does.
+trip of a small request (``ping``) through the queue's client and server (same host: the direct channel),
+``latency_tcp_us`` the same over TCP, measured in interleaved blocks; ``put_latency_us`` the round trip of
+a put of a ~100-byte group while the consumer drains; ``e2e_latency_us`` put start to the consumer's lease
+returning it; ``zmq_echo_us`` and ``unix_echo_us`` bare echoes between two processes over pyzmq (TCP) and
+over a plain Unix socket, the floors under the two transports. All worker processes ``gc.freeze()`` after
+their imports, as the server does.
 
 Child processes are controlled with JSON lines on stdin/stdout (no pickling); progress goes to stderr and
 the last stdout line is the JSON result.
@@ -79,12 +91,18 @@ def _pct(values: list[float], q: float) -> float:
 
 
 # ------------------------------------------------------------------------------------ worker roles
+def _meta(tag: str, i: int):
+    from slipstream.queue.types import GroupMeta, SampleMeta
+
+    return GroupMeta(f"{tag}-{i}", [SampleMeta(f"{tag}-{i}-0", 1, 1, 0, 0)])
+
+
 def _group(tag: str, i: int, payload: Any):
     import torch
 
-    from slipstream.queue.types import GroupMeta, SampleMeta, TrajectoryGroup
+    from slipstream.queue.types import TrajectoryGroup
 
-    meta = GroupMeta(f"{tag}-{i}", [SampleMeta(f"{tag}-{i}-0", 1, 1, 0, 0)])
+    meta = _meta(tag, i)
     tensors = {
         "prompt_ids": torch.zeros(1, dtype=torch.int32),
         "response_ids": torch.zeros(1, dtype=torch.int32),
@@ -99,12 +117,19 @@ def _group(tag: str, i: int, payload: Any):
 def _producer(client: Any, cmd: dict) -> dict:
     import torch
 
-    if cmd["cmd"] == "ping":
-        rtts = []
-        for _ in range(cmd["count"]):
-            t0 = time.perf_counter()
-            client.ping()
-            rtts.append(time.perf_counter() - t0)
+    if cmd["cmd"] == "ping":  # through this client (same host: the direct channel), then over TCP
+        from slipstream.queue.client import QueueClient
+
+        tcp = QueueClient(client.address, timeout_s=120, ipc=False)
+        tcp.ping()
+        rtts: dict[str, list[float]] = {"local": [], "tcp": []}
+        for _ in range(cmd["count"] // 100):  # interleaved blocks, so both see the same machine load
+            for name, c in (("local", client), ("tcp", tcp)):
+                for _ in range(100):
+                    t0 = time.perf_counter()
+                    c.ping()
+                    rtts[name].append(time.perf_counter() - t0)
+        tcp.close()
         return {"rtt": rtts}
     if cmd["cmd"] == "latency":
         starts = {}
@@ -131,7 +156,7 @@ async def _produce(address: str, cmd: dict) -> dict:
 
     nbytes, count = cmd["bytes"], cmd["count"]
     free: asyncio.Queue[torch.Tensor] = asyncio.Queue()
-    for _ in range(CONCURRENCY):
+    for _ in range(0 if cmd.get("inplace") else CONCURRENCY):
         free.put_nowait(torch.ones(1, nbytes, dtype=torch.uint8))
 
     async def one(i: int) -> None:
@@ -140,6 +165,20 @@ async def _produce(address: str, cmd: dict) -> dict:
         if not await client.put(_group(cmd["tag"], i, payload), timeout_s=120):
             raise RuntimeError("benchmark group refused as a duplicate")
         free.put_nowait(payload)
+
+    async def one_in_place(i: int) -> None:
+        # The producer's data is made where the queue keeps it: the standard columns and the two marker
+        # bytes are written into the arena (as copy-in mode writes them into its source tensor); the
+        # payload's other bytes are whatever the region held (copy-in mode reuses a source tensor too).
+        group = await client.alloc_group(_meta(cmd["tag"], i), {"payload": ((1, nbytes), torch.uint8)})
+        for name in ("prompt_ids", "response_ids", "logprobs", "versions"):
+            group.tensors[name].zero_()
+        group.tensors["loss_mask"].fill_(1)
+        group.tensors["payload"][0, 0] = group.tensors["payload"][0, -1] = i % 251
+        if not await client.put(group, timeout_s=120):
+            raise RuntimeError("benchmark group refused as a duplicate")
+
+    put_one = one_in_place if cmd.get("inplace") else one
 
     async with AsyncQueueClient(address, timeout_s=120) as client:
         await client.ping()
@@ -150,7 +189,7 @@ async def _produce(address: str, cmd: dict) -> dict:
                 done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     task.result()
-            tasks.add(asyncio.ensure_future(one(i)))
+            tasks.add(asyncio.ensure_future(put_one(i)))
         for task in asyncio.as_completed(tasks):
             await task
     return {"t_start": t0}
@@ -227,7 +266,11 @@ class _Child:
 
 
 # ------------------------------------------------------------------------------------- contenders
-def _slipstream(sizes: list[int], quick: bool, latency_n: int) -> tuple[dict[int, float], dict[str, float]]:
+def _slipstream(
+    sizes: list[int], quick: bool, journal: bool, latency_n: int
+) -> tuple[dict, dict[str, float]]:
+    """Throughput per size of copy-in puts and of in-place puts (``alloc_group``) on one server, and, with
+    ``latency_n``, the round trips; ``journal`` is the server's ``queue.journal``."""
     from slipstream.queue.config import QueueConfig
     from slipstream.queue.server import start_queue_server
 
@@ -236,47 +279,64 @@ def _slipstream(sizes: list[int], quick: bool, latency_n: int) -> tuple[dict[int
         capacity_groups=WINDOW,
         capacity_bytes=INFLIGHT_BYTES + MiB,
         shm_bytes_per_unit=max(64 * MiB, INFLIGHT_BYTES // 2 + top + MiB),
+        journal=journal,
     )
     server = start_queue_server(cfg)
     producer = _Child("producer", server.address)
     consumer = _Child("consumer", server.address)
-    out: dict[int, float] = {}
+    out: dict[str, dict[int, float]] = {"copy": {}, "inplace": {}}
+    label = "journal" if journal else "no journal"
     try:
         for nbytes in sizes:
-            count = _count(nbytes, quick)
-            for tag, n in ((f"w{nbytes}", _warmup(nbytes)), (f"m{nbytes}", count)):
-                batch = max(1, _window(nbytes) // 2)
-                consumer.send({"cmd": "throughput", "count": n, "bytes": nbytes, "batch": batch})
-                producer.send({"cmd": "throughput", "count": n, "bytes": nbytes, "tag": tag})
-                t_start = producer.read()["t_start"]
-                done = consumer.read()
-                if done["bad"]:
-                    raise RuntimeError(f"{done['bad']} payload(s) arrived corrupted at {nbytes} bytes")
-            out[nbytes] = _gbps(count * nbytes, done["t_end"] - t_start)
-            _log(f"slipstream {nbytes:>10} B x {count:>4}: {out[nbytes]:8.2f} Gbit/s")
-        producer.send({"cmd": "ping", "count": latency_n})  # the consumer is idle meanwhile
-        ping = producer.read()["rtt"]
-        # the consumer takes whatever is ready, so no backlog builds up behind it
-        consumer.send({"cmd": "latency", "count": latency_n, "batch": WINDOW, "min_groups": 1})
-        producer.send({"cmd": "latency", "count": latency_n, "tag": "lat"})
-        sent = producer.read()
-        got = consumer.read()["got"]
+            for mode in ("copy", "inplace"):
+                out[mode][nbytes] = _throughput(producer, consumer, nbytes, _count(nbytes, quick), mode)
+                _log(f"slipstream {mode:>7} ({label}) {nbytes:>10} B: {out[mode][nbytes]:8.2f} Gbit/s")
+        lat = _latency(producer, consumer, latency_n) if latency_n else {}
     finally:
         producer.close()
         consumer.close()
         server.stop()
+    return out, lat
+
+
+def _throughput(producer: _Child, consumer: _Child, nbytes: int, count: int, mode: str) -> float:
+    for tag, n in ((f"w{mode}{nbytes}", _warmup(nbytes)), (f"m{mode}{nbytes}", count)):
+        batch = max(1, _window(nbytes) // 2)
+        consumer.send({"cmd": "throughput", "count": n, "bytes": nbytes, "batch": batch})
+        producer.send(
+            {"cmd": "throughput", "count": n, "bytes": nbytes, "tag": tag, "inplace": mode == "inplace"}
+        )
+        t_start = producer.read()["t_start"]
+        done = consumer.read()
+        if done["bad"]:
+            raise RuntimeError(f"{done['bad']} payload(s) arrived corrupted at {nbytes} bytes ({mode})")
+    return _gbps(count * nbytes, done["t_end"] - t_start)
+
+
+def _latency(producer: _Child, consumer: _Child, latency_n: int) -> dict[str, float]:
+    producer.send({"cmd": "ping", "count": latency_n})  # the consumer is idle meanwhile
+    ping = producer.read()["rtt"]
+    # the consumer takes whatever is ready, so no backlog builds up behind it
+    consumer.send({"cmd": "latency", "count": latency_n, "batch": WINDOW, "min_groups": 1})
+    producer.send({"cmd": "latency", "count": latency_n, "tag": "lat"})
+    sent = producer.read()
+    got = consumer.read()["got"]
     warm = latency_n // 10  # the first tenth warms up
-    ping_us = [x * 1e6 for x in ping[warm:]]
-    put_us = [x * 1e6 for x in sent["rtt"][warm:]]
-    e2e_us = [(got[g] - t) * 1e6 for g, t in list(sent["starts"].items())[warm:] if g in got]
+    series = {
+        "ping": [x * 1e6 for x in ping["local"][warm:]],
+        "ping_tcp": [x * 1e6 for x in ping["tcp"][warm:]],
+        "put": [x * 1e6 for x in sent["rtt"][warm:]],
+        "e2e": [(got[g] - t) * 1e6 for g, t in list(sent["starts"].items())[warm:] if g in got],
+    }
     lat = {}
-    for name, values in (("ping", ping_us), ("put", put_us), ("e2e", e2e_us)):
+    for name, values in series.items():
         lat[f"{name}_p50"], lat[f"{name}_p99"] = _pct(values, 0.5), _pct(values, 0.99)
     _log(
-        f"round trip p50/p99: ping {lat['ping_p50']:.0f}/{lat['ping_p99']:.0f} us, tiny put "
-        f"{lat['put_p50']:.0f}/{lat['put_p99']:.0f} us, put-to-lease {lat['e2e_p50']:.0f}/{lat['e2e_p99']:.0f} us"
+        f"round trip p50/p99: ping {lat['ping_p50']:.0f}/{lat['ping_p99']:.0f} us (over TCP "
+        f"{lat['ping_tcp_p50']:.0f}/{lat['ping_tcp_p99']:.0f}), tiny put {lat['put_p50']:.0f}/"
+        f"{lat['put_p99']:.0f} us, put-to-lease {lat['e2e_p50']:.0f}/{lat['e2e_p99']:.0f} us"
     )
-    return out, lat
+    return lat
 
 
 _ECHO_SERVER = """
@@ -312,6 +372,43 @@ def _zmq_echo(n: int) -> dict[str, float]:
         proc.wait()
     rtts = rtts[n // 10 :]
     _log(f"raw zmq echo round trip p50/p99: {_pct(rtts, 0.5):.0f}/{_pct(rtts, 0.99):.0f} us")
+    return {"p50": _pct(rtts, 0.5), "p99": _pct(rtts, 0.99)}
+
+
+_UNIX_ECHO_SERVER = """
+import socket, sys
+srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+srv.bind("\\0" + sys.argv[1]); srv.listen(1); print("ready", flush=True)
+conn, _ = srv.accept()
+while data := conn.recv(65536):
+    conn.sendall(data)
+"""
+
+
+def _unix_echo(n: int) -> dict[str, float]:
+    """The floor under the direct channel: a bare echo over a plain Unix socket between two processes."""
+    import socket
+
+    name = f"slipstream-bench-echo-{os.getpid()}"  # an abstract name (the leading NUL is added below)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _UNIX_ECHO_SERVER, name], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        proc.stdout.readline()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(10)
+            sock.connect("\0" + name)
+            rtts = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                sock.sendall(b"x" * 48)
+                sock.recv(65536)
+                rtts.append((time.perf_counter() - t0) * 1e6)
+    finally:
+        proc.kill()
+        proc.wait()
+    rtts = rtts[n // 10 :]
+    _log(f"raw unix socket echo round trip p50/p99: {_pct(rtts, 0.5):.0f}/{_pct(rtts, 0.99):.0f} us")
     return {"p50": _pct(rtts, 0.5), "p99": _pct(rtts, 0.99)}
 
 
@@ -397,35 +494,57 @@ def _memcpy(sizes: list[int]) -> dict[int, float]:
 # ---------------------------------------------------------------------------------------------- CLI
 class BenchRow(msgspec.Struct):
     bytes: int
+    # copy-in puts (the producer's tensors are copied into shared memory), default server (journal on)
     slipstream_gbps: float
     ray_gbps: float
     memcpy_gbps: float
+    # in-place puts (alloc_group: the producer's data is made in shared memory; no payload byte is copied)
+    slipstream_inplace_gbps: float
+    # the same two with queue.journal=false (acked groups are not kept for a rollback)
+    slipstream_nojournal_gbps: float
+    slipstream_inplace_nojournal_gbps: float
 
 
 def run(sizes: list[int], quick: bool = False, with_ray: bool = True) -> dict[str, Any]:
     latency_n = 300 if quick else 2000
     memcpy = _memcpy(sizes)
     echo = _zmq_echo(latency_n)
-    ours, lat = _slipstream(sizes, quick, latency_n)
+    unix_echo = _unix_echo(latency_n)
+    ours, lat = _slipstream(sizes, quick, True, latency_n)
+    bare, _ = _slipstream(sizes, quick, False, 0)
     ray_ = _ray(sizes, quick) if with_ray else {}
     rows = [
-        BenchRow(n, round(ours[n], 3), round(ray_.get(n, float("nan")), 3), round(memcpy[n], 3))
+        BenchRow(
+            n,
+            round(ours["copy"][n], 3),
+            round(ray_.get(n, float("nan")), 3),
+            round(memcpy[n], 3),
+            round(ours["inplace"][n], 3),
+            round(bare["copy"][n], 3),
+            round(bare["inplace"][n], 3),
+        )
         for n in sizes
     ]
     return {
         "rows": msgspec.to_builtins(rows),
         "latency_us_p50": round(lat["ping_p50"], 1),
         "latency_us_p99": round(lat["ping_p99"], 1),
+        "latency_tcp_us_p50": round(lat["ping_tcp_p50"], 1),
+        "latency_tcp_us_p99": round(lat["ping_tcp_p99"], 1),
         "put_latency_us_p50": round(lat["put_p50"], 1),
         "put_latency_us_p99": round(lat["put_p99"], 1),
         "e2e_latency_us_p50": round(lat["e2e_p50"], 1),
         "e2e_latency_us_p99": round(lat["e2e_p99"], 1),
         "zmq_echo_us_p50": round(echo["p50"], 1),
         "zmq_echo_us_p99": round(echo["p99"], 1),
+        "unix_echo_us_p50": round(unix_echo["p50"], 1),
+        "unix_echo_us_p99": round(unix_echo["p99"], 1),
         "units": (
-            "gbps = 1e9 bits/s; latency = round trip of a small request through the queue client and server; "
+            "gbps = 1e9 bits/s; slipstream = copy-in put, inplace = alloc_group put (no payload copy), "
+            "nojournal = server with queue.journal=false; latency = round trip of a small request through the "
+            "queue client and server (same host: the direct channel), latency_tcp = the same over TCP; "
             "put_latency = round trip of a put of a ~100-byte group while a consumer drains; e2e = put start to "
-            "lease return; zmq_echo = bare pyzmq echo between two processes (the floor)"
+            "lease return; zmq_echo / unix_echo = bare pyzmq TCP / plain Unix socket echo between two processes"
         ),
     }
 
@@ -449,7 +568,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.json:
         for row in result["rows"]:
             print(
-                f"{row['bytes']:>10} B  slipstream {row['slipstream_gbps']:8.2f}  ray {row['ray_gbps']:8.2f}  "
+                f"{row['bytes']:>10} B  slipstream {row['slipstream_gbps']:8.2f} (in place "
+                f"{row['slipstream_inplace_gbps']:8.2f}; no journal {row['slipstream_nojournal_gbps']:8.2f} / "
+                f"{row['slipstream_inplace_nojournal_gbps']:8.2f})  ray {row['ray_gbps']:8.2f}  "
                 f"memcpy {row['memcpy_gbps']:8.2f} Gbit/s"
             )
     print(json.dumps(result))

@@ -4,7 +4,9 @@ Both speak the protocol written once in :mod:`slipstream.queue.ops` over long-li
 the controller, one per storage unit, opened on first use), with many requests in flight matched by
 ``req_id``. A same-host client maps the server's shared-memory arenas at its first call (``HELLO``); its puts
 then copy each group once into an arena region and its leases get views of those pages (no bytes on any
-socket). Across hosts, or with ``shared_memory=False``, payloads travel as zero-copy socket frames.
+socket); a group built with ``alloc_group`` already lies there, and its put copies nothing. Same-host clients
+also send their control requests over a plain Unix socket (:mod:`slipstream.queue.direct`). Across hosts,
+or with ``shared_memory=False``, payloads travel as zero-copy socket frames.
 
 Lifecycle of a batch on the consumer side::
 
@@ -32,15 +34,17 @@ import asyncio
 import itertools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 import zmq
 
 from slipstream.queue import ops
 from slipstream.queue import protocol as P
 from slipstream.queue.codec import Codec, send_frames
+from slipstream.queue.direct import DirectSocket
 from slipstream.queue.ops import CONTROLLER, Call, Lease, QueueError, QueueFull, Session
 from slipstream.queue.protocol import QueueStats
 from slipstream.queue.types import GroupMeta, TrajectoryGroup
@@ -61,12 +65,13 @@ def _lease_id(lease: Lease | str) -> str:
 class _Base:
     """Socket bookkeeping shared by both clients."""
 
-    def __init__(self, address: str, timeout_s: float, shared_memory: bool) -> None:
+    def __init__(self, address: str, timeout_s: float, shared_memory: bool, ipc: bool) -> None:
         if not address.startswith("tcp://") or ":" not in address[6:]:
             raise ValueError(f"queue address {address!r}: expected tcp://HOST:PORT")
         self.address = address
         self.timeout_s = timeout_s
         self._use_shm = shared_memory
+        self._use_ipc = ipc
         self._codec = Codec()
         self._ids = itertools.count(1)
         self._session: Session | None = None
@@ -82,11 +87,29 @@ class _Base:
         return out
 
     def _endpoint(self, target: int) -> str:
+        session = self._session
         if target == CONTROLLER:
             return self.address
+        assert session is not None
+        if session.direct and session.units[target].ipc:  # same host: a Unix domain socket
+            return session.units[target].ipc
         host = self.address[6:].rsplit(":", 1)[0]
-        assert self._session is not None
-        return f"tcp://{host}:{self._session.units[target].port}"
+        return f"tcp://{host}:{session.units[target].port}"
+
+    def _new_socket(self, target: int) -> Any:
+        """The controller's direct channel once HELLO found it reachable, else a ZeroMQ DEALER."""
+        if target == CONTROLLER and self._session is not None and self._session.direct:
+            return DirectSocket(self._session.direct, self.timeout_s)
+        sock = self._ctx.socket(zmq.DEALER)
+        self._configure(sock)
+        sock.connect(self._endpoint(target))
+        return sock
+
+    @property
+    def transport(self) -> str:
+        """``unix`` (the direct channel and ipc://) or ``tcp``: how this client reaches the server (known
+        after its first call)."""
+        return "unix" if self._session is not None and self._session.direct else "tcp"
 
     @staticmethod
     def _configure(sock: zmq.Socket) -> None:
@@ -143,8 +166,10 @@ class QueueClient(_Base):
         client.close()
     """
 
-    def __init__(self, address: str, *, timeout_s: float = 60.0, shared_memory: bool = True) -> None:
-        super().__init__(address, timeout_s, shared_memory)
+    def __init__(
+        self, address: str, *, timeout_s: float = 60.0, shared_memory: bool = True, ipc: bool = True
+    ) -> None:
+        super().__init__(address, timeout_s, shared_memory, ipc)
         self._ctx = zmq.Context()
         self._sockets: dict[int, zmq.Socket] = {}
         self._lock = threading.RLock()
@@ -157,6 +182,27 @@ class QueueClient(_Base):
         Waits on back-pressure up to ``timeout_s`` (default: the server's ``put_timeout_s``), then raises
         QueueFull."""
         return self._run(lambda s: ops.put(s, group, partition, self._put_wait(timeout_s)))
+
+    def alloc_group(
+        self, meta: GroupMeta, extra: Mapping[str, tuple[Sequence[int], torch.dtype]] | None = None
+    ) -> TrajectoryGroup:
+        """A group to fill in place: its tensors (the standard columns, sized from ``meta``, plus ``extra``
+        ones given as ``name: (shape, dtype)``, response-aligned) are views of the server's shared memory,
+        so ``put(group)`` copies no payload byte. Their contents start undefined: fill every one.
+
+        Put it within a few seconds (at least ``ops.ALLOC_WINDOW_S``; the exact bound is
+        ``group.placement.usable_until``, in ``time.monotonic()`` seconds): after that the server may hand
+        the region to another producer, so the put fails and the group must be allocated and filled again.
+        After the put its tensors belong to the queue: do not write them. Without shared memory (another
+        host, or no arena room right now) the tensors are ordinary ones and ``put`` copies as usual.
+
+        Worked example::
+
+            group = client.alloc_group(meta, {"pixels": ((n_response_tokens, 3 * 224 * 224), torch.uint8)})
+            group.tensors["response_ids"].copy_(ids) ... group.tensors["pixels"].copy_(frames)
+            client.put(group)
+        """
+        return self._run(lambda s: ops.alloc_group(s, meta, extra or {}))
 
     def lease(
         self,
@@ -238,7 +284,9 @@ class QueueClient(_Base):
             if self._closed:
                 raise QueueError("the queue client is closed")
             if self._session is None:
-                self._session = self._drive(ops.hello(self._use_shm))
+                self._session = self._drive(ops.hello(self._use_shm, self._use_ipc))
+                if self._session.direct:  # reconnect over the direct channel from now on
+                    self._sockets.pop(CONTROLLER).close(linger=0)
             return self._drive(make_op(self._session))
 
     def _drive(self, op: ops.Op) -> Any:
@@ -256,13 +304,10 @@ class QueueClient(_Base):
             except QueueError as err:
                 value, error = None, err
 
-    def _socket(self, target: int) -> zmq.Socket:
+    def _socket(self, target: int) -> Any:
         sock = self._sockets.get(target)
         if sock is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            self._configure(sock)
-            sock.connect(self._endpoint(target))
-            self._sockets[target] = sock
+            sock = self._sockets[target] = self._new_socket(target)
         return sock
 
     def _exchange(self, calls: list[Call]) -> list[Any]:
@@ -318,8 +363,10 @@ class AsyncQueueClient(_Base):
     futures. That FD is edge-triggered, so every send is followed by one more drain.
     """
 
-    def __init__(self, address: str, *, timeout_s: float = 60.0, shared_memory: bool = True) -> None:
-        super().__init__(address, timeout_s, shared_memory)
+    def __init__(
+        self, address: str, *, timeout_s: float = 60.0, shared_memory: bool = True, ipc: bool = True
+    ) -> None:
+        super().__init__(address, timeout_s, shared_memory, ipc)
         self._ctx = zmq.Context()
         self._sockets: dict[int, zmq.Socket] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -330,6 +377,11 @@ class AsyncQueueClient(_Base):
         self, group: TrajectoryGroup, *, partition: str = "train", timeout_s: float | None = None
     ) -> bool:
         return await self._run(lambda s: ops.put(s, group, partition, self._put_wait(timeout_s)))
+
+    async def alloc_group(
+        self, meta: GroupMeta, extra: Mapping[str, tuple[Sequence[int], torch.dtype]] | None = None
+    ) -> TrajectoryGroup:
+        return await self._run(lambda s: ops.alloc_group(s, meta, extra or {}))
 
     async def lease(
         self,
@@ -404,12 +456,18 @@ class AsyncQueueClient(_Base):
             raise QueueError("the queue client is closed")
         if self._session is None:
             if self._hello is None:  # concurrent first calls share one HELLO
-                self._hello = asyncio.ensure_future(self._drive(ops.hello(self._use_shm)))
+                self._hello = asyncio.ensure_future(self._drive(ops.hello(self._use_shm, self._use_ipc)))
             try:
-                self._session = await asyncio.shield(self._hello)
+                session = await asyncio.shield(self._hello)
             except BaseException:
                 self._hello = None
                 raise
+            if self._session is None:
+                self._session = session
+                if session.direct:  # reconnect over the direct channel from now on
+                    sock = self._sockets.pop(CONTROLLER)
+                    self._loop.remove_reader(sock.getsockopt(zmq.FD))
+                    sock.close(linger=0)
         return await self._drive(make_op(self._session))
 
     async def _drive(self, op: ops.Op) -> Any:
@@ -427,13 +485,10 @@ class AsyncQueueClient(_Base):
             except QueueError as err:
                 value, error = None, err
 
-    def _socket(self, target: int) -> zmq.Socket:
+    def _socket(self, target: int) -> Any:
         sock = self._sockets.get(target)
         if sock is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            self._configure(sock)
-            sock.connect(self._endpoint(target))
-            self._sockets[target] = sock
+            sock = self._sockets[target] = self._new_socket(target)
             self._loop = asyncio.get_running_loop()
             self._loop.add_reader(sock.getsockopt(zmq.FD), self._drain, sock)
         return sock
@@ -469,6 +524,15 @@ class AsyncQueueClient(_Base):
         """Route every reply waiting on ``sock`` (runs as the loop's reader callback)."""
         if self._closed:
             return
+        try:
+            self._route(sock)
+        except QueueError as err:  # the direct channel broke: fail what waits on it, stop watching it
+            self._loop.remove_reader(sock.getsockopt(zmq.FD))
+            for future, call in list(self._waiting.values()):
+                if call.target == CONTROLLER and not future.done():
+                    future.set_exception(err)
+
+    def _route(self, sock: Any) -> None:
         while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             entry = self._waiting.get(self._codec.req_id(frames[1])) if len(frames) > 1 else None

@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -149,6 +150,11 @@ def send_frames(sock: Any, frames: Sequence[Any]) -> None:
         sock.send_multipart(frames)
 
 
+def ipc_supported() -> bool:
+    """Whether ZeroMQ's ipc:// transport with Linux abstract socket names is available here."""
+    return sys.platform.startswith("linux") and zmq.has("ipc")
+
+
 def tracked_frame(buffer: Any) -> zmq.Frame:
     """A zero-copy frame whose ``tracker`` says when ZeroMQ no longer reads ``buffer`` (any size)."""
     return zmq.Frame(buffer, copy=False, track=True)
@@ -240,6 +246,18 @@ def bytes_view(buffer: Any) -> memoryview:
     """A flat byte view of a frame, array, mapping or bytes-like object (no copy)."""
     view = buffer.buffer if hasattr(buffer, "buffer") else memoryview(buffer)
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def layout_shapes(shapes: Mapping[str, tuple[Sequence[int], torch.dtype]]) -> tuple[list[P.TensorSpec], int]:
+    """Specs that place tensors of the given shapes and dtypes in one region (none inline) and its size."""
+    specs: list[P.TensorSpec] = []
+    size = 0
+    for name, (shape, dtype) in shapes.items():
+        if dtype not in DTYPE_NAMES:
+            raise TypeError(f"tensor `{name}` has dtype {dtype}; the queue carries {', '.join(DTYPES)}")
+        specs.append(P.TensorSpec(name, DTYPE_NAMES[dtype], [int(d) for d in shape], frame=0, offset=size))
+        size += -(-spec_nbytes(specs[-1]) // ALIGN) * ALIGN
+    return specs, size
 
 
 def region_extent(specs: Sequence[P.TensorSpec]) -> int:

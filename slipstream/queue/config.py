@@ -34,6 +34,10 @@ class QueueConfig(ConfigStruct):
     max_message_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 4 * GiB
     # Same-host clients move payloads through shared memory instead of the socket when it is faster.
     shared_memory: bool = True
+    # Same-host clients talk to the server over Unix domain sockets (Linux abstract names, advertised in
+    # HELLO) instead of TCP loopback: control requests over a plain socket (the direct channel, no ZeroMQ IO
+    # threads in the way), payload frames over ipc://. Clients on other hosts use TCP.
+    ipc: bool = True
     # Size of each storage unit's shared-memory arena (server-owned, pre-faulted at start, reused): this much
     # memory per unit is taken when the server starts. Groups that do not fit right now travel as socket
     # frames instead, so it bounds memory, not correctness; raise it for large payloads (multimodal data).

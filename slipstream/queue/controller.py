@@ -116,8 +116,11 @@ class _Partition:
 class Controller(Recovery):
     """Metadata owner of one queue server. Not thread-safe: only the server loop thread calls it."""
 
-    def __init__(self, cfg: QueueConfig, units: Sequence[StorageUnit], send: Send, nonce: bytes) -> None:
+    def __init__(
+        self, cfg: QueueConfig, units: Sequence[StorageUnit], send: Send, nonce: bytes, direct: str = ""
+    ) -> None:
         self.cfg = cfg
+        self._direct = direct
         self.units = list(units)
         self._send = send
         self._nonce = nonce
@@ -290,8 +293,8 @@ class Controller(Recovery):
             group = _Group(next(self._seq), req.partition, req.meta, req.tensors, nbytes, unit_index, token)
             group.num_buffers = len(buffers)
             self._hold(group)
+            self._ok(reply_to, P.PutReply(req.req_id, True))  # before a waiting lease is served from it
             self._make_ready(group)
-            self._ok(reply_to, P.PutReply(req.req_id, True))
 
         self._admit(req, nbytes, reply_to, store, lambda: self._ok(reply_to, P.PutReply(req.req_id, False)))
 
@@ -315,9 +318,9 @@ class Controller(Recovery):
                 1,
             )
             self._hold(group)
-            self._make_ready(group)
             credit = self.credits.grant(req.next_nbytes) if req.next_nbytes > 0 else None
-            self._ok(reply_to, P.CommitReply(req.req_id, True, credit))
+            self._ok(reply_to, P.CommitReply(req.req_id, True, credit))  # before a waiting lease is served
+            self._make_ready(group)
 
         def duplicate() -> None:
             self._ok(reply_to, P.CommitReply(req.req_id, False, self.credits.give_back(held)))
@@ -543,6 +546,7 @@ class Controller(Recovery):
             cfg.inline_tensor_bytes,
             cfg.shm_min_group_bytes,
             cfg.put_timeout_s,
+            self._direct,
         )
         self._ok(reply_to, reply)
 

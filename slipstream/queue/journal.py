@@ -132,6 +132,7 @@ class Journal:
         self._done: deque[tuple[Entry, OSError | None]] = deque()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        self._loop_waiting = True  # the writer wakes the loop only while it waits (see before_wait)
         self._thread = threading.Thread(target=self._writer, name="queue-journal", daemon=True)
         self._thread.start()
         self.bytes = 0  # payload bytes of the entries held
@@ -200,6 +201,16 @@ class Journal:
         return self._current
 
     # ------------------------------------------------------------------------------------ completion
+    def before_wait(self) -> bool:
+        """Call right before the loop blocks in its poller; False means copies are already done (poll
+        without blocking). Together with the writer's check this never loses a wake-up: the writer appends
+        its results first and then looks at the flag, the loop sets the flag first and then looks at them."""
+        self._loop_waiting = True
+        return not self._done
+
+    def after_wait(self) -> None:
+        self._loop_waiting = False
+
     def clear_wakeups(self) -> None:
         """Empty the wake-up pipe (call it when :attr:`fileno` polls readable; :meth:`poll` does the rest)."""
         try:
@@ -346,10 +357,11 @@ class Journal:
                 except OSError as err:
                     error = err
                 self._done.append((job, error))
-            try:
-                os.write(self._wake_w, b"x")
-            except OSError:
-                return  # closed under us: the server is stopping
+            if self._loop_waiting:  # a busy loop settles them on its next tick without a wake-up
+                try:
+                    os.write(self._wake_w, b"x")
+                except OSError:
+                    return  # closed under us: the server is stopping
 
     def close(self) -> None:
         self._jobs.put(None)

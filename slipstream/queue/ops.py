@@ -11,27 +11,31 @@ in shared memory → assemble) exists once and both clients behave identically.
 from __future__ import annotations
 
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from slipstream.queue import direct
 from slipstream.queue import protocol as P
 from slipstream.queue.arena import ArenaMapping
-from slipstream.queue.codec import as_buffer, layout_region, pack_frames, unpack, write_region
-from slipstream.queue.types import TrajectoryGroup
+from slipstream.queue.codec import (
+    DTYPE_NAMES,
+    as_buffer,
+    layout_region,
+    layout_shapes,
+    pack_frames,
+    unpack,
+    write_region,
+)
+from slipstream.queue.errors import QueueError, QueueFull
+from slipstream.queue.types import COLUMN_DTYPES, PROMPT_COLUMNS, GroupMeta, TrajectoryGroup
 from slipstream.utils.logging import get_logger
 
 log = get_logger(__name__)
 
 CONTROLLER = -1
-
-
-class QueueError(RuntimeError):
-    """A queue request failed: the server refused it (the message says why) or did not answer in time."""
-
-
-class QueueFull(QueueError):
-    """A put waited ``timeout_s`` on back-pressure and the queue still had no room."""
 
 
 @dataclass
@@ -71,6 +75,7 @@ class Session:
     inline_tensor_bytes: int
     shm_min_group_bytes: int
     put_timeout_s: float
+    direct: str = ""  # the direct channel's endpoint when this client reaches it (same host), else ""
     arenas: list[ArenaMapping] = field(default_factory=list)  # all units' arenas, or empty
     # (credit, monotonic time until which it may be written: half its ttl, see credits.py)
     credits: list[tuple[P.Credit, float]] = field(default_factory=list)
@@ -80,15 +85,16 @@ class Session:
     def shared_memory(self) -> bool:
         return bool(self.arenas)
 
-    def take_credit(self, nbytes: int) -> P.Credit | None:
-        """A held credit of at least ``nbytes`` that is still safe to write, removed from the pool."""
+    def take_credit(self, nbytes: int, min_left_s: float = 0.0) -> tuple[P.Credit, float] | None:
+        """A held credit of at least ``nbytes`` that may still be written for ``min_left_s`` or more, removed
+        from the pool, with the time until which it may be written."""
         now = time.monotonic()
         found, keep = None, []
         for credit, usable_until in self.credits:
             if now >= usable_until:
                 self.releases.append(credit.token)
-            elif found is None and credit.nbytes >= nbytes:
-                found = credit
+            elif found is None and credit.nbytes >= nbytes and usable_until - now >= min_left_s:
+                found = (credit, usable_until)
             else:
                 keep.append((credit, usable_until))
         if found is None:  # a reserve follows: give back credits too small for the sizes now being put
@@ -117,9 +123,11 @@ class Session:
 Op = Generator[Call | list[Call], Any, Any]
 
 
-def hello(shared_memory: bool) -> Op:
+def hello(shared_memory: bool, ipc: bool = True) -> Op:
     reply: P.HelloReply = yield Call(CONTROLLER, P.MsgType.HELLO, P.HelloRequest(0))
     session = Session(reply.units, reply.inline_tensor_bytes, reply.shm_min_group_bytes, reply.put_timeout_s)
+    if ipc and direct.reachable(reply.direct):
+        session.direct = reply.direct
     if shared_memory and reply.units and all(u.shm_path for u in reply.units):
         arenas = [ArenaMapping.open(u.shm_path, u.shm_size, reply.nonce) for u in reply.units]
         if all(a is not None for a in arenas):
@@ -135,6 +143,11 @@ def put(session: Session, group: TrajectoryGroup, partition: str, timeout_s: flo
     group.validate()
     if timeout_s is None:
         timeout_s = session.put_timeout_s
+    placed, group.placement = group.placement, None  # one put per allocation
+    if placed is not None:
+        stored = yield from _put_placed(session, group, placed, partition, timeout_s)
+        if stored is not None:
+            return stored
     if session.shared_memory and group.nbytes >= session.shm_min_group_bytes:
         stored = yield from _put_arena(session, group, partition, timeout_s)
         if stored is not None:
@@ -142,6 +155,8 @@ def put(session: Session, group: TrajectoryGroup, partition: str, timeout_s: flo
         # no arena room right now; the socket has no such limit
     specs, buffers = pack_frames(group.tensors, session.inline_tensor_bytes)
     unit = P.unit_for(group.group_id, len(session.units))
+    if session.direct and not buffers:
+        unit = CONTROLLER  # the whole group fits in the header: the direct channel takes it
     request = P.PutRequest(0, partition, group.meta, specs, timeout_s)
     put_reply: P.PutReply = yield Call(unit, P.MsgType.PUT, request, buffers, server_wait_s=timeout_s)
     return put_reply.stored
@@ -153,14 +168,37 @@ def _put_arena(session: Session, group: TrajectoryGroup, partition: str, timeout
     specs, size = layout_region(group.tensors, session.inline_tensor_bytes)
     if size == 0:
         return None  # every tensor rides inline: a socket put carries it all in its header
-    credit = session.take_credit(size)
-    if credit is None:
-        request = P.ReserveRequest(0, size, session.drain_releases())
-        reserved: P.ReserveReply = yield Call(CONTROLLER, P.MsgType.RESERVE, request)
-        credit = reserved.credit
-        if credit is None:
-            return None
+    held = yield from _credit(session, size)
+    if held is None:
+        return None
+    credit = held[0]
     write_region(session.arenas[credit.unit].buffer(credit.offset, size), group.tensors, specs)
+    return (yield from _commit(session, credit, group, specs, size, partition, timeout_s))
+
+
+def _credit(session: Session, size: int, min_left_s: float = 0.0) -> Op:
+    """A credit of at least ``size`` bytes and the time until which it may be written: a held one, or a new
+    one (a RESERVE round trip); None when the arena has no room now."""
+    held = session.take_credit(size, min_left_s)
+    if held is not None:
+        return held
+    request = P.ReserveRequest(0, size, session.drain_releases())
+    reserved: P.ReserveReply = yield Call(CONTROLLER, P.MsgType.RESERVE, request)
+    if reserved.credit is None:
+        return None
+    return reserved.credit, time.monotonic() + reserved.credit.ttl_s / 2
+
+
+def _commit(
+    session: Session,
+    credit: P.Credit,
+    group: TrajectoryGroup,
+    specs: list[P.TensorSpec],
+    size: int,
+    partition: str,
+    timeout_s: float,
+) -> Op:
+    """Commit a group written into ``credit``'s region; the reply brings the credit of the next put."""
     commit = P.CommitRequest(
         0, credit.token, partition, group.meta, specs, timeout_s, size, session.drain_releases()
     )
@@ -175,6 +213,78 @@ def _put_arena(session: Session, group: TrajectoryGroup, partition: str, timeout
         raise
     session.add_credit(reply.credit)  # the next credit, or this one again after a duplicate
     return reply.stored
+
+
+@dataclass
+class Placement:
+    """Where an allocated group's tensors lie: the credit whose region holds them, their specs there, the
+    address of each view (to notice a tensor the producer replaced), and until when it may be written."""
+
+    session: Session
+    credit: P.Credit
+    specs: list[P.TensorSpec]
+    size: int
+    usable_until: float
+    ptrs: dict[str, int]
+
+
+def alloc_group(
+    session: Session, meta: GroupMeta, extra: Mapping[str, tuple[Sequence[int], torch.dtype]]
+) -> Op:
+    """A group whose tensors are views of an arena credit (plain tensors when there is no arena room)."""
+    n_prompt = sum(s.prompt_len for s in meta.samples)
+    n_response = sum(s.response_len for s in meta.samples)
+    shapes = {name: ([n_prompt if name in PROMPT_COLUMNS else n_response], dtype)
+              for name, dtype in COLUMN_DTYPES.items()}  # fmt: skip
+    for name, (shape, dtype) in extra.items():
+        if name in shapes:
+            raise ValueError(f"extra tensor `{name}` would replace a standard column of the group")
+        shapes[name] = (list(shape), dtype)
+    specs, size = layout_shapes(shapes)
+    held = (yield from _credit(session, size, ALLOC_WINDOW_S)) if session.shared_memory and size else None
+    if held is None:
+        return TrajectoryGroup(
+            meta, {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in shapes.items()}
+        )
+    credit, usable_until = held
+    tensors = unpack(specs, [session.arenas[credit.unit].buffer(credit.offset, size)])
+    ptrs = {name: t.data_ptr() for name, t in tensors.items() if t.numel()}
+    placement = Placement(session, credit, specs, size, usable_until, ptrs)
+    return TrajectoryGroup(meta, tensors, placement=placement)
+
+
+# A credit taken for alloc_group must leave the producer this long to fill the group before it must be put.
+ALLOC_WINDOW_S = 5.0
+
+
+def _put_placed(
+    session: Session, group: TrajectoryGroup, placed: Placement, partition: str, timeout_s: float
+) -> Op:
+    """Commit an allocated group where it lies (copying only tensors the producer replaced); None when its
+    tensors no longer match the allocation (the caller then puts it the usual way)."""
+    if placed.session is not session:
+        raise QueueError("this group was allocated by another queue client; put it through that one")
+    if time.monotonic() > placed.usable_until:
+        session.releases.append(placed.credit.token)
+        raise QueueError(
+            "an allocated group must be put within half of the server's reserve_timeout_s of alloc_group "
+            "(its region may be handed to another producer after that); allocate again and refill"
+        )
+    by_name = {spec.name: spec for spec in placed.specs}
+    if set(group.tensors) != set(by_name):
+        session.releases.append(placed.credit.token)
+        return None
+    region = session.arenas[placed.credit.unit].buffer(placed.credit.offset, placed.size)
+    for name, tensor in group.tensors.items():
+        spec = by_name[name]
+        if list(tensor.shape) != spec.shape or DTYPE_NAMES.get(tensor.dtype) != spec.dtype:
+            session.releases.append(placed.credit.token)
+            return None
+        if tensor.numel() and tensor.data_ptr() != placed.ptrs[name]:
+            write_region(region, {name: tensor}, [spec])  # replaced by the producer: copy just this one
+    return (
+        yield from _commit(session, placed.credit, group, placed.specs, placed.size, partition, timeout_s)
+    )
 
 
 def release_credits(session: Session) -> Op:

@@ -14,7 +14,9 @@ Replies carry ``OK`` (the header type follows from the request) or ``ERROR`` (:c
 
 Which socket takes what: the controller socket takes the metadata requests (HELLO, RESERVE, COMMIT, LEASE,
 ACK, NACK, POP_DROPPED, STATS, SNAPSHOT, RESTORE, PING); each storage unit's socket takes the data requests
-(PUT, FETCH, PING). Payload bytes never touch the controller socket.
+(PUT, FETCH, PING). Payload bytes never touch the controller socket. Same-host clients send the controller's
+requests (and puts without payload frames) over the direct channel instead (:mod:`slipstream.queue.direct`:
+the same type byte and header, length-prefixed on a Unix socket), and reach the units over ``ipc://``.
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ CONTROLLER_TYPES = frozenset(
     }
 )
 UNIT_TYPES = frozenset({MsgType.PUT, MsgType.FETCH, MsgType.PING})
+# The direct channel of same-host clients: control requests, and puts whose tensors all ride inline.
+DIRECT_TYPES = CONTROLLER_TYPES | {MsgType.PUT}
 
 
 def unit_for(group_id: str, num_units: int) -> int:
@@ -189,6 +193,8 @@ class UnitInfo(_Wire):
     # /proc/<pid>/fd/<n> of the unit's memfd arena, "" when the unit has none.
     shm_path: str = ""
     shm_size: int = 0
+    # The unit socket's Unix domain endpoint for same-host clients ("" when not served).
+    ipc: str = ""
 
 
 class HelloReply(_Wire):
@@ -202,6 +208,9 @@ class HelloReply(_Wire):
     shm_min_group_bytes: int
     # How long a put with no timeout of its own waits on back-pressure.
     put_timeout_s: float
+    # The direct channel ("unix:@<abstract name>", see direct.py): a client that can reach it (it is on this
+    # host) sends its control requests there, and uses the units' ipc endpoints. "" when not served.
+    direct: str = ""
 
 
 class PutReply(_Wire):

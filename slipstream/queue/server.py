@@ -43,9 +43,10 @@ import zmq
 
 from slipstream.queue import protocol as P
 from slipstream.queue.arena import HEADER_BYTES, Arena, shm_supported
-from slipstream.queue.codec import Codec, WireError, send_frames
+from slipstream.queue.codec import Codec, WireError, ipc_supported, send_frames
 from slipstream.queue.config import QueueConfig
 from slipstream.queue.controller import Controller
+from slipstream.queue.direct import MAX_FRAME, DirectConn, DirectListener, FrameTooLarge
 from slipstream.queue.storage import StorageUnit
 from slipstream.utils.logging import get_logger
 from slipstream.utils.net import routable_host
@@ -54,6 +55,8 @@ log = get_logger(__name__)
 
 _ANNOUNCE = "SLIPSTREAM_QUEUE_ADDRESS"
 _MAX_BATCH = 64  # messages taken from one socket before looking at the others (fairness)
+# Plain ints: the enum arithmetic of zmq's constants costs microseconds on every message.
+_EVENTS, _POLLIN, _POLLOUT = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
 
 
 class QueueServer:
@@ -68,10 +71,18 @@ class QueueServer:
         self._thread: threading.Thread | None = None
         self._closed = False
         nonce = secrets.token_bytes(16)
-        self._socket = self._bind(cfg.port)
-        self.port = int(self._socket.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+        # Same-host clients switch to Unix domain sockets after HELLO: the direct channel for control
+        # requests, ipc:// for the units (abstract names: no file to leak, and only processes in this network
+        # namespace, i.e. on this host, can reach them).
+        use_unix = cfg.ipc and ipc_supported()
+        self._ipc_prefix = f"ipc://@slipstream-queue-{nonce.hex()}" if use_unix else ""
+        self._direct = DirectListener(f"slipstream-queue-{nonce.hex()}-direct") if use_unix else None
+        self._conns: dict[int, DirectConn] = {}
+        self._poller = zmq.Poller()
+        self._socket, self.port = self._bind(cfg.port, "")
         self.units = [self._make_unit(i, nonce) for i in range(cfg.num_storage_units)]
-        self.controller = Controller(cfg, self.units, self._send, nonce)
+        direct = self._direct.endpoint if self._direct is not None else ""
+        self.controller = Controller(cfg, self.units, self._send, nonce, direct)
         handlers = {
             P.MsgType.HELLO: self.controller.handle_hello,
             P.MsgType.RESERVE: self.controller.handle_reserve,
@@ -95,26 +106,40 @@ class QueueServer:
                 P.MsgType.PING: self.controller.handle_ping,
             }
             self._routes[unit.socket] = (P.UNIT_TYPES, unit_handlers)
+        n_units = len(self.units)
+        self._direct_handlers = {
+            **handlers,
+            P.MsgType.PUT: lambda r, h, b: self.controller.handle_put(
+                P.unit_for(h.meta.group_id, n_units), r, h, b
+            ),
+        }
         log.info("queue server at %s with %d storage unit(s)", self.address, len(self.units))
 
     # --------------------------------------------------------------------------------------- set-up
-    def _bind(self, port: int) -> zmq.Socket:
+    def _bind(self, port: int, name: str) -> tuple[zmq.Socket, int]:
+        """A ROUTER bound to ``host:port`` (0: a free port) and, given a ``name``, to its ipc endpoint;
+        returns it and the port."""
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)  # never drop a reply
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, min(2 * self.cfg.max_message_bytes, 2**62))
         sock.bind(f"tcp://{self.cfg.host}:{port}")
-        return sock
+        bound = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+        if self._ipc_prefix and name:
+            sock.bind(self._ipc(name))
+        return sock, bound
+
+    def _ipc(self, name: str) -> str:
+        return f"{self._ipc_prefix}-{name}" if self._ipc_prefix else ""
 
     def _make_unit(self, index: int, nonce: bytes) -> StorageUnit:
-        sock = self._bind(0)
-        port = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+        sock, port = self._bind(0, f"unit{index}")
         arena = None
         size = self.cfg.shm_bytes_per_unit
         if self.cfg.shared_memory and shm_supported() and size > 2 * HEADER_BYTES:
             arena = Arena(size, nonce, name=f"slipstream-queue-unit{index}")
-        return StorageUnit(index, sock, port, arena)
+        return StorageUnit(index, sock, port, arena, self._ipc(f"unit{index}"))
 
     @property
     def address(self) -> str:
@@ -130,32 +155,71 @@ class QueueServer:
         return self._thread is not None and self._thread.is_alive()
 
     def serve_forever(self, should_stop: Callable[[], bool] = lambda: False) -> None:
-        poller = zmq.Poller()
+        poller = self._poller
         for sock in self._routes:
             poller.register(sock, zmq.POLLIN)
+        if self._direct is not None:
+            poller.register(self._direct.fd, zmq.POLLIN)
         if self.controller.journal is not None:  # finished journal copies wake the loop (tick settles them)
             poller.register(self.controller.journal.fileno, zmq.POLLIN)
         try:
+            journal = self.controller.journal
             while not self._stop.is_set() and not should_stop():
                 wait = min(self.controller.tick(), 0.1)
-                for sock, _ in poller.poll(wait * 1000):
+                if journal is not None and not journal.before_wait():
+                    wait = 0.0
+                ready = poller.poll(wait * 1000)
+                if journal is not None:
+                    journal.after_wait()
+                for sock, events in ready:
                     if sock in self._routes:
                         self._drain(sock)
+                    elif sock in self._conns:
+                        self._serve_conn(self._conns[sock], events)
+                    elif self._direct is not None and sock == self._direct.fd:
+                        for conn in self._direct.accept(min(MAX_FRAME, self.cfg.max_message_bytes)):
+                            self._conns[conn.fd] = conn
+                            poller.register(conn.fd, zmq.POLLIN)
                     else:
-                        self.controller.journal.clear_wakeups()
+                        journal.clear_wakeups()
         finally:
             self._close()
 
     def _drain(self, sock: zmq.Socket) -> None:
         allowed, handlers = self._routes[sock]
         for _ in range(_MAX_BATCH):
-            if not sock.get(zmq.EVENTS) & zmq.POLLIN:  # cheaper than catching zmq.Again
+            if not sock.getsockopt(_EVENTS) & _POLLIN:  # cheaper than catching zmq.Again
                 return
-            self._handle(sock, sock.recv_multipart(copy=False), allowed, handlers)
+            frames = sock.recv_multipart(copy=False)
+            self._handle((sock, frames[0]), frames[1:], allowed, handlers)
 
-    def _handle(self, sock: zmq.Socket, frames: list, allowed: frozenset, handlers: dict) -> None:
-        reply_to = (sock, frames[0])
-        body = frames[1:]
+    def _serve_conn(self, conn: DirectConn, events: int) -> None:
+        if events & _POLLOUT:
+            conn.flush()
+        if events & _POLLIN:
+            try:
+                messages = conn.read()
+            except FrameTooLarge as err:
+                messages = []
+                conn.send(self._codec.encode(P.MsgType.ERROR, P.ErrorReply(0, "too_large", str(err))))
+                conn.closed = True
+            for body in messages:
+                self._handle((conn, None), body, P.DIRECT_TYPES, self._direct_handlers)
+        self._watch(conn)
+
+    def _watch(self, conn: DirectConn) -> None:
+        """Keep the poller in step with a connection: gone, waiting to write, or only reading."""
+        if conn.closed:
+            if self._conns.pop(conn.fd, None) is not None:
+                self._poller.unregister(conn.fd)
+                conn.close()
+            return
+        want = _POLLIN | (_POLLOUT if conn.pending else 0)
+        if want != conn.watched:
+            conn.watched = want
+            self._poller.modify(conn.fd, want)
+
+    def _handle(self, reply_to: tuple, body: list, allowed: frozenset, handlers: dict) -> None:
         req_id = 0
         try:
             msg_type, header, buffers = self._codec.decode_request(body, allowed, self.cfg.max_message_bytes)
@@ -170,6 +234,13 @@ class QueueServer:
 
     def _send(self, reply_to: tuple, msg_type: int, header: msgspec.Struct, buffers: Any = ()) -> None:
         sock, identity = reply_to
+        if identity is None:  # a direct-channel connection: control replies carry no payload frames
+            if buffers:
+                raise RuntimeError("a reply with payload frames cannot go over the direct channel")
+            if not sock.closed:
+                sock.send(self._codec.encode(msg_type, header))
+                self._watch(sock)
+            return
         send_frames(sock, [identity, *self._codec.encode(msg_type, header, buffers)])
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -184,6 +255,10 @@ class QueueServer:
         self.controller.close()
         for sock in self._routes:
             sock.close(linger=0)
+        for conn in self._conns.values():
+            conn.close()
+        if self._direct is not None:
+            self._direct.close()
         for unit in self.units:
             unit.close()
         self._ctx.term()

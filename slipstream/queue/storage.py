@@ -28,11 +28,12 @@ from slipstream.queue.codec import ZERO_COPY_MIN_BYTES, tracked_frame
 class StorageUnit:
     """One unit: ``index`` in the server, its bound socket and port, its blob store and arena."""
 
-    def __init__(self, index: int, socket: zmq.Socket, port: int, arena: Arena | None) -> None:
+    def __init__(self, index: int, socket: zmq.Socket, port: int, arena: Arena | None, ipc: str = "") -> None:
         self.index = index
         self.socket = socket
         self.port = port
         self.arena = arena
+        self.ipc = ipc
         self._blobs: dict[int, list[Any]] = {}
 
     def store(self, token: int, buffers: list[Any]) -> None:
@@ -69,8 +70,8 @@ class StorageUnit:
 
     def info(self) -> P.UnitInfo:
         if self.arena is None:
-            return P.UnitInfo(self.port)
-        return P.UnitInfo(self.port, self.arena.path, self.arena.size)
+            return P.UnitInfo(self.port, ipc=self.ipc)
+        return P.UnitInfo(self.port, self.arena.path, self.arena.size, self.ipc)
 
     def close(self) -> None:
         self._blobs.clear()

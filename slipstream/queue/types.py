@@ -116,6 +116,9 @@ class TrajectoryGroup:
 
     meta: GroupMeta
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Set by ``QueueClient.alloc_group``: where these tensors already lie in the queue's shared memory, so
+    # ``put`` copies nothing. Cleared by that put.
+    placement: Any = field(default=None, repr=False, compare=False)
 
     # ------------------------------------------------------------------ construction
     @classmethod

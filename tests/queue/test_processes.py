@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -210,6 +211,51 @@ def test_random_truncated_and_oversized_messages_never_kill_the_server(server_pr
                 raw.sendall(rng.randbytes(rng.randrange(1, 4096)))
     assert handle.is_alive()
     assert client.put(group) is True
+    lease = client.lease(1, timeout_s=10)
+    assert torch.equal(lease.groups[0].tensors["payload"], group.tensors["payload"])
+    client.ack(lease)
+    client.close()
+
+
+def test_random_messages_on_the_direct_channel_never_kill_the_server(server_process):
+    from slipstream.queue.codec import Codec, ipc_supported
+    from slipstream.queue.direct import abstract_address
+
+    if not ipc_supported():
+        pytest.skip("the direct channel needs Linux abstract sockets")
+    handle = server_process(max_message_bytes=64 * 1024)
+    client = QueueClient(handle.address, timeout_s=30)
+    client.ping()
+    assert client.transport == "unix"
+    address = abstract_address(client._session.direct)
+    group = make_group("valid", payload=8)
+    put_header = Codec().encode(P.MsgType.PUT, P.PutRequest(5, "train", group.meta, [], 1.0))[1]
+    rng = random.Random(99)
+    errors = 0
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        sock.connect(address)
+        reader = sock.makefile("rb")
+        for _ in range(150):
+            body = b"".join(
+                _fuzz_message(rng, put_header)[:2]
+            )  # the direct channel carries no payload frames
+            sock.sendall(struct.pack("<I", len(body)) + body)
+            (n,) = struct.unpack("<I", reader.read(4))
+            errors += reader.read(n)[:1] == bytes([P.MsgType.ERROR])
+        sock.sendall(
+            struct.pack("<I", 1 << 30)
+        )  # a length past the limit: an error, then the server hangs up
+        (n,) = struct.unpack("<I", reader.read(4))
+        assert b"too_large" in reader.read(n)
+        assert reader.read(1) == b""
+    assert errors >= 130  # all but the odd valid header under a matching type byte
+    for _ in range(5):  # bytes that are not even frames
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+            raw.connect(address)
+            raw.sendall(rng.randbytes(rng.randrange(1, 4096)))
+    assert handle.is_alive()
+    assert client.put(group) is True  # all inline: over the direct channel
     lease = client.lease(1, timeout_s=10)
     assert torch.equal(lease.groups[0].tensors["payload"], group.tensors["payload"])
     client.ack(lease)

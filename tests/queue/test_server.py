@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from slipstream.queue.client import AsyncQueueClient, QueueClient, QueueError, QueueFull
+from slipstream.queue.client import AsyncQueueClient, QueueClient, QueueError, QueueFull, QueueStats
 from slipstream.queue.testing import make_group
 
 
@@ -28,6 +28,15 @@ def client_of():
 
 def _ids(lease):
     return [g.group_id for g in lease.groups]
+
+
+def _journalled(client) -> QueueStats:
+    """Stats once every acked group's journal copy is written (until then its arena region is held)."""
+    deadline = time.monotonic() + 30
+    while (stats := client.stats()).journal_backlog_groups:
+        assert time.monotonic() < deadline, "journal copies never finished"
+        time.sleep(0.02)
+    return stats
 
 
 @pytest.mark.parametrize(("producer_shm", "consumer_shm"), [(True, True), (True, False), (False, True)])
@@ -56,7 +65,7 @@ def test_put_lease_ack_fifo_and_payload_intact(server, client_of, producer_shm, 
     assert stats.held_groups == 0 and stats.partitions["train"].acked_total == 5
     assert stats.credits == (1 if producer_shm else 0)  # the producer's credit for its next put
     producer.close()  # hands the credit back
-    assert consumer.stats().shm_bytes_used == 0
+    assert _journalled(consumer).shm_bytes_used == 0
 
 
 def test_duplicates_are_dropped_before_and_after_ack(server, client_of):
@@ -110,12 +119,13 @@ def test_late_ack_consumes_what_was_not_handed_out_again(server, client_of):
     assert c.stats().partitions["train"].acked_total == 2
 
 
-def test_lease_waits_for_min_groups_and_is_woken_by_a_put(server, client_of):
+@pytest.mark.parametrize("ipc", [True, False])
+def test_lease_waits_for_min_groups_and_is_woken_by_a_put(server, client_of, ipc):
     srv = server()
     consumer, producer = client_of(srv), client_of(srv)
 
     async def scenario():
-        aconsumer = AsyncQueueClient(srv.address, timeout_s=30)
+        aconsumer = AsyncQueueClient(srv.address, timeout_s=30, ipc=ipc)
         try:
             waiting = asyncio.ensure_future(aconsumer.lease(3, min_groups=2, timeout_s=20))
             await asyncio.sleep(0.2)
@@ -223,7 +233,7 @@ def test_full_arena_falls_back_to_the_socket(server, client_of):
     for got, sent in zip(lease.groups, groups, strict=True):
         assert torch.equal(got.tensors["payload"], sent.tensors["payload"])
     c.ack(lease)
-    assert c.stats().shm_bytes_used == 0
+    assert _journalled(c).shm_bytes_used == 0
 
 
 def test_close_gives_held_leases_back(server, client_of):
@@ -307,3 +317,96 @@ def test_a_refused_arena_put_gives_its_credit_back(server, client_of):
     lease = c.lease(5, min_groups=1, timeout_s=5)
     assert [g.group_id for g in lease.groups] == ["a", "c"]
     c.ack(lease)
+
+
+def test_same_host_clients_move_to_unix_domain_sockets_and_tcp_still_serves(server, client_of):
+    from slipstream.queue.codec import ipc_supported
+
+    srv = server(shm_min_group_bytes=0)
+    local, tcp = client_of(srv), client_of(srv, ipc=False)
+    assert local.put(make_group("a", payload=100)) and tcp.put(make_group("b", payload=100))
+    assert local.transport == ("unix" if ipc_supported() else "tcp") and tcp.transport == "tcp"
+    lease = tcp.lease(2, timeout_s=5)
+    assert _ids(lease) == ["a", "b"]
+    tcp.ack(lease)
+    no_ipc = client_of(server(ipc=False))
+    no_ipc.ping()
+    assert no_ipc.transport == "tcp"
+
+
+def _fill(group, payload):
+    n_prompt = group.tensors["prompt_ids"].numel()
+    for name in ("prompt_ids", "response_ids", "versions"):
+        group.tensors[name].copy_(torch.arange(group.tensors[name].numel(), dtype=torch.int32))
+    group.tensors["loss_mask"].fill_(1)
+    group.tensors["logprobs"].fill_(-0.5)
+    group.tensors["payload"].copy_(payload)
+    return n_prompt
+
+
+def test_an_allocated_group_is_put_where_it_lies(server, client_of):
+    from slipstream.queue.types import GroupMeta, SampleMeta
+
+    srv = server(shm_min_group_bytes=0)
+    producer, consumer = client_of(srv), client_of(srv)
+    meta = GroupMeta("a", [SampleMeta("a-0", 3, 5, 0, 0), SampleMeta("a-1", 2, 5, 0, 0)])
+    group = producer.alloc_group(meta, {"payload": ((10, 1000), torch.uint8)})
+    assert group.placement is not None
+    payload = (torch.arange(10_000) % 251).to(torch.uint8).reshape(10, 1000)
+    _fill(group, payload)
+    assert producer.put(group) is True and group.placement is None
+    lease = consumer.lease(1, timeout_s=5)
+    got = lease.groups[0]
+    assert got.meta == meta and torch.equal(got.tensors["payload"], payload)
+    assert torch.equal(got.tensors["response_ids"], torch.arange(10, dtype=torch.int32))
+    group.tensors["payload"][0, 0] = 7  # (never do this) the consumer sees it: the put copied nothing
+    assert int(got.tensors["payload"][0, 0]) == 7
+    consumer.ack(lease)
+
+    # a tensor the producer replaced is copied into its slot; a reshaped one makes it an ordinary put
+    for gid, replacement in (
+        ("b", torch.full((10, 1000), 3, dtype=torch.uint8)),
+        ("c", torch.ones(10, 7, dtype=torch.uint8)),
+    ):
+        meta = GroupMeta(gid, [SampleMeta(f"{gid}-0", 3, 10, 0, 0)])
+        group = producer.alloc_group(meta, {"payload": ((10, 1000), torch.uint8)})
+        _fill(group, payload)
+        group.tensors["payload"] = replacement
+        assert producer.put(group) is True
+        lease = consumer.lease(1, timeout_s=5)
+        assert torch.equal(lease.groups[0].tensors["payload"], replacement)
+        consumer.ack(lease)
+
+
+def test_an_allocated_group_without_shared_memory_or_put_too_late(server, client_of):
+    from slipstream.queue.types import GroupMeta, SampleMeta
+
+    srv = server(shm_min_group_bytes=0)
+    remote, local = client_of(srv, shared_memory=False), client_of(srv)
+    meta = GroupMeta("r", [SampleMeta("r-0", 2, 3, 0, 0)])
+    group = remote.alloc_group(meta, {"payload": ((3, 100), torch.uint8)})
+    assert group.placement is None  # plain tensors: the put copies as usual
+    _fill(group, torch.ones(3, 100, dtype=torch.uint8))
+    assert remote.put(group) is True
+    late = local.alloc_group(
+        GroupMeta("late", [SampleMeta("late-0", 2, 3, 0, 0)]), {"payload": ((3, 100), torch.uint8)}
+    )
+    _fill(late, torch.ones(3, 100, dtype=torch.uint8))
+    late.placement.usable_until = 0.0  # as if the producer took too long
+    with pytest.raises(QueueError, match="allocated group must be put within"):
+        local.put(late)
+    with pytest.raises(ValueError, match="standard column"):
+        local.alloc_group(meta, {"logprobs": ((3,), torch.float32)})
+    assert _ids(local.lease(2, min_groups=1, timeout_s=5)) == ["r"]
+
+
+def test_a_server_gone_fails_direct_channel_requests_at_once(server):
+    srv = server()
+    client = QueueClient(srv.address, timeout_s=30)
+    client.ping()
+    srv.stop()
+    started = time.monotonic()
+    with pytest.raises(QueueError, match="direct channel to the queue server|no reply"):
+        client.ping()
+    assert client.transport == "tcp" or time.monotonic() - started < 20  # not the 30 s timeout
+    client.close()
