@@ -87,6 +87,21 @@ class RunConfig(ConfigStruct):
     total_steps: Annotated[int, msgspec.Meta(ge=0)] = 0
     # Resume from the latest checkpoint under output_dir/name when one exists.
     resume: bool = True
+    # Append the uids each trainer step trained on to output_dir/name/trained_uids.jsonl: an audit that no
+    # sample is lost or trained twice across restarts (one line per step, about 20 bytes per sample).
+    record_uids: bool = False
+
+
+class DataGenConfig(ConfigStruct):
+    """Training files made offline before a run starts (`slipstream data make`), so a preset such as the
+    quickstart runs on a fresh clone. Only files of `data.train_files` that do not exist are made."""
+
+    # Generator of agents/datagen.py (`arithmetic`, `countdown`); null never makes a file (a missing file
+    # is then a config error).
+    task: Literal["arithmetic", "countdown"] | None = None
+    # Prompts per file.
+    n: Annotated[int, msgspec.Meta(ge=1)] = 2000
+    seed: int = 0
 
 
 class ModelConfig(ConfigStruct):
@@ -116,15 +131,37 @@ class ClusterConfig(ConfigStruct):
     trainer_resource: str = "trainer_pool"
     # Restart a dead inference server (re-pushing current weights) instead of failing the run.
     restart_servers: bool = True
+    # Restart the trainer ranks from the latest checkpoint when one dies, while the queue, the rollouter and
+    # the servers keep running (the queue rolls back what was consumed since that checkpoint). Off: a dead
+    # trainer rank fails the run, and `run.resume` continues it from the checkpoint in a new run.
+    restart_trainer: bool = False
+    # Restarts allowed per part (each server, the trainer) before its death fails the run.
     max_restarts: Annotated[int, msgspec.Meta(ge=0)] = 3
     # Seconds between health checks of every part.
     health_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+    # A server answering no /health for this many checks in a row is treated as dead (killed, restarted).
+    unhealthy_checks: Annotated[int, msgspec.Meta(ge=1)] = 3
+    # GPUs per inference server (its tensor-parallel size) and per trainer rank; 0 on CPU machines.
+    gpus_per_server: Annotated[int, msgspec.Meta(ge=0)] = 0
+    gpus_per_trainer_rank: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # Address inference servers bind. Loopback by default; on a multi-node cluster set 0.0.0.0 (the pipeline
+    # then hands out each server's node address).
+    server_host: str = "127.0.0.1"
+    # Torch threads per trainer rank on CPU; 0 divides the machine's cores among the ranks. The embedded
+    # servers' threads are rollout.embedded.num_threads.
+    trainer_threads: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # Longest wait for start-up (parts created, models loaded, servers healthy) and for one trainer step
+    # (batch wait included) before the run fails; and for shutdown before processes are killed.
+    start_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 1800.0
+    step_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 7200.0
+    shutdown_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
 
 
 class Config(ConfigStruct):
     """The root of the tree; YAML presets in configs/ fill it, `key=value` arguments override it."""
 
     run: RunConfig = msgspec.field(default_factory=RunConfig)
+    datagen: DataGenConfig = msgspec.field(default_factory=DataGenConfig)
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     async_: AsyncConfig = msgspec.field(default_factory=AsyncConfig, name="async")
     data: DataConfig = msgspec.field(default_factory=DataConfig)

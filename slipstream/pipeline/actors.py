@@ -1,0 +1,468 @@
+"""The parts of a run as Ray actors: inference server hosts, the rollouter, the trainer ranks.
+
+The controller (``pipeline/controller.py``) places these on the two node pools with Ray custom resources
+(``cluster.rollout_resource`` / ``cluster.trainer_resource``) and talks to them only through method calls
+whose arguments and results are plain builtins (the config as ``to_dict(cfg)``, metrics as dicts of
+numbers): control goes through Ray, data never does. Trajectories travel rollouter → queue → trainer over
+ZeroMQ, weights trainer → servers over the checkpoint engine, requests rollouter → servers over HTTP.
+
+* :class:`ServerHost` owns one inference server process on a rollout node (launched with
+  ``rollouter.launch``); it can stop and start it again in place (same node, same GPUs, a new port).
+* :class:`RolloutWorker` runs the :class:`~slipstream.rollouter.rollouter.Rollouter` on its own event loop
+  (an async actor, so every call runs on the loop that runs the rollouter, as the rollouter requires).
+* :class:`TrainerRank` is one SPMD trainer rank; rank 0 also owns the queue client and the
+  :class:`~slipstream.weightsync.publisher.WeightPublisher`. It is a threaded actor (two calls at once) so
+  that the controller can add a restarted server to the publisher while a step waits for data.
+
+Each actor writes its log to ``<run_dir>/logs/<part>.log``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from slipstream.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+
+def log_to_file(run_dir: str, name: str) -> None:
+    """Send this process's `slipstream` logs to ``<run_dir>/logs/<name>.log`` as well."""
+    path = Path(run_dir) / "logs" / f"{name}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname).1s %(process)d %(name)s: %(message)s"))
+    get_logger("slipstream").addHandler(handler)
+
+
+def _config(cfg: dict[str, Any]):
+    from slipstream.config import from_dict
+
+    return from_dict(cfg)
+
+
+def _node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def _advertised(host: str) -> str:
+    """The address other nodes dial for a socket bound to ``host`` (the node's own for 0.0.0.0)."""
+    return _node_ip() if host in ("0.0.0.0", "", "::") else host
+
+
+# ------------------------------------------------------------------------------------------ servers
+class ServerHost:
+    """One inference server process. Lifecycle: ``start()`` → ``health()`` … → ``stop()``; ``start()``
+    again restarts it (a new port, so a new URL)."""
+
+    def __init__(self, cfg: dict[str, Any], index: int, model_path: str, run_dir: str) -> None:
+        log_to_file(run_dir, f"server-{index}")
+        self.cfg = _config(cfg)
+        self.index = index
+        self.model_path = model_path
+        self.log_path = Path(run_dir) / "logs" / f"{self.cfg.rollout.backend}-{index}.log"
+        self.server = None
+        self.url = ""
+
+    def start(self) -> str:
+        """Launch the server and wait until it answers ``/health``; return its URL."""
+        from slipstream.rollouter.launch import launch_server
+        from slipstream.utils.net import free_port
+
+        self.stop()
+        rollout, host = self.cfg.rollout, self.cfg.cluster.server_host
+        threads = rollout.embedded.num_threads or os.cpu_count() or 1
+        # Ray sets OMP_NUM_THREADS=1 in actors that reserve no CPU; the server gets its own count.
+        env = {"OMP_NUM_THREADS": str(threads)}
+        port = free_port(host if host not in ("0.0.0.0", "::") else "127.0.0.1")
+        self.server = launch_server(
+            rollout.backend,
+            self.model_path,
+            host=host,
+            port=port,
+            cfg=rollout,
+            env=env,
+            log_path=self.log_path,
+        )
+        self.server.wait_healthy(rollout.launch_timeout_s)
+        self.url = f"http://{_advertised(host)}:{port}"
+        log.info("server %d serving at %s (pid %d)", self.index, self.url, self.server.pid)
+        return self.url
+
+    def health(self) -> dict[str, Any]:
+        """Process state and one ``/health`` probe (2 s)."""
+        import httpx
+
+        if self.server is None:
+            return {"alive": False, "healthy": False, "returncode": None, "pid": None}
+        alive = self.server.is_alive()
+        healthy = False
+        if alive:
+            try:
+                healthy = httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200
+            except httpx.HTTPError:
+                healthy = False
+        return {"alive": alive, "healthy": healthy, "returncode": self.server.popen.returncode,
+                "pid": self.server.pid}  # fmt: skip
+
+    def pid(self) -> int | None:
+        return self.server.pid if self.server is not None else None
+
+    def log_tail(self, lines: int = 20) -> str:
+        return self.server.log_tail(lines) if self.server is not None else ""
+
+    def stop(self) -> int | None:
+        if self.server is None:
+            return None
+        code = self.server.stop(timeout_s=15)
+        self.server = None
+        return code
+
+
+# ------------------------------------------------------------------------------------------ rollouter
+class _WaitForServers:
+    """An inference client over the balancer: a request that finds no live server waits for one to be
+    (re)added, up to ``patience_s``, instead of failing its group (a lone server being restarted)."""
+
+    def __init__(self, balancer: Any, patience_s: float) -> None:
+        self.balancer = balancer
+        self.patience_s = patience_s
+
+    async def generate(self, input_ids, sampling, *, rid=None, session_id=None):
+        from slipstream.rollouter.balancer import NoServerAvailable
+
+        deadline = None
+        while True:
+            try:
+                return await self.balancer.generate(input_ids, sampling, rid=rid, session_id=session_id)
+            except NoServerAvailable:
+                deadline = deadline or time.monotonic() + self.patience_s
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.5)
+
+    async def abort(self, rid: str) -> None:
+        await self.balancer.abort(rid)
+
+    async def abort_all(self) -> None:
+        await self.balancer.abort_all()
+
+
+class RolloutWorker:
+    """The rollouter in its own process (async actor). Lifecycle: ``start`` → (``set_version``, ``drain``,
+    ``metrics``, ``state_dict``, ``add_server``/``remove_server``)* → ``stop``."""
+
+    def __init__(self, cfg: dict[str, Any], run_dir: str) -> None:
+        log_to_file(run_dir, "rollouter")
+        self.cfg = _config(cfg)
+        import slipstream.rollouter.rollouter  # noqa: F401  (imported while the other parts start)
+
+        self.rollouter = None
+        self.balancer = None
+        self.queue = None
+        self._task: asyncio.Task | None = None
+        self._reviver: asyncio.Task | None = None
+
+    async def start(self, urls: list[str], queue_address: str, state: dict | None, version: int) -> None:
+        from transformers import AutoTokenizer
+
+        from slipstream.agents.data import PromptSource
+        from slipstream.queue.client import AsyncQueueClient
+        from slipstream.rollouter.balancer import balancer_from_config
+        from slipstream.rollouter.rollouter import Rollouter
+
+        cfg = self.cfg
+        tokenizer = await asyncio.to_thread(
+            AutoTokenizer.from_pretrained, cfg.model.path, trust_remote_code=cfg.model.trust_remote_code
+        )
+        prompts = PromptSource.from_config(cfg.data, seed=cfg.run.seed)
+        self.balancer = balancer_from_config(cfg.rollout, urls)
+        restarting = cfg.cluster.restart_servers and not cfg.rollout.server_urls
+        patience = cfg.rollout.launch_timeout_s + 4 * cfg.cluster.health_interval_s if restarting else 0.0
+        client = _WaitForServers(self.balancer, patience)
+        self.queue = AsyncQueueClient(queue_address)
+        self.rollouter = Rollouter(cfg, client, self.queue, tokenizer, prompts)
+        if state is not None:
+            self.rollouter.load_state_dict(state)
+        self.rollouter.set_version(version)
+        self._task = asyncio.create_task(self.rollouter.run(), name="rollouter")
+        self._reviver = asyncio.create_task(self._revive_servers())
+
+    async def status(self) -> dict[str, Any]:
+        """``done`` once every prompt is generated and put; ``error`` names a failure of the rollouter."""
+        if self._task is None:
+            return {"done": False, "error": None}
+        if not self._task.done():
+            return {"done": False, "error": None}
+        err = None if self._task.cancelled() else self._task.exception()
+        return {"done": True, "error": None if err is None else f"{type(err).__name__}: {err}"}
+
+    async def set_version(self, version: int) -> None:
+        self.rollouter.set_version(version)
+
+    async def drain(self) -> float:
+        t0 = time.monotonic()
+        await self.rollouter.drain()
+        return time.monotonic() - t0
+
+    async def metrics(self) -> dict[str, float]:
+        return self.rollouter.metrics() if self.rollouter is not None else {}
+
+    async def state_dict(self) -> dict[str, Any]:
+        return self.rollouter.state_dict()
+
+    async def add_server(self, url: str) -> None:
+        from slipstream.rollouter.clients import make_client
+
+        rollout = self.cfg.rollout
+        self.balancer.add(make_client(rollout.backend, url, timeout_s=rollout.request_timeout_s + 60.0))
+
+    async def remove_server(self, url: str) -> None:
+        client = self.balancer.remove(url)
+        if client is not None:
+            await client.aclose()
+
+    async def stop(self) -> None:
+        if self._reviver is not None:
+            self._reviver.cancel()
+        if self.rollouter is not None:
+            await self.rollouter.stop()
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self.balancer is not None:
+            await self.balancer.aclose()
+        if self.queue is not None:
+            await self.queue.close()
+
+    async def _revive_servers(self) -> None:
+        """A server the balancer marked dead after a transient error comes back once ``/health`` answers."""
+        while True:
+            await asyncio.sleep(self.cfg.cluster.health_interval_s)
+            if len(self.balancer.alive()) < len(self.balancer.clients):
+                try:
+                    await self.balancer.check_health()
+                except Exception as err:  # a probe failing must not end the loop
+                    log.warning("server health probe failed: %s", err)
+
+
+# ------------------------------------------------------------------------------------------ trainer
+class _TrackedQueue:
+    """The trainer's queue client, plus two things the controller needs: the time spent waiting for
+    batches (the trainer's idle time) and a file naming the leases held, so that after a crash the
+    restarted rank 0 gives them back at once instead of waiting for their expiry."""
+
+    PARK_S = 0.05
+
+    def __init__(self, client: Any, lease_file: Path) -> None:
+        self.client = client
+        self.lease_file = lease_file
+        self.wait_s = 0.0
+        self._held: set[str] = set()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+    def lease(self, n_groups: int, *, timeout_s: float | None = None, **kwargs: Any) -> Any:
+        """The client's lease, waiting in server-side parks of at most ``PARK_S`` (no sleeping: each park
+        ends the moment groups are ready). Why: a lease request parked at the server outlives a consumer
+        that dies, and groups arriving later are handed to the dead consumer, where they sit until the
+        lease expires (``queue.lease_timeout_s``). Short parks shrink that window to ``PARK_S`` after the
+        death; the cost is a few dozen round trips per second while the trainer waits."""
+        t0 = time.monotonic()
+        deadline = t0 + (timeout_s if timeout_s is not None else 60.0)
+        try:
+            while True:
+                park = max(0.0, min(self.PARK_S, deadline - time.monotonic()))
+                lease = self.client.lease(n_groups, timeout_s=park, **kwargs)
+                if lease is not None or time.monotonic() >= deadline:
+                    break
+        finally:
+            self.wait_s += time.monotonic() - t0
+        if lease is not None:
+            self._held.add(lease.lease_id)
+            self._write()
+        return lease
+
+    def ack(self, lease: Any, **kwargs: Any) -> None:
+        self.client.ack(lease, **kwargs)
+        self._forget(lease)
+
+    def nack(self, lease: Any) -> None:
+        self.client.nack(lease)
+        self._forget(lease)
+
+    def release_stale_leases(self) -> int:
+        """Nack the leases a previous rank 0 held when it died (unknown or expired ones are skipped)."""
+        from slipstream.queue.ops import QueueError
+
+        if not self.lease_file.is_file():
+            return 0
+        released = 0
+        for lease_id in json.loads(self.lease_file.read_text() or "[]"):
+            try:
+                self.client.nack(lease_id)
+                released += 1
+            except QueueError as err:
+                log.info("lease %s of the previous trainer is already gone: %s", lease_id, err)
+        self.lease_file.unlink()
+        return released
+
+    def _forget(self, lease: Any) -> None:
+        self._held.discard(lease if isinstance(lease, str) else lease.lease_id)
+        self._write()
+
+    def _write(self) -> None:
+        tmp = self.lease_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(sorted(self._held)))
+        tmp.replace(self.lease_file)
+
+
+class TrainerRank:
+    """One trainer rank. Lifecycle: ``endpoint`` (rank 0) → ``setup`` on every rank at once → (``step``,
+    ``publish``, ``save``)* on every rank at once → ``close``. ``add_server``/``remove_server`` (rank 0)
+    may run during a step."""
+
+    def __init__(self, cfg: dict[str, Any], rank: int, world_size: int, run_dir: str, threads: int) -> None:
+        log_to_file(run_dir, f"trainer-{rank}")
+        self.cfg = _config(cfg)
+        self.rank, self.world_size = rank, world_size
+        self.run_dir = Path(run_dir)
+        self.threads = threads
+        self.trainer = None
+        self.engine = None
+        self.queue: _TrackedQueue | None = None
+        self.publisher = None
+        import slipstream.trainer.trainer  # noqa: F401  (torch: imported while the servers load)
+
+    def endpoint(self) -> tuple[str, int]:
+        """(address, free port) for the trainers' process-group rendezvous, on this node."""
+        from slipstream.utils.net import free_port
+
+        host = "127.0.0.1" if self.world_size == 1 else _node_ip()
+        return host, free_port(host)
+
+    def setup(self, master: tuple[str, int], queue_address: str, resume_path: str | None) -> int:
+        """Join the group, build the engine (rank 0: the queue client), resume; return the version."""
+        from datetime import timedelta
+
+        import torch
+        import torch.distributed as dist
+
+        from slipstream.queue.client import QueueClient
+        from slipstream.trainer.engine import make_engine
+        from slipstream.trainer.trainer import Trainer
+
+        self._threads()
+        cfg = self.cfg
+        use_cuda = cfg.trainer.device == "cuda" or (
+            cfg.trainer.device == "auto" and torch.cuda.is_available()
+        )
+        dist.init_process_group(
+            "nccl" if use_cuda else "gloo",
+            init_method=f"tcp://{master[0]}:{master[1]}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timedelta(seconds=max(600.0, cfg.trainer.batch_timeout_s + 60)),
+        )
+        self.engine = make_engine(cfg)
+        self.engine.initialize()
+        critic = None
+        if cfg.trainer.algorithm.adv_estimator == "gae":
+            critic = make_engine(cfg, value_head=True)
+            critic.initialize()
+        if self.rank == 0:
+            self.queue = _TrackedQueue(QueueClient(queue_address), self.run_dir / "trainer_leases.json")
+        self.trainer = Trainer(
+            cfg, self.engine, self.queue, rank=self.rank, world_size=self.world_size, critic=critic
+        )
+        if resume_path is not None:
+            if self.queue is not None:
+                released = self.queue.release_stale_leases()
+                if released:
+                    log.info("gave back %d leases the previous trainer held", released)
+            self.trainer.resume(resume_path)
+            log.info("rank %d resumed from %s at version %d", self.rank, resume_path, self.trainer.version)
+        return self.trainer.version
+
+    def attach_servers(self, server_urls: list[str]) -> None:
+        """Rank 0: the publisher that pushes versions to ``server_urls`` (after ``setup``, once they serve)."""
+        import msgspec
+
+        from slipstream.weightsync.publisher import WeightPublisher
+
+        if self.rank != 0:
+            return
+        ws = self.cfg.weightsync
+        if ws.master_address in ("0.0.0.0", "", "::"):  # bind (and advertise) this node's address
+            ws = msgspec.structs.replace(ws, master_address=_node_ip())
+        self.publisher = WeightPublisher(ws, server_urls, self.cfg.rollout.backend)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def step(self) -> dict[str, Any]:
+        """One trainer step; rank 0 adds ``uids`` (the samples trained) and ``lease_wait_s``."""
+        self._threads()
+        if self.queue is not None:
+            self.queue.wait_s = 0.0
+        out: dict[str, Any] = dict(self.trainer.step())
+        if self.rank == 0:
+            out["uids"] = list(self.trainer.last_batch_uids)
+            out["lease_wait_s"] = self.queue.wait_s
+        return out
+
+    def publish(self, version: int) -> dict[str, Any]:
+        """Push the current weights as ``version`` (rank 0 sends; the others drive the all-gathers)."""
+        import msgspec
+
+        from slipstream.weightsync.publisher import make_publish_fn
+
+        self._threads()
+        t0 = time.monotonic()
+        if self.publisher is None:
+            make_publish_fn(None)(version, self.engine.get_per_tensor_param())
+            return {}
+        report = self.publisher.publish(version, self.engine.get_per_tensor_param())
+        out = msgspec.to_builtins(report)
+        out["wall_s"] = time.monotonic() - t0
+        return out
+
+    def save(self, path: str) -> None:
+        self._threads()
+        self.trainer.save(path)
+
+    def add_server(self, url: str) -> dict[str, Any] | None:
+        import msgspec
+
+        report = self.publisher.add_server(url)
+        return None if report is None else msgspec.to_builtins(report)
+
+    def remove_server(self, url: str) -> None:
+        self.publisher.remove_server(url)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if self.publisher is not None:
+            self.publisher.close()
+        if self.queue is not None:
+            self.queue.client.close()
+            self.queue.lease_file.unlink(missing_ok=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _threads(self) -> None:
+        # Per call: Ray runs a threaded actor's methods on pool threads, and OpenMP's thread count is
+        # per calling thread.
+        if self.threads > 0:
+            import torch
+
+            torch.set_num_threads(self.threads)

@@ -1,0 +1,223 @@
+"""The three training modes as presets of one code path, and the config checks that run before anything
+starts.
+
+A mode only fills in the ``async`` section; the controller, the rollouter's staleness gate and the trainer
+are the same code in every mode (design.md §3):
+
+==============  =====================  ==========  ================  ====================================
+mode            staleness_threshold    sync_every  partial_rollout   what it means
+==============  =====================  ==========  ================  ====================================
+sync            0                      1           off               one batch per version, generated
+                                                                     with the weights that train on it
+one_step_off    1                      1           as configured     generation of step k+1 overlaps
+                                                                     training of step k
+fully_async     as configured          as config.  as configured     admission bounded by the threshold;
+                                                                     pushes every sync_every steps
+==============  =====================  ==========  ================  ====================================
+
+:func:`prepare_config` applies the preset (and derives ``weightsync.pause_mode`` from
+``async.partial_rollout``), then :func:`check_config` checks what the typed config cannot see on its own:
+cross-section rules, registry names, that files and packages exist. Every failure is a
+:class:`~slipstream.config.ConfigError` naming the key, raised before a process starts.
+
+Worked example::
+
+    cfg, notes = prepare_config(load_config("configs/quickstart.yaml", ["async.mode=sync"]))
+    notes    # ['async.staleness_threshold: 0.5 -> 0.0 (mode sync)', ...]
+    check_config(cfg)           # raises ConfigError("trainer.mini_batches: ...") on a bad combination
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from slipstream.config import Config, ConfigError
+
+# mode -> the async fields it fixes (fields it leaves out keep the configured value)
+MODE_PRESETS: dict[str, dict[str, Any]] = {
+    "sync": {"staleness_threshold": 0.0, "sync_every": 1, "partial_rollout": "off"},
+    "one_step_off": {"staleness_threshold": 1.0, "sync_every": 1},
+    "fully_async": {},
+}
+
+# async.partial_rollout -> how a real SGLang/vLLM server treats in-flight requests during a push. With `off`
+# the rollouter drains before each push, so nothing is in flight and keeping it in place costs nothing.
+PAUSE_MODES: dict[str, str] = {"abort": "abort", "in_place": "in_place", "off": "in_place"}
+
+# rollout.backend -> the Python module that must be importable to launch such servers
+BACKEND_MODULES: dict[str, str] = {"vllm": "vllm", "sglang": "sglang"}
+
+
+def prepare_config(cfg: Config) -> tuple[Config, list[str]]:
+    """Apply the mode's preset to ``cfg.async`` and derive ``weightsync.pause_mode``.
+
+    Returns the new config and one note per value the preset changed (the controller logs them, so a
+    user who set ``async.staleness_threshold`` in ``sync`` mode sees why it is not used).
+    """
+    if cfg.async_.mode not in MODE_PRESETS:
+        raise ConfigError(f"async.mode: unknown mode `{cfg.async_.mode}`; known: {', '.join(MODE_PRESETS)}")
+    preset = MODE_PRESETS[cfg.async_.mode]
+    notes = [
+        f"async.{key}: {getattr(cfg.async_, key)!r} -> {value!r} (mode {cfg.async_.mode})"
+        for key, value in preset.items()
+        if getattr(cfg.async_, key) != value
+    ]
+    async_cfg = msgspec.structs.replace(cfg.async_, **preset)
+    pause = PAUSE_MODES[async_cfg.partial_rollout]
+    weightsync = msgspec.structs.replace(cfg.weightsync, pause_mode=pause)
+    return msgspec.structs.replace(cfg, async_=async_cfg, weightsync=weightsync), notes
+
+
+def check_config(cfg: Config) -> None:
+    """Cross-section checks of a prepared config; raise ConfigError naming the first offending key."""
+    for check in (_check_registries, _check_model, _check_backends, _check_trainer, _check_faults):
+        check(cfg)
+
+
+def _check_registries(cfg: Config) -> None:
+    from slipstream.agents.registry import AGENT_LOOPS
+    from slipstream.agents.tools import TOOLS
+    from slipstream.trainer.algos import ADVANTAGES, POLICY_LOSSES, REJECTIONS
+
+    if cfg.agent.name not in AGENT_LOOPS:
+        raise ConfigError(
+            f"agent.name: unknown agent loop `{cfg.agent.name}`; known: {', '.join(AGENT_LOOPS)}"
+        )
+    for tool in cfg.agent.tools:
+        if tool not in TOOLS:
+            raise ConfigError(f"agent.tools: unknown tool `{tool}`; known: {', '.join(TOOLS)}")
+    algo = cfg.trainer.algorithm
+    for key, registry, name in (
+        ("adv_estimator", ADVANTAGES, algo.adv_estimator),
+        ("policy_loss", POLICY_LOSSES, algo.policy_loss),
+        ("rejection", REJECTIONS, algo.rejection),
+    ):
+        if name is not None and name not in registry:
+            raise ConfigError(
+                f"trainer.algorithm.{key}: unknown name `{name}`; choose one of {', '.join(registry.names())}"
+            )
+
+
+def _check_model(cfg: Config) -> None:
+    from slipstream.rollouter.models import KNOWN_MODELS, is_hf_model_dir
+
+    path = Path(cfg.model.path).expanduser()
+    if cfg.model.path in KNOWN_MODELS or is_hf_model_dir(path):
+        return
+    raise ConfigError(
+        f"model.path: `{cfg.model.path}` is neither a local HF checkpoint directory (with config.json) nor a "
+        f"known model name ({', '.join(KNOWN_MODELS)})"
+    )
+
+
+def _check_backends(cfg: Config) -> None:
+    backend = cfg.rollout.backend
+    module = BACKEND_MODULES.get(backend)
+    if module and not cfg.rollout.server_urls and importlib.util.find_spec(module) is None:
+        raise ConfigError(
+            f"rollout.backend: `{backend}` servers cannot be launched here: `{module}` is not installed "
+            f"(pip install 'slipstream[{backend}]'), or list running servers in rollout.server_urls"
+        )
+    if cfg.weightsync.backend == "nixl" and backend != "embedded":
+        raise ConfigError(
+            f"weightsync.backend: `nixl` works with embedded servers only, not rollout.backend `{backend}`"
+        )
+    if backend != "embedded" and cfg.cluster.gpus_per_server == 0 and not cfg.rollout.server_urls:
+        raise ConfigError(f"cluster.gpus_per_server: `{backend}` servers need GPUs; set it to their TP size")
+
+
+def _check_trainer(cfg: Config) -> None:
+    t = cfg.trainer
+    if t.mini_batches > t.batch_groups:
+        raise ConfigError(
+            f"trainer.mini_batches: {t.mini_batches} mini-batches of whole groups need at least as many groups "
+            f"per step, but trainer.batch_groups is {t.batch_groups}"
+        )
+    if cfg.queue.capacity_groups < t.batch_groups:
+        raise ConfigError(
+            f"queue.capacity_groups: {cfg.queue.capacity_groups} is below trainer.batch_groups "
+            f"({t.batch_groups}); the trainer could never lease a full batch"
+        )
+    if t.engine == "megatron" and t.device == "cpu":
+        raise ConfigError(
+            "trainer.device: the megatron engine runs on GPUs only; use trainer.engine=fsdp on CPU"
+        )
+    if t.engine == "megatron" and importlib.util.find_spec("megatron") is None:
+        raise ConfigError(
+            "trainer.engine: megatron-core is not installed (pip install 'slipstream[megatron]')"
+        )
+    if cfg.cluster.gpus_per_trainer_rank and t.device == "cpu":
+        raise ConfigError("cluster.gpus_per_trainer_rank: GPUs are reserved but trainer.device is cpu")
+    if t.device == "cuda" and cfg.cluster.ray_address is None and cfg.cluster.gpus_per_trainer_rank == 0:
+        raise ConfigError("cluster.gpus_per_trainer_rank: trainer.device is cuda; reserve 1 GPU per rank")
+
+
+def _check_faults(cfg: Config) -> None:
+    c = cfg.cluster
+    if c.restart_servers and not cfg.weightsync.keep_last and not cfg.rollout.server_urls:
+        raise ConfigError(
+            "weightsync.keep_last: must be true while cluster.restart_servers is on (a restarted server gets "
+            "the current weights from the trainer's kept copy)"
+        )
+    if c.restart_trainer and cfg.trainer.checkpoint_every == 0:
+        raise ConfigError(
+            "trainer.checkpoint_every: cluster.restart_trainer restarts the trainer from its latest checkpoint; "
+            "set a checkpoint interval > 0"
+        )
+
+
+def check_data(cfg: Config) -> int:
+    """Load the training prompts (rows are checked) and return how many trainer steps they allow.
+
+    Raises ConfigError naming ``data.train_files`` for missing or malformed files and ``run.total_steps``
+    when the prompts cannot fill that many batches.
+    """
+    from slipstream.agents.data import DatasetError, load_samples
+
+    if not cfg.data.train_files:
+        raise ConfigError("data.train_files: empty; name at least one .parquet or .jsonl file")
+    missing = [f for f in cfg.data.train_files if not Path(f).is_file()]
+    if missing:
+        raise ConfigError(
+            f"data.train_files: {missing[0]} does not exist (make one with `slipstream data make`, or set "
+            "datagen.task to have the run make it)"
+        )
+    try:
+        samples = load_samples(cfg.data.train_files)
+    except DatasetError as err:
+        raise ConfigError(f"data.train_files: {err}") from None
+    from slipstream.agents.rewards import reward_name
+
+    for source in sorted({s.data_source for s in samples}):
+        try:
+            reward_name(source, cfg.reward.sources)
+        except KeyError as err:
+            raise ConfigError(f"reward.sources: {err.args[0]}") from None
+    prompts = len(samples) * cfg.data.epochs
+    available = prompts // cfg.trainer.batch_groups
+    steps = cfg.run.total_steps or available
+    if steps < 1 or steps > available:
+        raise ConfigError(
+            f"run.total_steps: {steps} steps of trainer.batch_groups={cfg.trainer.batch_groups} need "
+            f"{steps * cfg.trainer.batch_groups} prompts, but data.train_files x data.epochs give {prompts}"
+        )
+    return steps
+
+
+def make_missing_data(cfg: Config) -> list[Path]:
+    """Write every missing file of ``data.train_files`` with ``datagen`` (offline); return those made."""
+    if cfg.datagen.task is None:
+        return []
+    from slipstream.agents.datagen import make_rows, write_rows
+
+    made = []
+    for name in cfg.data.train_files:
+        path = Path(name)
+        if not path.exists():
+            write_rows(make_rows(cfg.datagen.task, cfg.datagen.n, cfg.datagen.seed), path)
+            made.append(path)
+    return made

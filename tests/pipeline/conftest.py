@@ -1,0 +1,85 @@
+"""Fixtures of the pipeline tests: one local Ray instance for the session (starting Ray costs ~12 s on a
+2-core machine), the tiny model and a config that runs the whole pipeline on it in seconds per step."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from slipstream.config import load_config
+
+
+@pytest.fixture(scope="session")
+def ray_pools():
+    """A local Ray with the two pool resources, shared by every pipeline run of the session."""
+    import os
+
+    import ray
+
+    os.environ.setdefault("RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper", "1")
+    ray.init(
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+        resources={"rollout_pool": 1, "trainer_pool": 1},
+    )
+    yield
+    ray.shutdown()
+
+
+def write_prompts(path: Path, n: int) -> Path:
+    """``n`` arithmetic prompts with distinct indices (a prompt index is trained at most once per run)."""
+    from slipstream.agents.datagen import make_rows
+
+    with path.open("w") as f:
+        for row in make_rows("arithmetic", n, seed=0):
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def pipeline_config(tmp_path: Path, model_path, *overrides: str, prompts: int = 12):
+    """A run on the tiny model: 2 groups of 4 samples per step, short responses, 1 thread per process."""
+    data = write_prompts(tmp_path / "prompts.jsonl", prompts)
+    return load_config(
+        None,
+        [
+            f"model.path={model_path}",
+            f"data.train_files=[{data}]",
+            "data.shuffle=false",
+            f"run.output_dir={tmp_path / 'runs'}",
+            "run.name=test",
+            "run.record_uids=true",
+            "wandb.mode=disabled",
+            "trainer.device=cpu",
+            "trainer.batch_groups=2",
+            "trainer.micro_batch_tokens=1024",
+            "trainer.lr=1e-3",
+            "trainer.checkpoint_every=0",
+            "rollout.n=4",
+            "rollout.sampling.max_new_tokens=12",
+            "rollout.embedded.num_threads=1",
+            "rollout.embedded.max_model_len=256",
+            "rollout.embedded.kv_cache_tokens=2048",
+            "rollout.embedded.kv_page_size=32",
+            "rollout.embedded.max_batch_tokens=512",
+            "reward.num_workers=1",
+            "queue.shm_bytes_per_unit=4194304",
+            "queue.io_threads=1",
+            # Steps take about a second; a lease a killed trainer could not give back returns in 30 s.
+            "queue.lease_timeout_s=30",
+            "cluster.trainer_threads=1",
+            "cluster.health_interval_s=0.5",
+            "weightsync.device=cpu",
+            "weightsync.bucket_mb=4",
+            "weightsync.timeout_s=60",
+            *overrides,
+        ],
+    )
+
+
+def group_of(uid: str) -> str:
+    """`e0-p7-a1-3` -> `e0-p7` (the prompt, whatever the attempt)."""
+    parts = uid.split("-")
+    return f"{parts[0]}-{parts[1]}"
