@@ -309,7 +309,9 @@ class Journal:
         entries = list(self._entries)
         self._entries.clear()
         self.bytes = 0
-        self._current = None
+        current, self._current = self._current, None  # its blobs may be mapped now: never written again
+        if current is not None:
+            self._maybe_idle(current)
         for entry in entries:
             entry.taken = True
             f = entry.file
