@@ -1,7 +1,7 @@
 import pytest
 
 from slipstream.cli import main as cli_main
-from slipstream.config import ConfigError, Config, load_config, to_yaml
+from slipstream.config import Config, ConfigError, load_config, to_yaml
 
 
 def test_defaults_validate():

@@ -17,7 +17,6 @@ Exit codes of ``main``: 0 done, 1 a part failed (the message names it), 2 a bad 
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 
 from slipstream.pipeline.controller import PartFailed, Pipeline, RunResult
@@ -41,7 +40,7 @@ def main(argv: list[str]) -> int:
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops a run as cleanly as Ctrl-C
+    pipeline.stop_on_sigterm = True
     try:
         result = pipeline.run()
     except KeyboardInterrupt:
@@ -56,7 +55,3 @@ def main(argv: list[str]) -> int:
         file=sys.stderr,
     )
     return 0
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt

@@ -20,9 +20,11 @@ Each actor writes its log to ``<run_dir>/logs/<part>.log``.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import logging
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,21 @@ def log_to_file(run_dir: str, name: str) -> None:
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname).1s %(process)d %(name)s: %(message)s"))
     get_logger("slipstream").addHandler(handler)
+
+
+def wait_for_own_children() -> None:
+    """Give SIGCHLD its default action back in this process.
+
+    Ray's child-process clean-up (``RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper``, which
+    the pipeline turns on so that a crashed actor's inference server dies with it) sets SIGCHLD to
+    ``SIG_IGN`` in the driver and in every worker, at the C level. The kernel then reaps children at once
+    and ``waitpid`` fails: ``subprocess`` reports exit code 0 for a server that failed, and
+    ``multiprocessing`` joins see no exit code at all. Every process of the pipeline that starts children
+    calls this first; the raylet still kills what a dead worker leaves behind. Through libc, because Ray
+    runs an actor's constructor off the main thread, where ``signal.signal`` refuses to run (the
+    disposition is per process either way, and Python's own record already says ``SIG_DFL``).
+    """
+    ctypes.CDLL(None).signal(int(signal.SIGCHLD), 0)  # 0 is SIG_DFL
 
 
 def _config(cfg: dict[str, Any]):
@@ -65,6 +82,7 @@ class ServerHost:
 
     def __init__(self, cfg: dict[str, Any], index: int, model_path: str, run_dir: str) -> None:
         log_to_file(run_dir, f"server-{index}")
+        wait_for_own_children()
         self.cfg = _config(cfg)
         self.index = index
         self.model_path = model_path
@@ -162,6 +180,7 @@ class RolloutWorker:
 
     def __init__(self, cfg: dict[str, Any], run_dir: str) -> None:
         log_to_file(run_dir, "rollouter")
+        wait_for_own_children()
         self.cfg = _config(cfg)
         import slipstream.rollouter.rollouter  # noqa: F401  (imported while the other parts start)
 
@@ -217,6 +236,10 @@ class RolloutWorker:
         return self.rollouter.metrics() if self.rollouter is not None else {}
 
     async def state_dict(self) -> dict[str, Any]:
+        # Called between trainer steps, so no new drop arrives until the checkpoint is written; taking the
+        # pending drops in first puts them in this state (else one popped while the trainer saves would be
+        # in neither this state nor the queue snapshot's dropped list).
+        await self.rollouter._collect_dropped()
         return self.rollouter.state_dict()
 
     async def add_server(self, url: str) -> None:
@@ -332,6 +355,7 @@ class TrainerRank:
 
     def __init__(self, cfg: dict[str, Any], rank: int, world_size: int, run_dir: str, threads: int) -> None:
         log_to_file(run_dir, f"trainer-{rank}")
+        wait_for_own_children()
         self.cfg = _config(cfg)
         self.rank, self.world_size = rank, world_size
         self.run_dir = Path(run_dir)

@@ -42,6 +42,7 @@ Worked example::
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -52,7 +53,7 @@ import msgspec
 
 from slipstream.config import Config, ConfigError, to_dict
 from slipstream.pipeline import checkpoint as ckpt
-from slipstream.pipeline.actors import RolloutWorker, ServerHost, TrainerRank
+from slipstream.pipeline.actors import RolloutWorker, ServerHost, TrainerRank, wait_for_own_children
 from slipstream.pipeline.modes import check_config, check_data, make_missing_data, prepare_config
 from slipstream.utils.logging import get_logger
 
@@ -90,6 +91,8 @@ class Pipeline:
         self.total_steps = check_data(cfg)
         self.cfg = cfg
         self.on_step = on_step
+        # `kill` stops a run as cleanly as Ctrl-C (the command sets this; library users keep their handler).
+        self.stop_on_sigterm = False
         self.run_dir = Path(cfg.run.output_dir) / cfg.run.name
         self.ckpt_root = ckpt.checkpoint_root(self.run_dir)
         self.version = 0
@@ -172,6 +175,9 @@ class Pipeline:
                 kwargs["resources"] = {c.rollout_resource: 1, c.trainer_resource: 1}
             ray.init(address=c.ray_address, **kwargs)
             self._ray_started = True
+            if self.stop_on_sigterm:  # after ray.init, which installs a handler of its own
+                signal.signal(signal.SIGTERM, _interrupt)
+        wait_for_own_children()  # Ray's subreaper setting made this driver ignore SIGCHLD
         resources = ray.cluster_resources()
         for key in ("rollout_resource", "trainer_resource"):
             name = getattr(c, key)
@@ -544,6 +550,9 @@ class Pipeline:
         self._closed = True
         import ray
 
+        if self.stop_on_sigterm:  # a second `kill` must not cut the clean-up short (each stop has a timeout)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
         timeout = self.cfg.cluster.shutdown_timeout_s
         steps: list[tuple[str, list[Any], str]] = [
             ("rollouter", [self.rollouter] if self.rollouter else [], "stop"),
@@ -582,6 +591,10 @@ class Pipeline:
             raise PartFailed(f"{what} died: {_first_line(err)}") from err
         except ray.exceptions.RayTaskError as err:
             raise PartFailed(f"{what} failed: {err.cause if err.cause is not None else err}") from err
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _first_line(err: BaseException) -> str:

@@ -53,7 +53,7 @@ BACKEND_MODULES: dict[str, str] = {"vllm": "vllm", "sglang": "sglang"}
 
 
 def prepare_config(cfg: Config) -> tuple[Config, list[str]]:
-    """Apply the mode's preset to ``cfg.async`` and derive ``weightsync.pause_mode``.
+    """Apply the mode's preset to ``cfg.async``, derive ``weightsync.pause_mode`` and ``queue.journal``.
 
     Returns the new config and one note per value the preset changed (the controller logs them, so a
     user who set ``async.staleness_threshold`` in ``sync`` mode sees why it is not used).
@@ -69,12 +69,29 @@ def prepare_config(cfg: Config) -> tuple[Config, list[str]]:
     async_cfg = msgspec.structs.replace(cfg.async_, **preset)
     pause = PAUSE_MODES[async_cfg.partial_rollout]
     weightsync = msgspec.structs.replace(cfg.weightsync, pause_mode=pause)
-    return msgspec.structs.replace(cfg, async_=async_cfg, weightsync=weightsync), notes
+    queue = cfg.queue
+    if queue.journal and not cfg.cluster.restart_trainer:
+        # The journal exists for one case: a trainer restarted while the queue server lives on rolls the
+        # queue back to its checkpoint's snapshot. Without trainer restarts a dead trainer ends the run and a
+        # resumed run restores into a fresh server, so the journal would only copy every consumed byte.
+        queue = msgspec.structs.replace(queue, journal=False)
+        notes.append("queue.journal: True -> False (cluster.restart_trainer is off: nothing can roll back)")
+    replaced = msgspec.structs.replace(cfg, async_=async_cfg, weightsync=weightsync, queue=queue)
+    return replaced, notes
 
 
-def check_config(cfg: Config) -> None:
-    """Cross-section checks of a prepared config; raise ConfigError naming the first offending key."""
-    for check in (_check_registries, _check_model, _check_backends, _check_trainer, _check_faults):
+def check_config(cfg: Config, *, environment: bool = True) -> None:
+    """Cross-section checks of a prepared config; raise ConfigError naming the first offending key.
+
+    ``environment=False`` skips what depends on this machine (model files, installed server packages), so
+    a cluster recipe can be checked anywhere (tests load every preset of configs/ that way).
+    """
+    checks = [_check_registries, _check_trainer, _check_faults]
+    if environment:
+        checks += [_check_model, _check_backends]
+    else:
+        checks.append(_check_pairing)
+    for check in checks:
         check(cfg)
 
 
@@ -122,6 +139,15 @@ def _check_backends(cfg: Config) -> None:
             f"rollout.backend: `{backend}` servers cannot be launched here: `{module}` is not installed "
             f"(pip install 'slipstream[{backend}]'), or list running servers in rollout.server_urls"
         )
+    if cfg.trainer.engine == "megatron" and importlib.util.find_spec("megatron") is None:
+        raise ConfigError(
+            "trainer.engine: megatron-core is not installed (pip install 'slipstream[megatron]')"
+        )
+    _check_pairing(cfg)
+
+
+def _check_pairing(cfg: Config) -> None:
+    backend = cfg.rollout.backend
     if cfg.weightsync.backend == "nixl" and backend != "embedded":
         raise ConfigError(
             f"weightsync.backend: `nixl` works with embedded servers only, not rollout.backend `{backend}`"
@@ -142,13 +168,15 @@ def _check_trainer(cfg: Config) -> None:
             f"queue.capacity_groups: {cfg.queue.capacity_groups} is below trainer.batch_groups "
             f"({t.batch_groups}); the trainer could never lease a full batch"
         )
+    model_parallel = t.tensor_parallel * t.pipeline_parallel if t.engine == "megatron" else 1
+    if t.num_ranks % model_parallel:
+        raise ConfigError(
+            f"trainer.num_ranks: {t.num_ranks} ranks do not split into tensor_parallel x pipeline_parallel = "
+            f"{model_parallel} groups"
+        )
     if t.engine == "megatron" and t.device == "cpu":
         raise ConfigError(
             "trainer.device: the megatron engine runs on GPUs only; use trainer.engine=fsdp on CPU"
-        )
-    if t.engine == "megatron" and importlib.util.find_spec("megatron") is None:
-        raise ConfigError(
-            "trainer.engine: megatron-core is not installed (pip install 'slipstream[megatron]')"
         )
     if cfg.cluster.gpus_per_trainer_rank and t.device == "cpu":
         raise ConfigError("cluster.gpus_per_trainer_rank: GPUs are reserved but trainer.device is cpu")

@@ -1,5 +1,6 @@
-"""Fixtures of the pipeline tests: one local Ray instance for the session (starting Ray costs ~12 s on a
-2-core machine), the tiny model and a config that runs the whole pipeline on it in seconds per step."""
+"""Fixtures of the pipeline tests: one local Ray instance for this package's tests (starting Ray costs
+~12 s on a 2-core machine; it is shut down when they end, so later tests start their own), the tiny
+model and a config that runs the whole pipeline on it in seconds per step."""
 
 from __future__ import annotations
 
@@ -9,24 +10,32 @@ from pathlib import Path
 import pytest
 
 from slipstream.config import load_config
+from slipstream.pipeline.actors import wait_for_own_children
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # tests/pipeline is a package, so this ends with its last test
 def ray_pools():
-    """A local Ray with the two pool resources, shared by every pipeline run of the session."""
+    """A local Ray with the two pool resources, shared by every pipeline run of this package."""
     import os
 
     import ray
 
-    os.environ.setdefault("RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper", "1")
+    key = "RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper"
+    before = os.environ.get(key)
+    os.environ[key] = "1"  # as `slipstream train` runs (read by ray.init, inherited by the workers)
     ray.init(
         include_dashboard=False,
         log_to_driver=False,
         configure_logging=False,
         resources={"rollout_pool": 1, "trainer_pool": 1},
     )
+    wait_for_own_children()  # else later tests in this process lose their children's exit codes
     yield
     ray.shutdown()
+    if before is None:
+        del os.environ[key]
+    else:
+        os.environ[key] = before
 
 
 def write_prompts(path: Path, n: int) -> Path:

@@ -1,0 +1,42 @@
+"""Every preset in configs/ loads, takes its mode's preset and passes the checks that do not depend on
+this machine (cluster recipes name GPU servers and shared paths that do not exist here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from slipstream.config import ConfigError, load_config
+from slipstream.pipeline.modes import check_config, prepare_config
+
+CONFIGS = sorted((Path(__file__).parents[2] / "configs").rglob("*.yaml"))
+
+
+def test_the_presets_are_there():
+    names = {p.name for p in CONFIGS}
+    assert "quickstart.yaml" in names
+    assert {"qwen2.5-7b-dapo-math-64x64.yaml", "qwen3-30b-a3b-grpo-math-sglang-megatron.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_key_of_every_preset_is_valid(path):
+    cfg, _ = prepare_config(load_config(path))
+    check_config(cfg, environment=False)
+
+
+def test_the_cluster_recipes_split_their_gpus_as_documented():
+    seven_b = load_config(CONFIGS[0].parent / "recipes" / "qwen2.5-7b-dapo-math-64x64.yaml")
+    assert seven_b.rollout.num_servers * seven_b.cluster.gpus_per_server == 64
+    assert seven_b.trainer.num_ranks * seven_b.cluster.gpus_per_trainer_rank == 64
+    assert (seven_b.rollout.backend, seven_b.trainer.engine) == ("vllm", "fsdp")
+    moe = load_config(CONFIGS[0].parent / "recipes" / "qwen3-30b-a3b-grpo-math-sglang-megatron.yaml")
+    assert moe.rollout.num_servers * moe.cluster.gpus_per_server == 96
+    assert moe.trainer.num_ranks == 32 and (moe.rollout.backend, moe.trainer.engine) == ("sglang", "megatron")
+
+
+def test_a_recipe_with_a_bad_split_names_the_key():
+    path = CONFIGS[0].parent / "recipes" / "qwen3-30b-a3b-grpo-math-sglang-megatron.yaml"
+    cfg, _ = prepare_config(load_config(path, ["trainer.num_ranks=30"]))
+    with pytest.raises(ConfigError, match="trainer.num_ranks"):
+        check_config(cfg, environment=False)
