@@ -26,9 +26,12 @@ def server():
 
 
 @pytest.fixture
-def server_process():
-    """Factory of server child processes (stopped at teardown) -> QueueServerHandle."""
+def server_process(tmp_path, monkeypatch):
+    """Factory of server child processes (stopped at teardown) -> QueueServerHandle. They run in the test's
+    temporary directory: a fuzzed message can be a valid snapshot request for a relative path."""
     from slipstream.queue.server import start_queue_server
+
+    monkeypatch.chdir(tmp_path)
 
     started = []
 
