@@ -30,6 +30,7 @@ Worked example::
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 from typing import Any
 
@@ -70,12 +71,11 @@ def prepare_config(cfg: Config) -> tuple[Config, list[str]]:
     pause = PAUSE_MODES[async_cfg.partial_rollout]
     weightsync = msgspec.structs.replace(cfg.weightsync, pause_mode=pause)
     queue = cfg.queue
-    if queue.journal and not cfg.cluster.restart_trainer:
-        # The journal exists for one case: a trainer restarted while the queue server lives on rolls the
-        # queue back to its checkpoint's snapshot. Without trainer restarts a dead trainer ends the run and a
-        # resumed run restores into a fresh server, so the journal would only copy every consumed byte.
-        queue = msgspec.structs.replace(queue, journal=False)
-        notes.append("queue.journal: True -> False (cluster.restart_trainer is off: nothing can roll back)")
+    if cfg.cluster.restart_trainer and not queue.journal:
+        # A trainer restarted while the queue server lives on rolls the queue back to its checkpoint's
+        # snapshot; the groups acked since come back from the journal (without it they would be lost).
+        queue = msgspec.structs.replace(queue, journal=True)
+        notes.append("queue.journal: False -> True (cluster.restart_trainer rolls the live queue back)")
     replaced = msgspec.structs.replace(cfg, async_=async_cfg, weightsync=weightsync, queue=queue)
     return replaced, notes
 
@@ -123,6 +123,15 @@ def _check_model(cfg: Config) -> None:
     from slipstream.rollouter.models import KNOWN_MODELS, is_hf_model_dir
 
     path = Path(cfg.model.path).expanduser()
+    if is_hf_model_dir(path) and cfg.trainer.engine == "megatron":
+        from slipstream.trainer.engine.megatron_convert import MODEL_TYPES
+
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+        if model_type not in MODEL_TYPES:
+            raise ConfigError(
+                f"trainer.engine: the megatron engine converts {'/'.join(MODEL_TYPES)} checkpoints, and "
+                f"model.path is a `{model_type}` model; use trainer.engine=fsdp"
+            )
     if cfg.model.path in KNOWN_MODELS or is_hf_model_dir(path):
         return
     raise ConfigError(

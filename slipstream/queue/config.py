@@ -52,10 +52,10 @@ class QueueConfig(ConfigStruct):
     reserve_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
     # Keep every acked group (header and payload) in a journal until the next snapshot, so a trainer that
     # crashes and restores its last snapshot on this still-running server gets back what it acked since.
-    # Costs one copy of every consumed byte on a server thread; turn it off only where the server never
-    # outlives its trainer (then restore merges as on a fresh server). `slipstream train` turns it off
-    # unless cluster.restart_trainer is on, the one case where a live server is rolled back.
-    journal: bool = True
+    # Costs one copy of every consumed byte on a server thread, so it is off by default: without it a
+    # restore merges as on a fresh server. `slipstream train` turns it on with cluster.restart_trainer, the
+    # one case where a live server is rolled back.
+    journal: bool = False
     # Directory of the journal's (anonymous, never named) files; "" means the system temp dir ($TMPDIR). Pick a
     # local disk with room for what the trainer consumes between two snapshots, or /dev/shm to keep it in RAM.
     journal_dir: str = ""

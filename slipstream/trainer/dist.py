@@ -1,7 +1,8 @@
 """Moving a step's batch between trainer ranks with plain torch.distributed collectives (no pickle).
 
 Rank 0 is the only rank that talks to the queue: it leases whole groups, collates them, and broadcasts the
-packed tensors (a fixed key list, a small int64 header with the sizes first, bool sent as uint8). Every
+packed tensors (a small int64 header with the sizes first, the fixed keys, then any extra per-token tensors
+described by a JSON spec; bool sent as uint8). Every
 rank then holds the full step batch and computes the same plan from it (advantages over the full batch,
 the same mini-batch and rank partitions), so nothing depends on how many ranks there are. Sample ids
 (``uids``/``group_ids``) stay on rank 0, the only rank that acks.
@@ -11,6 +12,8 @@ into full-batch order with :func:`gather_tokens`.
 """
 
 from __future__ import annotations
+
+import json
 
 import torch
 import torch.distributed as dist
@@ -36,39 +39,65 @@ OPTIONAL_KEYS: dict[str, torch.dtype] = {"ref_logprobs": torch.float32}
 def broadcast_batch(
     batch: TensorDict | None, *, src: int = 0, device: torch.device | None = None
 ) -> TensorDict:
-    """Rank ``src`` passes its batch; the others pass None and receive a copy (without uids/group_ids)."""
+    """Rank ``src`` passes its batch; the others pass None and receive a copy (without uids/group_ids).
+
+    Besides the fixed keys, every other tensor of the batch (an agent's extra per-token tensors, which
+    :func:`~slipstream.queue.batch.collate` passes through) travels too: its name, dtype and trailing shape
+    go first as a JSON spec in a byte tensor (no pickling), then its data.
+    """
     device = device or torch.device("cpu")
     rank = dist.get_rank()
     optional = list(OPTIONAL_KEYS)
+    spec = b""
     if rank == src:
+        extras = [k for k in batch.keys() if k not in BATCH_KEYS and k not in OPTIONAL_KEYS]
+        extras = [k for k in extras if isinstance(batch.get(k), torch.Tensor)]
+        spec = json.dumps(
+            [[k, str(batch[k].dtype).removeprefix("torch."), list(batch[k].shape[1:])] for k in extras]
+        ).encode()
         header = torch.tensor(
-            [batch["input_ids"].numel(), batch["cu_seqlens"].numel() - 1]
+            [batch["input_ids"].numel(), batch["cu_seqlens"].numel() - 1, len(spec)]
             + [int(k in batch.keys()) for k in optional],
             dtype=torch.int64,
         )
     else:
-        header = torch.zeros(2 + len(optional), dtype=torch.int64)
+        header = torch.zeros(3 + len(optional), dtype=torch.int64)
     header = header.to(device)
     dist.broadcast(header, src)
-    t, n = int(header[0]), int(header[1])
-    present = [k for k, flag in zip(optional, header[2:].tolist(), strict=True) if flag]
+    t, n, spec_len = int(header[0]), int(header[1]), int(header[2])
+    present = [k for k, flag in zip(optional, header[3:].tolist(), strict=True) if flag]
     keys = {**BATCH_KEYS, **{k: OPTIONAL_KEYS[k] for k in present}}
     out: dict[str, torch.Tensor] = {}
     for key, dtype in keys.items():
         size = n + 1 if key == "cu_seqlens" else (n if _per_sample(key) else t)
-        wire = torch.uint8 if dtype == torch.bool else dtype
-        if rank == src:
-            buf = batch[key].to(device=device, dtype=wire).contiguous()
-        else:
-            buf = torch.empty(size, dtype=wire, device=device)
-        dist.broadcast(buf, src)
-        out[key] = buf.to(dtype).cpu()
+        out[key] = _broadcast_tensor(batch[key] if rank == src else None, (size,), dtype, src, device)
+    if spec_len:
+        raw = torch.frombuffer(bytearray(spec), dtype=torch.uint8) if rank == src else None
+        raw = _broadcast_tensor(raw, (spec_len,), torch.uint8, src, device)
+        for key, dtype_name, trailing in json.loads(raw.numpy().tobytes()):
+            dtype = getattr(torch, dtype_name)
+            out[key] = _broadcast_tensor(
+                batch[key] if rank == src else None, (t, *trailing), dtype, src, device
+            )
     td = TensorDict(out, batch_size=[])
     if rank == src:
         for key in ("uids", "group_ids"):
             if key in batch.keys():
                 td.set_non_tensor(key, batch.get_non_tensor(key))
     return td
+
+
+def _broadcast_tensor(
+    tensor: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, src: int, device: torch.device
+) -> torch.Tensor:
+    """``tensor`` from rank ``src`` (None elsewhere) to every rank, as a CPU tensor of ``dtype``."""
+    wire = torch.uint8 if dtype == torch.bool else dtype
+    if tensor is not None:
+        buf = tensor.to(device=device, dtype=wire).contiguous()
+    else:
+        buf = torch.empty(shape, dtype=wire, device=device)
+    dist.broadcast(buf, src)
+    return buf.to(dtype).cpu()
 
 
 def _per_sample(key: str) -> bool:

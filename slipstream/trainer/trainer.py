@@ -247,13 +247,16 @@ class Trainer:
         return select_samples(mini, parts[self.engine.dp_rank]), GlobalCounts(tokens, seqs, scale)
 
     def _forward_full(self, engine: ModelEngine, batch: TensorDict, key: str) -> torch.Tensor:
-        """Per-token ``key`` of the whole batch: forward passes on rank shards, gathered back."""
+        """Per-token ``key`` of the whole batch: forward passes on data-parallel shards, gathered back over
+        the data-parallel group (tensor- and pipeline-parallel peers of one replica share a shard)."""
         lengths = sample_lengths(batch)
-        parts = partition_for_ranks(lengths, self.world_size)
+        parts = partition_for_ranks(lengths, engine.dp_size)
         local = engine.forward_backward_batch(
-            select_samples(batch, parts[self.rank]), None, forward_only=True
+            select_samples(batch, parts[engine.dp_rank]), None, forward_only=True
         )
-        return gather_tokens(local.tokens[key], parts, lengths, device=self._comm_device())
+        return gather_tokens(
+            local.tokens[key], parts, lengths, device=self._comm_device(), group=engine.dp_group
+        )
 
     def _batch_metrics(self, batch: TensorDict, lengths: list[int]) -> dict[str, float]:
         staleness = (self.version - batch["min_versions"].float()).clamp(min=0)

@@ -16,7 +16,7 @@ CONFIGS = sorted((Path(__file__).parents[2] / "configs").rglob("*.yaml"))
 def test_the_presets_are_there():
     names = {p.name for p in CONFIGS}
     assert "quickstart.yaml" in names
-    assert {"qwen2.5-7b-dapo-math-64x64.yaml", "qwen3-30b-a3b-grpo-math-sglang-megatron.yaml"} <= names
+    assert {"qwen2.5-7b-dapo-math-64x64.yaml", "qwen3-30b-a3b-grpo-math-sglang-fsdp.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
@@ -30,13 +30,23 @@ def test_the_cluster_recipes_split_their_gpus_as_documented():
     assert seven_b.rollout.num_servers * seven_b.cluster.gpus_per_server == 64
     assert seven_b.trainer.num_ranks * seven_b.cluster.gpus_per_trainer_rank == 64
     assert (seven_b.rollout.backend, seven_b.trainer.engine) == ("vllm", "fsdp")
-    moe = load_config(CONFIGS[0].parent / "recipes" / "qwen3-30b-a3b-grpo-math-sglang-megatron.yaml")
+    moe = load_config(CONFIGS[0].parent / "recipes" / "qwen3-30b-a3b-grpo-math-sglang-fsdp.yaml")
     assert moe.rollout.num_servers * moe.cluster.gpus_per_server == 96
-    assert moe.trainer.num_ranks == 32 and (moe.rollout.backend, moe.trainer.engine) == ("sglang", "megatron")
+    assert moe.trainer.num_ranks == 32 and (moe.rollout.backend, moe.trainer.engine) == ("sglang", "fsdp")
 
 
 def test_a_recipe_with_a_bad_split_names_the_key():
-    path = CONFIGS[0].parent / "recipes" / "qwen3-30b-a3b-grpo-math-sglang-megatron.yaml"
-    cfg, _ = prepare_config(load_config(path, ["trainer.num_ranks=30"]))
+    path = CONFIGS[0].parent / "recipes" / "qwen3-30b-a3b-grpo-math-sglang-fsdp.yaml"
+    split = ["trainer.engine=megatron", "trainer.tensor_parallel=4", "trainer.pipeline_parallel=2"]
+    cfg, _ = prepare_config(load_config(path, [*split, "trainer.num_ranks=30"]))
     with pytest.raises(ConfigError, match="trainer.num_ranks"):
         check_config(cfg, environment=False)
+
+
+def test_megatron_with_a_model_it_cannot_convert_names_the_key(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_moe"}')
+    path = CONFIGS[0].parent / "recipes" / "qwen3-30b-a3b-grpo-math-sglang-fsdp.yaml"
+    overrides = [f"model.path={tmp_path}", "trainer.engine=megatron", "trainer.tensor_parallel=4"]
+    cfg, _ = prepare_config(load_config(path, overrides))
+    with pytest.raises(ConfigError, match="trainer.engine: the megatron engine converts .*`qwen3_moe`"):
+        check_config(cfg)

@@ -30,7 +30,7 @@ def _wait(predicate, what: str) -> None:
 
 
 def test_restore_on_the_live_server_rolls_back_to_the_snapshot(server, tmp_path):
-    srv = server(shm_min_group_bytes=1024)
+    srv = server(shm_min_group_bytes=1024, journal=True)
     c = QueueClient(srv.address, timeout_s=30)
     remote = QueueClient(srv.address, timeout_s=30, shared_memory=False)  # its puts travel as frames
     # inline-only, socket-stored and arena groups
@@ -64,7 +64,7 @@ def test_restore_on_the_live_server_rolls_back_to_the_snapshot(server, tmp_path)
 
 
 def test_restoring_an_older_snapshot_brings_back_what_was_consumed_in_between(server, tmp_path):
-    c = QueueClient(server().address, timeout_s=30)
+    c = QueueClient(server(journal=True).address, timeout_s=30)
     sent = {f"g{i}": make_group(f"g{i}", payload=100) for i in range(4)}
     for group in sent.values():
         c.put(group)
@@ -82,14 +82,14 @@ def test_restoring_an_older_snapshot_brings_back_what_was_consumed_in_between(se
 
 
 def test_a_fresh_server_merges_and_rolls_back_to_that_snapshot_later(server, tmp_path):
-    first = QueueClient(server().address, timeout_s=30)
+    first = QueueClient(server(journal=True).address, timeout_s=30)
     for i in range(3):
         first.put(make_group(f"g{i}", payload=100))
     first.ack(first.lease(1, timeout_s=5))
     first.snapshot(tmp_path / "ckpt")
     first.close()
 
-    c = QueueClient(server().address, timeout_s=30)
+    c = QueueClient(server(journal=True).address, timeout_s=30)
     c.put(make_group("new"))
     assert c.restore(tmp_path / "ckpt")["mode"] == "merge"
     c.ack(c.lease(1, timeout_s=5))  # g1, then the trainer crashes again
@@ -114,7 +114,7 @@ def test_without_a_journal_restore_merges(server, tmp_path):
 
 
 def test_the_journal_holds_no_arena_space(server):
-    srv = server(shm_min_group_bytes=0)
+    srv = server(shm_min_group_bytes=0, journal=True)
     producer, consumer = QueueClient(srv.address, timeout_s=30), QueueClient(srv.address, timeout_s=30)
     producer.put(make_group("big", payload=50_000))
     producer.close()  # hands its credit for a next put back
@@ -181,7 +181,7 @@ class _Driven:
 def test_a_trainer_killed_after_its_snapshot_is_replaced_and_every_uid_is_trained_once(
     server_process, tmp_path
 ):
-    handle = server_process(lease_timeout_s=1.5, shm_min_group_bytes=2048)
+    handle = server_process(lease_timeout_s=1.5, shm_min_group_bytes=2048, journal=True)
     payloads = [0, 100, 10_000]  # inline-only, socket-stored and arena groups
     sent = {f"g{i}": make_group(f"g{i}", payload=payloads[i % 3]) for i in range(16)}
     producer, trainer = _Driven(PRODUCER, handle.address), _Driven(TRAINER, handle.address)

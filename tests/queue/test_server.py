@@ -41,7 +41,7 @@ def _journalled(client) -> QueueStats:
 
 @pytest.mark.parametrize(("producer_shm", "consumer_shm"), [(True, True), (True, False), (False, True)])
 def test_put_lease_ack_fifo_and_payload_intact(server, client_of, producer_shm, consumer_shm):
-    srv = server(shm_min_group_bytes=1024)
+    srv = server(shm_min_group_bytes=1024, journal=True)
     producer = client_of(srv, shared_memory=producer_shm)
     consumer = client_of(srv, shared_memory=consumer_shm)
     # all-inline groups, small arena puts, a group of several frame-sized tensors (aligned offsets leave
@@ -224,7 +224,7 @@ def test_byte_capacity_and_oversized_groups(server, client_of):
 
 
 def test_full_arena_falls_back_to_the_socket(server, client_of):
-    srv = server(shm_bytes_per_unit=64 * 1024, num_storage_units=1, shm_min_group_bytes=0)
+    srv = server(shm_bytes_per_unit=64 * 1024, num_storage_units=1, shm_min_group_bytes=0, journal=True)
     c = client_of(srv)
     groups = [make_group(f"g{i}", payload=4000) for i in range(3)]  # 32 kB each: the third does not fit
     assert all(c.put(g) for g in groups)

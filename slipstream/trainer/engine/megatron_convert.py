@@ -34,6 +34,9 @@ from typing import Any
 
 import torch
 
+# HF model types whose checkpoints convert to Megatron-core's GPT layout (dense decoders).
+MODEL_TYPES = ("llama", "qwen2", "mistral")
+
 
 @dataclass(frozen=True)
 class ArchSpec:
@@ -52,9 +55,9 @@ class ArchSpec:
     @classmethod
     def from_hf_config(cls, config: Any) -> ArchSpec:
         model_type = getattr(config, "model_type", "")
-        if model_type not in ("llama", "qwen2", "mistral"):
+        if model_type not in MODEL_TYPES:
             raise ValueError(
-                f"megatron conversion supports llama/qwen2/mistral, got model_type={model_type!r}"
+                f"megatron conversion supports {'/'.join(MODEL_TYPES)}, got model_type={model_type!r}"
             )
         heads = config.num_attention_heads
         return cls(
