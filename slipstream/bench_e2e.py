@@ -21,8 +21,15 @@ one core for each (``--async-server-threads`` 1, ``--async-trainer-threads`` 1; 
 on the server's core was no faster, 42 s against 40 s per step at a 192 cap, as it helps only while the
 server waits on the staleness gate).
 
-The last line of ``--json`` is one JSON object: ``{"sync_samples_s", "fully_async_samples_s", "speedup",
-"sync_reward", "fully_async_reward", "samples", ...}``.
+``fully_async`` runs with ``--staleness-threshold`` 2 and ``--max-staleness`` 4 (the quickstart has 1 and 2): at
+threshold 1 both its idle ratios stayed high (0.16 trainer, 0.26 server), the sign docs/tuning.md gives for
+raising it. Samples per second is the figure asked for; ``tokens_s`` (prompt + response tokens trained per
+second) is reported beside it because fully asynchronous training streams the groups that finish first, so
+over a short run it trains more of the short samples, and samples/s alone flatters it.
+
+The last line of ``--json`` is one JSON object: ``{"sync_samples_s", "fully_async_samples_s",
+"sync_reward", "fully_async_reward", "sync_tokens_s", "fully_async_tokens_s", "speedup", "token_speedup",
+"samples", ...}``. ``--summarize OUT`` reports the runs an earlier invocation left in ``OUT`` again.
 """
 
 from __future__ import annotations
@@ -49,9 +56,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sync-threads", type=int, default=2, help="server and trainer threads in sync mode")
     p.add_argument("--async-server-threads", type=int, default=1)
     p.add_argument("--async-trainer-threads", type=int, default=1)
+    p.add_argument("--staleness-threshold", type=float, default=2.0, help="fully_async's threshold")
+    p.add_argument("--max-staleness", type=int, default=4, help="fully_async's async.max_staleness")
     p.add_argument("--modes", default="sync,fully_async", help="comma-separated, run in this order")
     p.add_argument("--out", help="run directories go here (default: a temporary directory)")
     p.add_argument("--json", action="store_true", help="end with one JSON line of results")
+    p.add_argument(
+        "--summarize", metavar="OUT", help="only report the runs an earlier invocation left in OUT"
+    )
     return p
 
 
@@ -59,7 +71,7 @@ def _overrides(args: argparse.Namespace, mode: str, out: Path, data: Path) -> li
     sync = mode == "sync"
     server = args.sync_threads if sync else args.async_server_threads
     trainer = args.sync_threads if sync else args.async_trainer_threads
-    return [
+    overrides = [
         f"async.mode={mode}",
         f"run.name=e2e-{mode}",
         f"run.output_dir={out}",
@@ -75,6 +87,11 @@ def _overrides(args: argparse.Namespace, mode: str, out: Path, data: Path) -> li
         f"cluster.trainer_threads={trainer}",
         "wandb.mode=disabled",
     ]
+    if not sync and args.staleness_threshold is not None:
+        overrides.append(f"async.staleness_threshold={args.staleness_threshold}")
+    if not sync and args.max_staleness is not None:
+        overrides.append(f"async.max_staleness={args.max_staleness}")
+    return overrides
 
 
 def _summary(run_dir: Path, cap: int) -> dict[str, float]:
@@ -88,6 +105,8 @@ def _summary(run_dir: Path, cap: int) -> dict[str, float]:
         "samples": samples,
         "wall_s": round(wall, 2),
         "samples_s": round(samples / wall, 4),
+        # prompt + response tokens trained per second: unlike samples/s, not flattered by short samples
+        "tokens_s": round(sum(r["trainer/tokens"] for r in records) / wall, 2),
         "reward": round(sum(rewards) / samples, 4),
         "response_len_mean": round(statistics.fmean(r["trainer/response_len_mean"] for r in records), 2),
         "at_cap": round(statistics.fmean(r.get("rollouter/finish_length", 0.0) for r in records), 4),
@@ -123,25 +142,29 @@ def main(argv: list[str]) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     import ray
 
-    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="slipstream-e2e-"))
-    data = _prompts(out / "prompts.parquet", args.steps * args.batch_groups)
-    ray.init(
-        include_dashboard=False,
-        log_to_driver=False,
-        configure_logging=False,
-        resources={"rollout_pool": 1, "trainer_pool": 1},
-    )
-    try:
-        results: dict[str, dict[str, Any]] = {m: run_mode(args, m, out, data) for m in modes}
-    finally:
-        ray.shutdown()
+    results: dict[str, dict[str, Any]]
+    if args.summarize:  # the result of an earlier invocation, from its run directories
+        results = {m: _summary(Path(args.summarize) / f"e2e-{m}", args.max_new_tokens) for m in modes}
+    else:
+        out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="slipstream-e2e-"))
+        data = _prompts(out / "prompts.parquet", args.steps * args.batch_groups)
+        ray.init(
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+            resources={"rollout_pool": 1, "trainer_pool": 1},
+        )
+        try:
+            results = {m: run_mode(args, m, out, data) for m in modes}
+        finally:
+            ray.shutdown()
     row: dict[str, Any] = {}
-    for mode, summary in results.items():
-        row[f"{mode}_samples_s"] = summary["samples_s"]
-    for mode, summary in results.items():
-        row[f"{mode}_reward"] = summary["reward"]
+    for key in ("samples_s", "reward", "tokens_s"):
+        for mode, summary in results.items():
+            row[f"{mode}_{key}"] = summary[key]
     if "sync" in results and "fully_async" in results:
         row["speedup"] = round(results["fully_async"]["samples_s"] / results["sync"]["samples_s"], 3)
+        row["token_speedup"] = round(results["fully_async"]["tokens_s"] / results["sync"]["tokens_s"], 3)
     row["samples"] = next(iter(results.values()))["samples"]
     row["max_new_tokens"] = args.max_new_tokens
     row["modes"] = results
