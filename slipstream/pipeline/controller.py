@@ -420,10 +420,14 @@ class Pipeline:
                 "the trainer died after the queue snapshot of %s; completed that checkpoint", salvaged
             )
         resume = latest_checkpoint(self.ckpt_root)
-        if not self.cfg.cluster.restart_trainer or count >= self.cfg.cluster.max_restarts or resume is None:
-            why = "no checkpoint to restart from" if resume is None else "cluster.restart_trainer is off"
-            if count >= self.cfg.cluster.max_restarts:
-                why = f"cluster.max_restarts={self.cfg.cluster.max_restarts} used up"
+        why = None
+        if not self.cfg.cluster.restart_trainer:
+            why = "cluster.restart_trainer is off"
+        elif count >= self.cfg.cluster.max_restarts:
+            why = f"cluster.max_restarts={self.cfg.cluster.max_restarts} used up"
+        elif resume is None:
+            why = "no checkpoint to restart from"
+        if why is not None:
             raise PartFailed(f"trainer failed at version {self.version} ({reason}); not restarted: {why}")
         log.warning("%s; restarting the trainer from %s", reason, resume)
         self.restarts["trainer"] = count + 1
