@@ -50,3 +50,10 @@ def test_megatron_with_a_model_it_cannot_convert_names_the_key(tmp_path):
     cfg, _ = prepare_config(load_config(path, overrides))
     with pytest.raises(ConfigError, match="trainer.engine: the megatron engine converts .*`qwen3_moe`"):
         check_config(cfg)
+
+
+def test_the_queue_journal_is_on_exactly_when_the_trainer_may_be_restarted():
+    plain, _ = prepare_config(load_config(None))
+    assert plain.queue.journal is False
+    restarting, notes = prepare_config(load_config(None, ["cluster.restart_trainer=true"]))
+    assert restarting.queue.journal is True and any(n.startswith("queue.journal") for n in notes)
