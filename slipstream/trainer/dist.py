@@ -50,8 +50,11 @@ def broadcast_batch(
     optional = list(OPTIONAL_KEYS)
     spec = b""
     if rank == src:
-        extras = [k for k in batch.keys() if k not in BATCH_KEYS and k not in OPTIONAL_KEYS]
-        extras = [k for k in extras if isinstance(batch.get(k), torch.Tensor)]
+        extras = [
+            k
+            for k in batch.keys()
+            if k not in BATCH_KEYS and k not in OPTIONAL_KEYS and isinstance(batch.get(k), torch.Tensor)
+        ]
         spec = json.dumps(
             [[k, str(batch[k].dtype).removeprefix("torch."), list(batch[k].shape[1:])] for k in extras]
         ).encode()
