@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 
 import ray
 
@@ -47,17 +46,18 @@ def test_a_killed_inference_server_is_restarted_and_nothing_is_lost(ray_pools, t
 def test_a_killed_trainer_resumes_from_its_checkpoint_and_nothing_is_lost(
     ray_pools, tiny_model_path, tmp_path
 ):
-    """Rank 0 is killed soon after step 4 (a checkpoint exists at step 3): the ranks restart from it, the
-    live queue gives back the groups step 4 (and 5, when the kill lands after it) consumed, and the run
-    finishes with each prompt once. Wherever the kill lands (waiting for a batch, holding a lease, pushing
-    weights) the guarantee is the same."""
+    """Rank 0 is killed right after step 4 (a checkpoint exists at step 3), and the test waits until its
+    process is gone before the run goes on, so the kill lands at the same point on a fast machine and a slow
+    one: step 5 finds a dead rank, the ranks restart from step 3, the live queue gives back the groups step
+    4 consumed, and the run finishes with each prompt once."""
     before_kill: dict[int, list[str]] = {}
 
     def kill_trainer(pipeline, version, metrics):
         if version == 4 and not before_kill:
             before_kill.update(read_trained_uids(pipeline.run_dir))
             pid = ray.get(pipeline.ranks[0].pid.remote())
-            threading.Timer(0.2, os.kill, (pid, signal.SIGKILL)).start()  # lands in step 5
+            os.kill(pid, signal.SIGKILL)
+            wait_until_gone(pid)
 
     cfg = pipeline_config(
         tmp_path, tiny_model_path, "async.mode=fully_async", "run.total_steps=6", "trainer.checkpoint_every=3",
@@ -70,7 +70,22 @@ def test_a_killed_trainer_resumes_from_its_checkpoint_and_nothing_is_lost(
     final = read_trained_uids(result.run_dir)
     assert set(before_kill[4]) <= {u for uids in final.values() for u in uids}
     steps = [r["step"] for r in _metrics(result.run_dir)]
-    assert steps[:4] == [1, 2, 3, 4] and steps[-1] == 6 and 4 in steps[4:]  # step 4 again after the restart
+    assert steps == [1, 2, 3, 4, 4, 5, 6]  # step 4 again after the restart, from the step-3 checkpoint
+
+
+def wait_until_gone(pid: int) -> None:
+    """Block until process ``pid`` has exited (gone, or a zombie its parent has not reaped yet)."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        while proc.status() != psutil.STATUS_ZOMBIE:
+            try:
+                proc.wait(timeout=0.05)  # polls: the process is the raylet's child, not ours
+            except psutil.TimeoutExpired:
+                continue
+    except psutil.NoSuchProcess:
+        pass
 
 
 def _metrics(run_dir):
