@@ -144,6 +144,14 @@ class ClusterConfig(ConfigStruct):
     # GPUs per inference server (its tensor-parallel size) and per trainer rank; 0 on CPU machines.
     gpus_per_server: Annotated[int, msgspec.Meta(ge=0)] = 0
     gpus_per_trainer_rank: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # Trainer ranks and inference servers share GPUs (a one-GPU machine): server i runs on the GPU of trainer
+    # rank i, each taking half of it in Ray's accounting (the engines' own memory settings split the memory:
+    # rollout.embedded / --gpu-memory-utilization). Needs gpus_per_server = gpus_per_trainer_rank = 1 and no
+    # more servers than ranks. Off: the two pools own separate GPUs (separate nodes on a cluster).
+    colocate: bool = False
+    # Longest wait for the pools' placement groups (every GPU part reserved before any model loads); a
+    # config that cannot fit fails after it, naming what it asked for and what the cluster has.
+    placement_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
     # Address inference servers bind. Loopback by default; on a multi-node cluster set 0.0.0.0 (the pipeline
     # then hands out each server's node address).
     server_host: str = "127.0.0.1"
