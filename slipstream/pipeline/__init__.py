@@ -7,11 +7,14 @@ The package is the only place (with ``cli.py``) that imports every role (design.
 * ``controller.py``: :class:`Pipeline`, which starts the queue, the inference servers, the rollouter and
   the trainer ranks on Ray resource pools, drives steps and weight pushes, checkpoints, watches health and
   shuts everything down;
+* ``placement.py``: the pools reserved as Ray placement groups before any model loads;
 * ``actors.py``: the Ray actors that host the parts;
 * ``checkpoint.py``: run checkpoints consistent across parts, and the record of trained samples.
 
 Exit codes of ``main``: 0 done, 1 a part failed (the message names it), 2 a bad config or command line
-(nothing was started), 130 interrupted (every part was stopped).
+(nothing was started), 130 interrupted (every part was stopped). With ``--check-placement`` nothing is
+started but the reservation: 0 when every part fits the cluster (the layout is printed), 1 naming the
+shortfall.
 """
 
 from __future__ import annotations
@@ -32,8 +35,17 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("config", help="a YAML preset (configs/*.yaml)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. trainer.lr=2e-5")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--check-placement",
+        action="store_true",
+        help="connect to cluster.ray_address, reserve every part, print the layout, release; exit 0 when "
+        "everything fits, 1 naming the shortfall (loads no model, reads no data)",
+    )
+    args = parser.parse_intermixed_args(argv)  # flags may follow the overrides
     from slipstream.config import ConfigError, load_config
+
+    if args.check_placement:
+        return check_placement(args.config, args.overrides)
 
     try:
         pipeline = Pipeline(load_config(args.config, args.overrides))
@@ -54,4 +66,48 @@ def main(argv: list[str]) -> int:
         f"{result.run_dir}/metrics.jsonl (curves: slipstream plot {result.run_dir})",
         file=sys.stderr,
     )
+    return 0
+
+
+def check_placement(config: str, overrides: list[str]) -> int:
+    """`slipstream train CONFIG --check-placement`: reserve the run's pools on its cluster and print them."""
+    import ray
+
+    from slipstream.config import ConfigError, load_config
+    from slipstream.pipeline.controller import connect_ray
+    from slipstream.pipeline.modes import check_config, prepare_config
+
+    try:
+        cfg, _ = prepare_config(load_config(config, overrides))
+        check_config(cfg, environment=False)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    started = connect_ray(cfg)
+    try:
+        return _reserve_and_show(cfg)
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _reserve_and_show(cfg) -> int:
+    import ray
+
+    from slipstream.config import ConfigError
+    from slipstream.pipeline.controller import check_hosts, check_pools
+    from slipstream.pipeline.placement import Placement, PlacementError, format_layout
+
+    try:
+        check_pools(cfg, ray.cluster_resources())
+        check_hosts(cfg, sum(1 for n in ray.nodes() if n.get("Alive")))
+        placement = Placement.reserve(cfg)
+    except (ConfigError, PlacementError) as err:
+        print(f"slipstream train --check-placement: {err}", file=sys.stderr)
+        return 1
+    try:
+        print(format_layout(placement.layout()))
+    finally:
+        placement.release()
+    print("placement: every part fits", file=sys.stderr)
     return 0

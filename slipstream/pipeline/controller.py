@@ -105,6 +105,7 @@ class Pipeline:
         self.ranks: list[Any] = []
         self.rollouter = None
         self.logger = None
+        self.placement: Any = None  # pipeline.placement.Placement once Ray is up
         self._ray_started = False
         self._rollouter_started = False
         self._closed = False
@@ -164,44 +165,18 @@ class Pipeline:
     def _init_ray(self) -> None:
         import ray
 
-        c = self.cfg.cluster
-        if not ray.is_initialized():
-            # Raylet then kills a crashed actor's child processes too (an inference server), within 10 s.
-            os.environ.setdefault("RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper", "1")
-            kwargs: dict[str, Any] = dict(
-                include_dashboard=False, log_to_driver=False, configure_logging=False
-            )
-            if c.ray_address is None:
-                kwargs["resources"] = {c.rollout_resource: 1, c.trainer_resource: 1}
-            ray.init(address=c.ray_address, **kwargs)
-            self._ray_started = True
-            if self.stop_on_sigterm:  # after ray.init, which installs a handler of its own
-                signal.signal(signal.SIGTERM, _interrupt)
+        from slipstream.pipeline.placement import Placement, PlacementError
+
+        self._ray_started = connect_ray(self.cfg)
+        if self._ray_started and self.stop_on_sigterm:  # after ray.init, which installs a handler of its own
+            signal.signal(signal.SIGTERM, _interrupt)
         wait_for_own_children()  # Ray's subreaper setting made this driver ignore SIGCHLD
-        resources = ray.cluster_resources()
-        for key in ("rollout_resource", "trainer_resource"):
-            name = getattr(c, key)
-            if name not in resources:
-                raise ConfigError(
-                    f"cluster.{key}: the Ray cluster has no `{name}` resource; start its nodes with "
-                    "scripts/launch_rollout_cluster.sh / scripts/launch_trainer_cluster.sh"
-                )
-        self._check_hosts(sum(1 for n in ray.nodes() if n.get("Alive")))
-
-    def _check_hosts(self, nodes: int) -> None:
-        from slipstream.utils.net import is_loopback
-
-        if nodes < 2:
-            return
-        for key, host in (
-            ("queue.host", self.cfg.queue.host),
-            ("cluster.server_host", self.cfg.cluster.server_host),
-            ("weightsync.master_address", self.cfg.weightsync.master_address),
-        ):
-            if is_loopback(host):
-                raise ConfigError(
-                    f"{key}: `{host}` is loopback but the Ray cluster has {nodes} nodes; use 0.0.0.0"
-                )
+        check_pools(self.cfg, ray.cluster_resources())
+        check_hosts(self.cfg, sum(1 for n in ray.nodes() if n.get("Alive")))
+        try:
+            self.placement = Placement.reserve(self.cfg)
+        except PlacementError as err:
+            raise PartFailed(f"placement: {err}") from None
 
     def _resume_point(self) -> Path | None:
         from slipstream.trainer.trainer import latest_checkpoint
@@ -215,19 +190,13 @@ class Pipeline:
             (self.run_dir / ckpt.UIDS_FILE).unlink()  # a fresh start: an older record would mislead
         return found
 
-    def _options(self, pool: str, gpus: int = 0, **extra: Any) -> dict[str, Any]:
-        resource = getattr(self.cfg.cluster, f"{pool}_resource")
-        # Pool units count GPUs on GPU nodes (one on CPU nodes); CPU-only actors take a sliver of a unit and
-        # reserve no CPU, so a 2-core machine hosts every part.
-        return {"num_cpus": 0, "num_gpus": gpus, "resources": {resource: gpus or 0.01}, **extra}
-
     def _start_queue(self) -> None:
         import ray
 
         from slipstream.queue.client import QueueClient
         from slipstream.queue.server import QueueServerActor
 
-        actor = ray.remote(QueueServerActor).options(**self._options("trainer"), name=None)
+        actor = ray.remote(QueueServerActor).options(**self.placement.options("queue"))
         self.queue_actor = actor.remote(msgspec.to_builtins(self.cfg.queue))
         address = self._get(
             self.queue_actor.address.remote(), self.cfg.cluster.start_timeout_s, "queue server"
@@ -246,7 +215,7 @@ class Pipeline:
     def _new_host(self, index: int, model_path: str | None = None) -> Any:
         import ray
 
-        opts = self._options("rollout", self.cfg.cluster.gpus_per_server, max_concurrency=2)
+        opts = self.placement.options(f"server{index}", max_concurrency=2)
         return (
             ray.remote(ServerHost)
             .options(**opts)
@@ -262,9 +231,12 @@ class Pipeline:
         # The controller writes checkpoints (with the rollouter's state), so the trainer's own are off.
         rank_cfg = to_dict(cfg)
         rank_cfg["trainer"]["checkpoint_every"] = 0
-        opts = self._options("trainer", cfg.cluster.gpus_per_trainer_rank, max_concurrency=2)
-        cls = ray.remote(TrainerRank).options(**opts)
-        self.ranks = [cls.remote(rank_cfg, r, world, str(self.run_dir), threads) for r in range(world)]
+        self.ranks = [
+            ray.remote(TrainerRank)
+            .options(**self.placement.options(f"rank{r}", max_concurrency=2))
+            .remote(rank_cfg, r, world, str(self.run_dir), threads)
+            for r in range(world)
+        ]
         master = self._get(self.ranks[0].endpoint.remote(), CALL_TIMEOUT_S, "trainer rank 0")
         refs = [
             r.setup.remote(master, self.queue_address, str(resume) if resume else None) for r in self.ranks
@@ -275,7 +247,7 @@ class Pipeline:
     def _create_rollouter(self) -> None:
         import ray
 
-        cls = ray.remote(RolloutWorker).options(**self._options("rollout"))
+        cls = ray.remote(RolloutWorker).options(**self.placement.options("rollouter"))
         self.rollouter = cls.remote(to_dict(self.cfg), str(self.run_dir))
 
     def _start_rollouter(self, state: dict | None) -> None:
@@ -580,6 +552,8 @@ class Pipeline:
             self.queue_client.close()
         if self.logger is not None:
             self.logger.close()
+        if self.placement is not None:
+            self.placement.release()
         if self._ray_started:
             ray.shutdown()
 
@@ -595,6 +569,66 @@ class Pipeline:
             raise PartFailed(f"{what} died: {_first_line(err)}") from err
         except ray.exceptions.RayTaskError as err:
             raise PartFailed(f"{what} failed: {err.cause if err.cause is not None else err}") from err
+
+
+def connect_ray(cfg: Config) -> bool:
+    """Join ``cluster.ray_address``, or start Ray on this machine with both pools sized from its GPUs;
+    return whether this call started it (then the caller shuts it down)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    from slipstream.pipeline.placement import local_resources
+
+    # Raylet then kills a crashed actor's child processes too (an inference server), within 10 s.
+    os.environ.setdefault("RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper", "1")
+    kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    if cfg.cluster.ray_address is None:
+        gpus = local_gpus()
+        kwargs.update(num_gpus=gpus, resources=local_resources(cfg, gpus))
+    ray.init(address=cfg.cluster.ray_address, **kwargs)
+    return True
+
+
+def local_gpus() -> int:
+    """GPUs this machine shows the run (CUDA_VISIBLE_DEVICES applies), 0 without CUDA."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def check_pools(cfg: Config, resources: dict[str, float]) -> None:
+    """Both pool resources exist in the cluster (the launch scripts declare them)."""
+    for key in ("rollout_resource", "trainer_resource"):
+        name = getattr(cfg.cluster, key)
+        if name not in resources:
+            raise ConfigError(
+                f"cluster.{key}: the Ray cluster has no `{name}` resource; start its nodes with "
+                "scripts/launch_rollout_cluster.sh / scripts/launch_trainer_cluster.sh"
+            )
+
+
+def check_hosts(cfg: Config, nodes: int) -> None:
+    """On two nodes or more no server may bind loopback: one error naming every key to change."""
+    from slipstream.utils.net import is_loopback
+
+    if nodes < 2:
+        return
+    keys = [
+        f"{key}={host}"
+        for key, host in (
+            ("queue.host", cfg.queue.host),
+            ("cluster.server_host", cfg.cluster.server_host),
+            ("weightsync.master_address", cfg.weightsync.master_address),
+        )
+        if is_loopback(host)
+    ]
+    if keys:
+        fix = " ".join(f"{k.split('=')[0]}=0.0.0.0" for k in keys)
+        raise ConfigError(
+            f"{', '.join(k.split('=')[0] for k in keys)}: loopback ({', '.join(keys)}) but the Ray cluster has "
+            f"{nodes} nodes, so other nodes could not reach them; set {fix}"
+        )
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -86,7 +86,9 @@ def check_config(cfg: Config, *, environment: bool = True) -> None:
     ``environment=False`` skips what depends on this machine (model files, installed server packages), so
     a cluster recipe can be checked anywhere (tests load every preset of configs/ that way).
     """
-    checks = [_check_registries, _check_trainer, _check_faults]
+    from slipstream.pipeline.placement import check_layout
+
+    checks = [_check_registries, _check_trainer, _check_faults, check_layout]
     if environment:
         checks += [_check_model, _check_backends]
     else:
