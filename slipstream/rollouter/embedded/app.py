@@ -12,7 +12,8 @@ The native routes use SGLang 0.5.23's paths, field names and response shapes, so
 ``POST /continue_generation``
 ``POST /flush_cache``      accepted; there is no prefix cache to flush (see engine.py)
 ``GET /model_info``        ``model_path``, ``weight_version``, limits
-``GET /health``            200 while the generation loop runs, else 503
+``GET /health``            200 while the generation loop runs and makes progress, else 503 with the reason
+                           (a stall: requests in flight and no token for ``stall_timeout_s``)
 =========================  ==========================================================================
 
 Versions are strings on the wire, as SGLang sends them (``"3"``); clients turn them back into ints.
@@ -262,7 +263,11 @@ def _add_native_routes(app: FastAPI, engine: EmbeddedEngine) -> None:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if engine.healthy else 503)
+        problem = engine.health_problem()
+        if problem is None:
+            return Response(status_code=200)
+        log.warning("/health: %s", problem)
+        return error_response(problem, 503, "service_unavailable")
 
 
 def model_info_payload(engine: EmbeddedEngine) -> dict:

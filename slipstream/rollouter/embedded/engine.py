@@ -11,7 +11,12 @@ their log-probabilities. RL needs four more things, which this module adds aroun
   ``in_place`` (they freeze, keep their KV cache and continue after the pause); in both, new requests
   wait at a gate until ``resume``;
 * **atomic weight updates** (:class:`slipstream.weightsync.types.WeightTarget`): everything is validated
-  first, then copied in while the generation loop is parked in ``manager.pause()``.
+  first, then copied in while the generation loop is parked in ``manager.pause()``;
+* **health that means progress**: :meth:`EmbeddedEngine.health_problem` also reports a stall (requests in
+  flight, not paused in place, and no token for ``stall_timeout_s``), so ``/health`` fails and the
+  pipeline restarts a wedged server instead of trusting a thread that is merely alive. transformers'
+  scheduler is swapped for one that lifts its "cache full" admission block when requests are cancelled
+  (scheduler.py), which is the wedge this watchdog first caught.
 
 How version stamps stay exact: the generation loop delivers a step's tokens to the event loop (with
 ``call_soon_threadsafe``) before it checks for a pause request, and the weight update schedules its
@@ -40,7 +45,7 @@ import itertools
 import math
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -49,7 +54,7 @@ import torch
 
 from slipstream.agents.protocol import SamplingParams
 from slipstream.rollouter.config import EmbeddedServerConfig
-from slipstream.rollouter.embedded import attention
+from slipstream.rollouter.embedded import attention, scheduler
 from slipstream.rollouter.embedded.sampling import (
     PLACEHOLDER_TEMPERATURE,
     PLACEHOLDER_TOP_K,
@@ -162,8 +167,14 @@ class EmbeddedEngine:
     """
 
     def __init__(
-        self, model_path: str | Path, cfg: EmbeddedServerConfig | None = None, *, weight_version: int = 0
+        self,
+        model_path: str | Path,
+        cfg: EmbeddedServerConfig | None = None,
+        *,
+        weight_version: int = 0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """Load the model (blocking). ``clock`` times the stall watchdog; tests pass a fake one."""
         from transformers import AutoModelForCausalLM
 
         self.cfg = cfg or EmbeddedServerConfig()
@@ -191,6 +202,11 @@ class EmbeddedEngine:
         self._holder: _PauseHolder | None = None
         # Tokens generated since start, all requests together (a progress counter for /model_info).
         self.generated_tokens = 0
+        # Watchdog state: requests handed to the generation loop and not finished, and when the loop last
+        # showed progress (a token, or the first request after an idle spell, or the end of a pause).
+        self._clock = clock
+        self._in_flight = 0
+        self._progress_at = clock()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -219,6 +235,7 @@ class EmbeddedEngine:
             max_batch_tokens=self.cfg.max_batch_tokens,
             max_requests_per_batch=self.cfg.max_running_requests,
             allow_block_sharing=False,
+            scheduler_type=scheduler.install(),
             use_async_batching=False,
             use_cuda_graph=None if on_cuda else False,
             auto_switch_to_flash=False,
@@ -243,9 +260,40 @@ class EmbeddedEngine:
         self._manager = None
 
     @property
-    def healthy(self) -> bool:
+    def running(self) -> bool:
+        """The generation thread is alive and has not failed (it may still be stalled)."""
         mgr = self._manager
         return mgr is not None and mgr.is_running() and mgr.background_thread_status.fatal_error is None
+
+    @property
+    def healthy(self) -> bool:
+        return self.health_problem() is None
+
+    def health_problem(self) -> str | None:
+        """Why ``/health`` should fail, or None: the generation loop is down, or it stopped making progress."""
+        mgr = self._manager
+        if mgr is None or not mgr.is_running():
+            return "the generation loop is not running"
+        if mgr.background_thread_status.fatal_error is not None:
+            return f"the generation loop failed: {mgr.background_thread_status.fatal_error}"
+        return self.stall_problem()
+
+    def stall_problem(self) -> str | None:
+        """A stall: requests in flight, not paused in place, and no token for ``stall_timeout_s`` seconds.
+
+        An in-place pause freezes requests on purpose, so it does not count (and restarts the clock when it
+        ends); requests held at the pause gate are not in flight.
+        """
+        limit = self.cfg.stall_timeout_s
+        if limit <= 0 or self._in_flight == 0 or self._pause_mode == "in_place":
+            return None
+        idle = self._clock() - self._progress_at
+        if idle < limit:
+            return None
+        return (
+            f"stalled: {self._in_flight} requests in flight and no token generated for {idle:.1f} s"
+            f" (stall_timeout_s {limit:g})"
+        )
 
     @property
     def paused(self) -> PauseMode | None:
@@ -294,7 +342,7 @@ class EmbeddedEngine:
 
         Returns the live :class:`RequestState`; follow it with :meth:`stream` or :meth:`wait`.
         """
-        if not self.healthy:
+        if not self.running:
             raise EngineUnavailable("the generation loop is not running")
         max_new = self.validate(input_ids, sampling)
         if rid in self._by_rid:
@@ -328,6 +376,9 @@ class EmbeddedEngine:
         if added is None:
             self._finish(state, Finish("abort", message="the generation loop is not accepting requests"))
             raise EngineUnavailable("the generation loop is not accepting requests")
+        if self._in_flight == 0:  # the stall clock starts with the first request after an idle spell
+            self._progress_at = self._clock()
+        self._in_flight += 1
         state.submitted = True
         return state
 
@@ -372,6 +423,8 @@ class EmbeddedEngine:
         state.logprobs.extend(out.logprobs[n : n + len(new)])
         state.versions.extend([self._stamp] * len(new))
         self.generated_tokens += len(new)
+        if new:
+            self._progress_at = self._clock()
         if out.is_finished():
             last = state.output_ids[-1] if state.output_ids else None
             if last is not None and last in state.stop_ids:
@@ -386,6 +439,8 @@ class EmbeddedEngine:
             return
         state.finish = finish
         self._by_rid.pop(state.rid, None)
+        if state.submitted:
+            self._in_flight -= 1
         mgr = self._manager
         if finish.type == "abort" and state.submitted and mgr is not None:
             mgr.cancel_request(state.cb_id)
@@ -423,6 +478,7 @@ class EmbeddedEngine:
             holder.release.set()
             await asyncio.to_thread(holder.join, _PAUSE_TIMEOUT_S)
         self._pause_mode = None
+        self._progress_at = self._clock()  # time spent paused is not a stall
         assert self._gate is not None
         self._gate.set()
 
