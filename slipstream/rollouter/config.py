@@ -41,6 +41,18 @@ class EmbeddedServerConfig(ConfigStruct):
     max_running_requests: Annotated[int, msgspec.Meta(ge=1)] = 256
     # Sampling seed of the server; -1 picks a random one.
     seed: int = -1
+    # Watchdog: with requests in flight (not paused in place) and no token generated for this many seconds,
+    # GET /health answers 503 with the reason, so the pipeline restarts the server after
+    # `cluster.unhealthy_checks` failed checks. 0 turns the watchdog off.
+    stall_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 120.0
+    # Largest HTTP request body accepted, in bytes; a larger one gets a 413 before it is read in full.
+    max_request_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 4 * 1024 * 1024
+    # Largest `n` (samples per request) of the OpenAI routes; more gets a 400.
+    max_n: Annotated[int, msgspec.Meta(ge=1)] = 128
+    # Render a chat template sent with a request (`chat_template`, or `chat_template` inside
+    # `chat_template_kwargs`). Templates are Jinja code run by the server, so by default such requests get a
+    # 400 and only the model's own template is used (vLLM's --trust-request-chat-template).
+    trust_request_chat_template: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_cache_tokens < self.max_model_len:
