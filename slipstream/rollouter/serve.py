@@ -31,9 +31,20 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
             if typing.get_origin(hints[field.name])
             else hints[field.name]
         )
-        kind = base if base in (int, float) else str
         flag = "--" + field.name.replace("_", "-")
-        parser.add_argument(flag, dest=field.name, type=kind, default=None, help=f"(default {field.default})")
+        hint = f"(default {field.default})"
+        if base is bool:  # `--flag` alone means true; `--flag false` as config_to_args writes it
+            parser.add_argument(flag, dest=field.name, type=_parse_bool, nargs="?", const=True, help=hint)
+            continue
+        kind = base if base in (int, float) else str
+        parser.add_argument(flag, dest=field.name, type=kind, default=None, help=hint)
+
+
+def _parse_bool(text: str) -> bool:
+    try:
+        return msgspec.convert(text, bool, strict=False)
+    except msgspec.ValidationError:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}") from None
 
 
 def config_to_args(cfg: EmbeddedServerConfig) -> list[str]:
