@@ -6,7 +6,9 @@ and turns every validation failure into one :class:`ConfigError` that names the 
 
 Why msgspec rather than a hand-written validator: ``msgspec.convert`` already checks types, ``Literal``
 choices and ``Meta`` bounds, rejects unknown keys (``forbid_unknown_fields``) and reports the exact path of
-the first problem; we only reword its message for people and add a "did you mean" hint.
+the first problem; we only reword its message for people and add a "did you mean" hint. What it lets through
+we check here: ``inf``/``nan`` floats (:func:`~slipstream.config_base.check_finite`), and in presets a key
+written twice (PyYAML keeps the last one silently) or an empty file.
 
 Worked example::
 
@@ -27,7 +29,7 @@ import msgspec
 import yaml
 
 from slipstream.agents.config import AgentConfig, DataConfig, RewardConfig
-from slipstream.config_base import ConfigError, ConfigStruct
+from slipstream.config_base import ConfigError, ConfigStruct, check_finite
 from slipstream.queue.config import QueueConfig
 from slipstream.rollouter.config import RolloutConfig
 from slipstream.trainer.config import TrainerConfig
@@ -204,9 +206,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 def from_dict(raw: dict[str, Any], cls: type[msgspec.Struct] = Config) -> Any:
     """Validate a plain mapping into ``cls``; raise :class:`ConfigError` naming the key on failure."""
     try:
-        return msgspec.convert(raw, cls, strict=False)
+        cfg = msgspec.convert(raw, cls, strict=False)
     except msgspec.ValidationError as err:
         raise ConfigError(_explain(str(err), cls)) from None
+    check_finite(cfg)
+    return cfg
 
 
 def to_dict(cfg: msgspec.Struct) -> dict[str, Any]:
@@ -224,10 +228,12 @@ def _read_yaml(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
         raise ConfigError(f"{path}: `base` presets form a cycle")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    data = _parse_preset(path)
+    if data is None:
+        raise ConfigError(
+            f"{path}: the file is empty; give it at least one section or `base: other.yaml` "
+            "(to run on the defaults, give no config file)"
+        )
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
     base = data.pop("base", None)
@@ -238,6 +244,49 @@ def _read_yaml(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     merged = _read_yaml(path.parent / base, (*_seen, path))
     _deep_merge(merged, data)
     return merged
+
+
+def _parse_preset(path: Path) -> Any:
+    """Parse one YAML file, refusing a key written twice in one mapping (PyYAML would keep the last)."""
+    loader = yaml.SafeLoader(path.read_text())
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_unique_keys(node, path)
+        return loader.construct_document(node)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(err).split())}") from None
+    finally:
+        loader.dispose()
+
+
+def _check_unique_keys(root: yaml.Node, path: Path) -> None:
+    """Raise naming the dotted key and both lines when a mapping of the parsed tree repeats a key.
+
+    ``<<`` merge keys are skipped: a key written next to one overrides the merged value by design.
+    """
+    stack: list[tuple[yaml.Node, str]] = [(root, "")]
+    visited: set[int] = set()
+    while stack:
+        node, where = stack.pop()
+        if id(node) in visited:  # an alias points back at a node already checked
+            continue
+        visited.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            stack.extend((item, f"{where}[{i}]") for i, item in enumerate(node.value))
+        if not isinstance(node, yaml.MappingNode):
+            continue
+        lines: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = f"{where}.{key_node.value}" if where else str(key_node.value)
+            line = key_node.start_mark.line + 1
+            if key in lines:
+                raise ConfigError(f"{path}: `{key}` is set twice, at lines {lines[key]} and {line}; keep one")
+            lines[key] = line
+            stack.append((value_node, key))
 
 
 def _deep_merge(dst: dict[str, Any], src: dict[str, Any]) -> None:

@@ -1,9 +1,20 @@
 """The base every config section derives from; kept apart from `config.py` so role configs can import it
-without importing the whole tree."""
+without importing the whole tree.
+
+msgspec checks types and ``Meta`` bounds but lets ``inf`` and ``nan`` through wherever the bounds do not
+exclude them (``lr: .inf`` satisfies ``gt=0``), so :func:`check_finite` walks a converted tree once and
+rejects them for every field, naming the key.
+"""
 
 from __future__ import annotations
 
+import math
+from typing import Annotated, Any, get_args, get_origin
+
 import msgspec
+
+ALLOW_INF = "allow_inf"
+"""Key of ``msgspec.Meta(extra=...)`` that lets a float field hold ``inf`` (say what it means in its comment)."""
 
 
 class ConfigError(ValueError):
@@ -14,5 +25,41 @@ class ConfigStruct(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Base of every config section: keyword-only fields, unknown keys rejected.
 
     Document each field with a comment above it; cross-field rules go in ``__post_init__`` and raise
-    ``ValueError`` with a message that names the field (msgspec adds the section path).
+    ``ValueError`` with a message that names the field (msgspec adds the section path). Floats must be
+    finite unless the field is annotated ``Annotated[float, msgspec.Meta(extra={ALLOW_INF: True})]``;
+    ``nan`` is never accepted.
     """
+
+
+def check_finite(value: Any, key: str = "", allow_inf: bool = False) -> None:
+    """Raise :class:`ConfigError` naming the first ``nan`` or ``inf`` float under ``value``.
+
+    Walks structs (by the names users write), mappings and lists, e.g. ``trainer.lr: expected a finite
+    number, got inf``.
+    """
+    if isinstance(value, float):
+        if math.isnan(value) or (math.isinf(value) and not allow_inf):
+            raise ConfigError(f"{key or '<root>'}: expected a finite number, got {value}")
+    elif isinstance(value, msgspec.Struct):
+        for field in msgspec.structs.fields(value):
+            inf_ok = allow_inf or _allows_infinity(field.type)
+            check_finite(getattr(value, field.name), _join(key, field.encode_name), inf_ok)
+    elif isinstance(value, dict):
+        for name, item in value.items():
+            check_finite(item, _join(key, str(name)), allow_inf)
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            check_finite(item, f"{key}[{index}]", allow_inf)
+
+
+def _join(key: str, name: str) -> str:
+    return f"{key}.{name}" if key else name
+
+
+def _allows_infinity(tp: Any) -> bool:
+    """Whether a field's type carries the ``ALLOW_INF`` opt-in, also inside ``X | None`` or ``list[X]``."""
+    if get_origin(tp) is Annotated:
+        base, *metas = get_args(tp)
+        opted = any(isinstance(m, msgspec.Meta) and (m.extra or {}).get(ALLOW_INF) for m in metas)
+        return opted or _allows_infinity(base)
+    return any(_allows_infinity(arg) for arg in get_args(tp))

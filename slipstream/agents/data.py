@@ -75,9 +75,23 @@ def load_samples(paths: Iterable[str | Path]) -> list[Sample]:
     return samples
 
 
+def file_problem(path: str | Path) -> str | None:
+    """Why ``path`` cannot be opened as a dataset file, or None when it can.
+
+    A directory gets its own answer: "does not exist" would send people looking for a path that is there.
+    """
+    path = Path(path)
+    if path.is_file():
+        return None
+    if path.is_dir():
+        return "is a directory, not a data file; name the .parquet or .jsonl files in it"
+    return "does not exist"
+
+
 def _read_rows(path: Path) -> Iterable[tuple[int, Any]]:
-    if not path.is_file():
-        raise DatasetError(f"{path}: no such dataset file")
+    problem = file_problem(path)
+    if problem:
+        raise DatasetError(f"{path}: {problem}")
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         import pyarrow.parquet as pq

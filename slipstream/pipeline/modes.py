@@ -212,19 +212,16 @@ def _check_faults(cfg: Config) -> None:
 def check_data(cfg: Config) -> int:
     """Load the training prompts (rows are checked) and return how many trainer steps they allow.
 
-    Raises ConfigError naming ``data.train_files`` for missing or malformed files and ``run.total_steps``
-    when the prompts cannot fill that many batches.
+    Raises ConfigError naming ``data.train_files`` for missing or malformed files (``data.val_files`` for a
+    missing one; a directory is called one) and ``run.total_steps`` when the prompts cannot fill that many
+    batches.
     """
     from slipstream.agents.data import DatasetError, load_samples
 
     if not cfg.data.train_files:
         raise ConfigError("data.train_files: empty; name at least one .parquet or .jsonl file")
-    missing = [f for f in cfg.data.train_files if not Path(f).is_file()]
-    if missing:
-        raise ConfigError(
-            f"data.train_files: {missing[0]} does not exist (make one with `slipstream data make`, or set "
-            "datagen.task to have the run make it)"
-        )
+    _check_data_files("data.train_files", cfg.data.train_files)
+    _check_data_files("data.val_files", cfg.data.val_files)
     try:
         samples = load_samples(cfg.data.train_files)
     except DatasetError as err:
@@ -245,6 +242,20 @@ def check_data(cfg: Config) -> int:
             f"{steps * cfg.trainer.batch_groups} prompts, but data.train_files x data.epochs give {prompts}"
         )
     return steps
+
+
+def _check_data_files(key: str, files: list[str]) -> None:
+    """Raise naming ``key`` and the first file that is missing or is a directory."""
+    from slipstream.agents.data import file_problem
+
+    for name in files:
+        problem = file_problem(name)
+        if problem is None:
+            continue
+        tip = ""
+        if key == "data.train_files" and not Path(name).exists():
+            tip = " (make one with `slipstream data make`, or set datagen.task to have the run make it)"
+        raise ConfigError(f"{key}: {name} {problem}{tip}")
 
 
 def make_missing_data(cfg: Config) -> list[Path]:

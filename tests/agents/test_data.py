@@ -11,6 +11,8 @@ import pytest
 from slipstream.agents.data import DatasetError, PromptSource, load_samples
 from slipstream.agents.datagen import main as datagen_main
 from slipstream.agents.datagen import make_rows
+from slipstream.config import ConfigError, load_config
+from slipstream.pipeline.modes import check_data
 
 GOOD = {
     "prompt": [{"role": "user", "content": "What is 1 + 2?"}],
@@ -68,10 +70,36 @@ def test_bad_parquet_row_and_unreadable_files(tmp_path):
     (tmp_path / "broken.jsonl").write_text(json.dumps(GOOD) + "\n{oops\n")
     with pytest.raises(DatasetError, match=r"row 1 \(line 2\): not JSON"):
         load_samples([tmp_path / "broken.jsonl"])
-    with pytest.raises(DatasetError, match="no such dataset file"):
+    with pytest.raises(DatasetError, match="missing.jsonl: does not exist"):
         load_samples([tmp_path / "missing.jsonl"])
     with pytest.raises(DatasetError, match="unknown dataset format"):
         load_samples([write_jsonl(tmp_path / "a.csv", [GOOD])])
+
+
+def test_a_directory_is_not_a_dataset_file(tmp_path):
+    with pytest.raises(DatasetError, match="is a directory, not a data file"):
+        load_samples([tmp_path])
+
+
+@pytest.mark.parametrize("key", ["data.train_files", "data.val_files"])
+def test_check_data_says_a_directory_is_a_directory(tmp_path, key):
+    good = write_jsonl(tmp_path / "train.jsonl", [GOOD] * 4)
+    (tmp_path / "prompts").mkdir()
+    files = {"data.train_files": [good], "data.val_files": []}
+    files[key] = [*files[key], tmp_path / "prompts"]
+    cfg = load_config(None, [f"{k}=[{', '.join(map(str, v))}]" for k, v in files.items()])
+    with pytest.raises(ConfigError) as err:
+        check_data(cfg)
+    message = str(err.value)
+    assert message.startswith(f"{key}: {tmp_path / 'prompts'} is a directory, not a data file")
+    assert "does not exist" not in message
+
+
+def test_check_data_names_a_missing_validation_file(tmp_path):
+    good = write_jsonl(tmp_path / "train.jsonl", [GOOD] * 4)
+    cfg = load_config(None, [f"data.train_files=[{good}]", f"data.val_files=[{tmp_path / 'val.jsonl'}]"])
+    with pytest.raises(ConfigError, match=r"^data\.val_files: .*val\.jsonl does not exist$"):
+        check_data(cfg)
 
 
 def test_prompt_source_epochs_shuffle_and_resume(tmp_path):
