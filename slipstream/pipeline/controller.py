@@ -177,6 +177,7 @@ class Pipeline:
             self.placement = Placement.reserve(self.cfg)
         except PlacementError as err:
             raise PartFailed(f"placement: {err}") from None
+        log.info("placement: %s", self.placement.summary())
 
     def _resume_point(self) -> Path | None:
         from slipstream.trainer.trainer import latest_checkpoint
@@ -583,11 +584,26 @@ def connect_ray(cfg: Config) -> bool:
     # Raylet then kills a crashed actor's child processes too (an inference server), within 10 s.
     os.environ.setdefault("RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper", "1")
     kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    if cfg.cluster.ray_address is not None:
+        send_ray_token_if_any()
     if cfg.cluster.ray_address is None:
         gpus = local_gpus()
         kwargs.update(num_gpus=gpus, resources=local_resources(cfg, gpus))
     ray.init(address=cfg.cluster.ray_address, **kwargs)
     return True
+
+
+def send_ray_token_if_any() -> None:
+    """Send this machine's Ray token when joining a cluster (as scripts/_ray_env.sh does for the nodes).
+
+    A Ray head that finds a token (~/.ray/auth_token, RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH) requires it, but a
+    driver joining it only sends one with RAY_AUTH_MODE=token, and fails with a bare "Failed to connect".
+    RAY_AUTH_MODE set by hand wins."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    tokens = ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+    if any(os.environ.get(k) for k in tokens) or (Path.home() / ".ray" / "auth_token").is_file():
+        os.environ["RAY_AUTH_MODE"] = "token"
 
 
 def local_gpus() -> int:

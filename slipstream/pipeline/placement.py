@@ -302,6 +302,13 @@ class Placement:
             slots.append(Slot(part.name, part.pool, node_id, node.address if node else "?", part.gpus))
         return slots
 
+    def summary(self) -> str:
+        """One line: the parts on each node (``127.0.0.1 [1a2b3c4d]: rank0, queue; ...``)."""
+        nodes: dict[str, list[str]] = {}
+        for slot in self.layout():
+            nodes.setdefault(f"{slot.address} [{slot.node_id[:8]}]", []).append(slot.part)
+        return "; ".join(f"{node}: {_names(parts)}" for node, parts in nodes.items())
+
     def release(self) -> None:
         from ray.util.placement_group import remove_placement_group
 
