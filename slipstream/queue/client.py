@@ -35,7 +35,6 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -235,18 +234,15 @@ class QueueClient(_Base):
     def pop_dropped(self, max_groups: int = 1024) -> list[GroupMeta]:
         return self._run(lambda s: ops.pop_dropped(max_groups))
 
-    def snapshot(self, path: str | Path) -> dict:
-        """Save everything unconsumed or leased, the consumed uids and the dropped list to ``path`` (on the
-        server's filesystem; relative paths resolve against this process's working directory)."""
-        return self._run(
-            lambda s: ops.path_request(P.MsgType.SNAPSHOT, str(Path(path).absolute()), _SNAPSHOT_WAIT_S)
-        )
+    def snapshot(self, name: str) -> dict:
+        """Save everything unconsumed or leased, the consumed uids and the dropped list as snapshot ``name``:
+        a file inside the server's ``queue.snapshot_dir`` (``"step_00000010/queue"``), never a path."""
+        return self._run(lambda s: ops.path_request(P.MsgType.SNAPSHOT, str(name), _SNAPSHOT_WAIT_S))
 
-    def restore(self, path: str | Path) -> dict:
-        """Merge a snapshot into the queue: its groups go in front (leased ones as ready), seen ones skipped."""
-        return self._run(
-            lambda s: ops.path_request(P.MsgType.RESTORE, str(Path(path).absolute()), _SNAPSHOT_WAIT_S)
-        )
+    def restore(self, name: str) -> dict:
+        """Bring snapshot ``name`` (in the server's ``snapshot_dir``) back into the queue: a rollback to a
+        snapshot this server took, else a merge (``slipstream.queue.recovery``)."""
+        return self._run(lambda s: ops.path_request(P.MsgType.RESTORE, str(name), _SNAPSHOT_WAIT_S))
 
     def stats(self) -> QueueStats:
         return self._run(lambda s: ops.stats())
@@ -410,15 +406,11 @@ class AsyncQueueClient(_Base):
     async def pop_dropped(self, max_groups: int = 1024) -> list[GroupMeta]:
         return await self._run(lambda s: ops.pop_dropped(max_groups))
 
-    async def snapshot(self, path: str | Path) -> dict:
-        return await self._run(
-            lambda s: ops.path_request(P.MsgType.SNAPSHOT, str(Path(path).absolute()), _SNAPSHOT_WAIT_S)
-        )
+    async def snapshot(self, name: str) -> dict:
+        return await self._run(lambda s: ops.path_request(P.MsgType.SNAPSHOT, str(name), _SNAPSHOT_WAIT_S))
 
-    async def restore(self, path: str | Path) -> dict:
-        return await self._run(
-            lambda s: ops.path_request(P.MsgType.RESTORE, str(Path(path).absolute()), _SNAPSHOT_WAIT_S)
-        )
+    async def restore(self, name: str) -> dict:
+        return await self._run(lambda s: ops.path_request(P.MsgType.RESTORE, str(name), _SNAPSHOT_WAIT_S))
 
     async def stats(self) -> QueueStats:
         return await self._run(lambda s: ops.stats())

@@ -59,5 +59,10 @@ class QueueConfig(ConfigStruct):
     # Directory of the journal's (anonymous, never named) files; "" means the system temp dir ($TMPDIR). Pick a
     # local disk with room for what the trainer consumes between two snapshots, or /dev/shm to keep it in RAM.
     journal_dir: str = ""
+    # Directory the server writes snapshots to and restores them from. A SNAPSHOT or RESTORE request names a
+    # file inside it ("step_00000010/queue": parts joined by "/", no "..", no absolute path, no symbolic link
+    # followed), never a path of its own. "" refuses both requests. `slipstream train` sets it to the run's
+    # checkpoint directory, where each checkpoint holds its snapshot.
+    snapshot_dir: str = ""
     # ZeroMQ IO threads of the server; more help only when many remote clients move data at once.
     io_threads: Annotated[int, msgspec.Meta(ge=1)] = 2

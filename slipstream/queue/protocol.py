@@ -177,7 +177,8 @@ class StatsRequest(_Wire):
 
 
 class PathRequest(_Wire):
-    """SNAPSHOT or RESTORE: ``path`` is on the server's filesystem."""
+    """SNAPSHOT or RESTORE: ``path`` names a snapshot inside the server's ``snapshot_dir`` (``step_10/queue``;
+    never an absolute path or one with ``..``, see :mod:`slipstream.queue.snapdir`)."""
 
     req_id: int
     path: str

@@ -32,9 +32,12 @@ A restore does one of two things, chosen by that id:
 Worked example (a trainer checkpoints at step 10, acks steps 11 and 12, crashes, and resumes from step 10
 on the same server)::
 
-    client.snapshot("ckpt10/queue")     # commits: the journal is emptied
+    client.snapshot("step_10/queue")    # commits: the journal is emptied
     ... ack(step 11 groups), ack(step 12 groups) ...   # journalled
-    client.restore("ckpt10/queue")      # {"mode": "rollback", "from_journal": 16, ...}
+    client.restore("step_10/queue")     # {"mode": "rollback", "from_journal": 16, ...}
+
+Snapshots are named files in the server's ``queue.snapshot_dir`` (never paths, see
+:mod:`slipstream.queue.snapdir`); without that directory both requests are refused.
     client.lease(8)                     # step 11's groups again, first
 """
 
@@ -48,7 +51,8 @@ from typing import Any
 
 from slipstream.queue import protocol as P
 from slipstream.queue.codec import WireError
-from slipstream.queue.snapshot import SnapshotHeader, SnapshotItem, read_snapshot, write_snapshot
+from slipstream.queue.snapdir import SnapshotDir, check_name
+from slipstream.queue.snapshot import MAGIC, SnapshotHeader, SnapshotItem, read_snapshot, write_snapshot
 from slipstream.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -60,10 +64,20 @@ class Recovery:
     """Snapshot and restore handlers of :class:`~slipstream.queue.controller.Controller` (split out to keep
     each file about one thing; they use the controller's state and run on its loop thread)."""
 
-    # ------------------------------------------------------------------------------------------ snapshot
-    def handle_snapshot(self, reply_to: Any, req: P.PathRequest, _buffers: list[Any]) -> None:
+    def _snapshot_dir(self, req: P.PathRequest) -> SnapshotDir:
+        """Where ``req``'s snapshot lives; WireError when snapshots are off, busy or the name is bad."""
+        if not self.cfg.snapshot_dir:
+            raise WireError(
+                "bad_request", "this queue server keeps no snapshots: set queue.snapshot_dir", req.req_id
+            )
         if self._background.has_jobs:
             raise WireError("bad_request", "a snapshot or restore is already running", req.req_id)
+        check_name(req.path)
+        return SnapshotDir(self.cfg.snapshot_dir, MAGIC)
+
+    # ------------------------------------------------------------------------------------------ snapshot
+    def handle_snapshot(self, reply_to: Any, req: P.PathRequest, _buffers: list[Any]) -> None:
+        snapshots = self._snapshot_dir(req)
         items, pins = [], []
         for group in sorted(self._groups.values(), key=lambda g: g.seq):
             unit = self.units[group.unit]
@@ -91,7 +105,7 @@ class Recovery:
             self._reply_job(reply_to, req.req_id, f, commit)
 
         consumed = (sorted(self._consumed_groups), sorted(self._consumed_uids), list(self._dropped))
-        self._background.submit(done, write_snapshot, req.path, items, *consumed, snapshot_id)
+        self._background.submit(done, write_snapshot, snapshots, req.path, items, *consumed, snapshot_id)
 
     def _remember(self, snapshot_id: str, groups: frozenset[str], uids: frozenset[str]) -> None:
         """A point this server can roll back to, with what it had consumed beyond the snapshot's own set."""
@@ -104,10 +118,9 @@ class Recovery:
 
     # ------------------------------------------------------------------------------------------- restore
     def handle_restore(self, reply_to: Any, req: P.PathRequest, _buffers: list[Any]) -> None:
-        if self._background.has_jobs:
-            raise WireError("bad_request", "a snapshot or restore is already running", req.req_id)
+        snapshots = self._snapshot_dir(req)
         done = lambda f: self._reply_job(reply_to, req.req_id, f, self._install)  # noqa: E731
-        self._background.submit(done, read_snapshot, req.path)
+        self._background.submit(done, read_snapshot, snapshots, req.path)
 
     def _reply_job(self, reply_to: Any, req_id: int, future: Future, finish: Callable) -> None:
         def run() -> None:

@@ -7,8 +7,9 @@ own wire vocabulary on disk, never pickle or ``torch.save`` (a snapshot may be r
     | payload: each group's non-inline tensors in one 64-byte aligned blob, groups one after another
 
 Each :class:`SnapGroup` says where its blob starts in the payload section and where each tensor sits in its
-blob, exactly like an arena region (``TensorSpec.frame == 0``). Files are written to ``path + ".tmp"`` and
-renamed, so a crash mid-write leaves the previous snapshot intact.
+blob, exactly like an arena region (``TensorSpec.frame == 0``). Files live in the server's snapshot directory
+and are reached by name only (:mod:`slipstream.queue.snapdir`): written to a temporary name and renamed, so
+a crash mid-write leaves the previous snapshot intact and no temporary file behind a failed write.
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ import os
 import struct
 import time
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import msgspec
 
 from slipstream.queue import protocol as P
 from slipstream.queue.codec import ALIGN, WireError, blob_layout, bytes_view, spec_nbytes, validate_group
+from slipstream.queue.snapdir import SnapshotDir
 from slipstream.queue.types import GroupMeta
 
 MAGIC = b"SLIPSTQ1"
@@ -64,14 +65,15 @@ class SnapshotItem(msgspec.Struct, gc=False):
 
 
 def write_snapshot(
-    path: str,
+    snapshots: SnapshotDir,
+    name: str,
     items: Sequence[SnapshotItem],
     consumed_groups: Sequence[str],
     consumed_uids: Sequence[str],
     dropped: Sequence[GroupMeta],
     snapshot_id: str = "",
 ) -> dict[str, Any]:
-    """Write the file (runs on a worker thread; the server keeps the buffers pinned meanwhile)."""
+    """Write snapshot ``name`` (runs on a worker thread; the server keeps the buffers pinned meanwhile)."""
     groups, offset = [], 0
     for item in items:
         specs, size = blob_layout(item.tensors)
@@ -87,20 +89,17 @@ def write_snapshot(
         snapshot_id,
     )
     body = msgspec.msgpack.encode(header)
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + ".tmp")
-    with open(tmp, "wb") as f:
+
+    def fill(f: BinaryIO) -> None:
         f.write(_PREFIX.pack(MAGIC, len(body)))
         f.write(body)
         f.write(b"\0" * _pad(_PREFIX.size + len(body)))
         for item, group in zip(items, groups, strict=True):
             _write_blob(f, item, group)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, target)
+
+    snapshots.write(name, fill)
     return {
-        "path": str(target),
+        "name": name,
         "groups": len(groups),
         "leased_groups": sum(g.leased for g in groups),
         "bytes": offset,
@@ -127,36 +126,35 @@ def _pad(n: int) -> int:
     return -n % ALIGN
 
 
-def read_snapshot(path: str) -> tuple[SnapshotHeader, list[bytearray]]:
-    """Read and check a snapshot; raise WireError (``bad_request``) naming what is wrong with the file."""
+def read_snapshot(snapshots: SnapshotDir, name: str) -> tuple[SnapshotHeader, list[bytearray]]:
+    """Read and check snapshot ``name``; raise WireError (``bad_request``) naming what is wrong with it."""
+    with snapshots.open(name) as f:
+        return _read(f, name)
+
+
+def _read(f: BinaryIO, name: str) -> tuple[SnapshotHeader, list[bytearray]]:
+    size = os.fstat(f.fileno()).st_size
+    prefix = f.read(_PREFIX.size)
+    if len(prefix) != _PREFIX.size or _PREFIX.unpack(prefix)[0] != MAGIC:
+        raise WireError("bad_request", f"{name} is not a slipstream queue snapshot")
+    length = _PREFIX.unpack(prefix)[1]
+    if _PREFIX.size + length > size:
+        raise WireError("bad_request", f"{name}: truncated header ({length} bytes announced)")
     try:
-        f = open(path, "rb")  # noqa: SIM115 - closed below
-    except OSError as err:
-        raise WireError("bad_request", f"cannot open snapshot {path}: {err}") from None
-    with f:
-        size = os.fstat(f.fileno()).st_size
-        prefix = f.read(_PREFIX.size)
-        if len(prefix) != _PREFIX.size or _PREFIX.unpack(prefix)[0] != MAGIC:
-            raise WireError("bad_request", f"{path} is not a slipstream queue snapshot")
-        length = _PREFIX.unpack(prefix)[1]
-        if _PREFIX.size + length > size:
-            raise WireError("bad_request", f"{path}: truncated header ({length} bytes announced)")
-        try:
-            header = msgspec.msgpack.decode(f.read(length), type=SnapshotHeader)
-        except (msgspec.DecodeError, msgspec.ValidationError) as err:
-            raise WireError("bad_request", f"{path}: malformed snapshot header: {err}") from None
-        if header.version != FORMAT_VERSION:
-            raise WireError("bad_request", f"{path}: snapshot format {header.version}, this server reads 1")
-        start = _PREFIX.size + length + _pad(_PREFIX.size + length)
-        blobs = []
-        for g in header.groups:
-            validate_group(g.meta, g.tensors, [g.nbytes])
-            if g.offset < 0 or start + g.offset + g.nbytes > size:
-                raise WireError(
-                    "bad_request", f"{path}: group {g.meta.group_id!r} lies past the end of the file"
-                )
-            f.seek(start + g.offset)
-            blob = bytearray(g.nbytes)
-            f.readinto(blob)
-            blobs.append(blob)
+        header = msgspec.msgpack.decode(f.read(length), type=SnapshotHeader)
+    except (msgspec.DecodeError, msgspec.ValidationError) as err:
+        raise WireError("bad_request", f"{name}: malformed snapshot header: {err}") from None
+    if header.version != FORMAT_VERSION:
+        raise WireError("bad_request", f"{name}: snapshot format {header.version}, this server reads 1")
+    start = _PREFIX.size + length + _pad(_PREFIX.size + length)
+    blobs = []
+    for g in header.groups:
+        validate_group(g.meta, g.tensors, [g.nbytes])
+        if g.offset < 0 or start + g.offset + g.nbytes > size:
+            raise WireError("bad_request", f"{name}: group {g.meta.group_id!r} lies past the end of the file")
+        f.seek(start + g.offset)
+        blob = bytearray(g.nbytes)
+        if f.readinto(blob) != g.nbytes:
+            raise WireError("bad_request", f"{name}: group {g.meta.group_id!r} is cut short")
+        blobs.append(blob)
     return header, blobs

@@ -31,6 +31,7 @@ Worked example (one process; ``run_trainer_rank`` does the same for N processes)
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -290,7 +291,7 @@ class Trainer:
         if self.critic is not None:
             self.critic.save_checkpoint(path / "critic")
         if self.rank == 0:
-            self.queue.snapshot(str(path / "queue"))
+            self.queue.snapshot(self._snapshot_name(path))
             (path / STATE_FILE).write_text(json.dumps({"version": self.version, "format": 1}))
             (path / COMPLETE_MARKER).write_text("")
         self._barrier()
@@ -310,8 +311,19 @@ class Trainer:
             self.critic.load_checkpoint(path / "critic")
         self.version = int(json.loads((path / STATE_FILE).read_text())["version"])
         if self.rank == 0 and restore_queue:
-            self.queue.restore(str(path / "queue"))
+            self.queue.restore(self._snapshot_name(path))
         self._barrier()
+
+    def _snapshot_name(self, path: Path) -> str:
+        """The queue snapshot of checkpoint ``path``: ``<path>/queue`` named relative to the checkpoint root,
+        which is the queue server's ``queue.snapshot_dir`` (the server takes names there, never paths)."""
+        snapshot = Path(os.path.abspath(path)) / "queue"
+        try:
+            return snapshot.relative_to(os.path.abspath(self.checkpoint_root)).as_posix()
+        except ValueError:
+            raise ValueError(
+                f"checkpoint {path} is not under {self.checkpoint_root}, the queue's snapshot_dir"
+            ) from None
 
     def _prune_checkpoints(self) -> None:
         if self.rank != 0:

@@ -8,14 +8,16 @@ from slipstream.queue.config import QueueConfig
 
 
 @pytest.fixture
-def server():
-    """Factory of in-process servers (stopped at teardown): ``server(lease_timeout_s=2)`` -> QueueServer."""
+def server(tmp_path):
+    """Factory of in-process servers (stopped at teardown): ``server(lease_timeout_s=2)`` -> QueueServer.
+    Their snapshot_dir is the test's temporary directory."""
     from slipstream.queue.server import QueueServer
 
     started = []
 
     def make(**overrides) -> QueueServer:
         overrides.setdefault("shm_bytes_per_unit", 8 << 20)
+        overrides.setdefault("snapshot_dir", str(tmp_path))
         srv = QueueServer(QueueConfig(**overrides)).start()
         started.append(srv)
         return srv
@@ -28,7 +30,7 @@ def server():
 @pytest.fixture
 def server_process(tmp_path, monkeypatch):
     """Factory of server child processes (stopped at teardown) -> QueueServerHandle. They run in the test's
-    temporary directory: a fuzzed message can be a valid snapshot request for a relative path."""
+    temporary directory, which is also their snapshot_dir."""
     from slipstream.queue.server import start_queue_server
 
     monkeypatch.chdir(tmp_path)
@@ -37,6 +39,7 @@ def server_process(tmp_path, monkeypatch):
 
     def make(**overrides):
         overrides.setdefault("shm_bytes_per_unit", 8 << 20)
+        overrides.setdefault("snapshot_dir", str(tmp_path))
         handle = start_queue_server(QueueConfig(**overrides))
         started.append(handle)
         return handle

@@ -121,7 +121,7 @@ def test_back_pressure_holds_a_producer_process_then_fails_clearly(server_proces
 
 
 def test_snapshot_and_restore_survive_a_server_restart(server_process, tmp_path):
-    path = tmp_path / "queue.snap"
+    path = "queue.snap"  # a name in the servers' snapshot_dir (the test's temporary directory)
     first = server_process(shm_min_group_bytes=1024)
     client = QueueClient(first.address, timeout_s=30)
     sent = {
@@ -154,10 +154,9 @@ def test_snapshot_and_restore_survive_a_server_restart(server_process, tmp_path)
             assert torch.equal(got.tensors[name], tensor)
     assert client.put(make_group("g2")) is False  # the consumed set came back too
     assert [m.group_id for m in client.pop_dropped()] == ["g3"]
-    bad = tmp_path / "not-a-snapshot"
-    bad.write_bytes(b"garbage" * 10)
+    (tmp_path / "not-a-snapshot").write_bytes(b"garbage" * 10)
     with pytest.raises(QueueError, match="not a slipstream queue snapshot"):
-        client.restore(bad)
+        client.restore("not-a-snapshot")
     client.ack(lease)
     client.close()
 

@@ -29,7 +29,7 @@ def _wait(predicate, what: str) -> None:
         time.sleep(0.05)
 
 
-def test_restore_on_the_live_server_rolls_back_to_the_snapshot(server, tmp_path):
+def test_restore_on_the_live_server_rolls_back_to_the_snapshot(server):
     srv = server(shm_min_group_bytes=1024, journal=True)
     c = QueueClient(srv.address, timeout_s=30)
     remote = QueueClient(srv.address, timeout_s=30, shared_memory=False)  # its puts travel as frames
@@ -40,7 +40,7 @@ def test_restore_on_the_live_server_rolls_back_to_the_snapshot(server, tmp_path)
     for gid, group in sent.items():
         assert (remote if gid == "g3" else c).put(group)
     c.ack(c.lease(2, timeout_s=5))  # g0, g1: trained before the checkpoint
-    assert c.snapshot(tmp_path / "ckpt")["groups"] == 4
+    assert c.snapshot("ckpt")["groups"] == 4
     assert c.stats().journal_groups == 0
     c.ack(c.lease(3, timeout_s=5), dropped=["g3"])  # g2, g3 (too stale), g4: lost with the trainer
     assert c.stats().journal_groups == 3
@@ -48,7 +48,7 @@ def test_restore_on_the_live_server_rolls_back_to_the_snapshot(server, tmp_path)
     c.put(sent["g6"])  # arrived after the snapshot
     held = c.lease(1, timeout_s=5)  # g5: leased when the trainer "crashes"
 
-    summary = c.restore(tmp_path / "ckpt")
+    summary = c.restore("ckpt")
     assert summary["mode"] == "rollback"
     assert (summary["from_journal"], summary["from_snapshot"], summary["skipped_seen"]) == (3, 0, 4)
     assert c.pop_dropped() == []  # g3 is trainable again: not to be regenerated
@@ -63,16 +63,16 @@ def test_restore_on_the_live_server_rolls_back_to_the_snapshot(server, tmp_path)
     c.close()
 
 
-def test_restoring_an_older_snapshot_brings_back_what_was_consumed_in_between(server, tmp_path):
+def test_restoring_an_older_snapshot_brings_back_what_was_consumed_in_between(server):
     c = QueueClient(server(journal=True).address, timeout_s=30)
     sent = {f"g{i}": make_group(f"g{i}", payload=100) for i in range(4)}
     for group in sent.values():
         c.put(group)
-    c.snapshot(tmp_path / "a")
+    c.snapshot("a")
     c.ack(c.lease(2, timeout_s=5))  # g0, g1
-    c.snapshot(tmp_path / "b")  # commits: the journal lets g0 and g1 go
+    c.snapshot("b")  # commits: the journal lets g0 and g1 go
     c.ack(c.lease(1, timeout_s=5))  # g2, journalled
-    summary = c.restore(tmp_path / "a")
+    summary = c.restore("a")
     assert (summary["mode"], summary["from_journal"], summary["from_snapshot"]) == ("rollback", 1, 2)
     lease = c.lease(4, timeout_s=5)
     assert _ids(lease) == ["g0", "g1", "g2", "g3"]
@@ -81,19 +81,19 @@ def test_restoring_an_older_snapshot_brings_back_what_was_consumed_in_between(se
     c.close()
 
 
-def test_a_fresh_server_merges_and_rolls_back_to_that_snapshot_later(server, tmp_path):
+def test_a_fresh_server_merges_and_rolls_back_to_that_snapshot_later(server):
     first = QueueClient(server(journal=True).address, timeout_s=30)
     for i in range(3):
         first.put(make_group(f"g{i}", payload=100))
     first.ack(first.lease(1, timeout_s=5))
-    first.snapshot(tmp_path / "ckpt")
+    first.snapshot("ckpt")
     first.close()
 
     c = QueueClient(server(journal=True).address, timeout_s=30)
     c.put(make_group("new"))
-    assert c.restore(tmp_path / "ckpt")["mode"] == "merge"
+    assert c.restore("ckpt")["mode"] == "merge"
     c.ack(c.lease(1, timeout_s=5))  # g1, then the trainer crashes again
-    summary = c.restore(tmp_path / "ckpt")
+    summary = c.restore("ckpt")
     assert (summary["mode"], summary["from_journal"]) == ("rollback", 1)
     lease = c.lease(3, timeout_s=5)
     assert _ids(lease) == ["g1", "g2", "new"]
@@ -102,13 +102,13 @@ def test_a_fresh_server_merges_and_rolls_back_to_that_snapshot_later(server, tmp
     c.close()
 
 
-def test_without_a_journal_restore_merges(server, tmp_path):
+def test_without_a_journal_restore_merges(server):
     c = QueueClient(server(journal=False).address, timeout_s=30)
     c.put(make_group("a"))
     c.put(make_group("b"))
-    c.snapshot(tmp_path / "ckpt")
+    c.snapshot("ckpt")
     c.ack(c.lease(1, timeout_s=5))
-    assert c.restore(tmp_path / "ckpt")["mode"] == "merge"
+    assert c.restore("ckpt")["mode"] == "merge"
     assert _ids(c.lease(2, min_groups=1, timeout_s=5)) == ["b"]  # "a" is gone for good
     c.close()
 
@@ -178,9 +178,7 @@ class _Driven:
         self.proc.wait()
 
 
-def test_a_trainer_killed_after_its_snapshot_is_replaced_and_every_uid_is_trained_once(
-    server_process, tmp_path
-):
+def test_a_trainer_killed_after_its_snapshot_is_replaced_and_every_uid_is_trained_once(server_process):
     handle = server_process(lease_timeout_s=1.5, shm_min_group_bytes=2048, journal=True)
     payloads = [0, 100, 10_000]  # inline-only, socket-stored and arena groups
     sent = {f"g{i}": make_group(f"g{i}", payload=payloads[i % 3]) for i in range(16)}
@@ -189,7 +187,7 @@ def test_a_trainer_killed_after_its_snapshot_is_replaced_and_every_uid_is_traine
         for i in range(12):
             assert producer.ask(f"g{i} {payloads[i % 3]}") == f"g{i} True"
         before = trainer.ask("train 4").split()  # trained, then checkpointed with the snapshot
-        assert trainer.ask(f"snapshot {tmp_path / 'ckpt'}") == "ok"
+        assert trainer.ask("snapshot ckpt") == "ok"
         lost = trainer.ask("train 3").split()  # trained by weights the crash throws away
         for i in range(12, 16):  # the producer goes on meanwhile
             assert producer.ask(f"g{i} {payloads[i % 3]}") == f"g{i} True"
@@ -200,7 +198,7 @@ def test_a_trainer_killed_after_its_snapshot_is_replaced_and_every_uid_is_traine
         assert producer.proc.wait(30) == 0
 
     with QueueClient(handle.address, timeout_s=30) as resumed:
-        assert resumed.restore(tmp_path / "ckpt")["from_journal"] == 3
+        assert resumed.restore("ckpt")["from_journal"] == 3
         after: list[str] = []
         while len(before) + len(after) < 32:  # the held lease comes back once it expires
             lease = resumed.lease(4, min_groups=1, timeout_s=30)

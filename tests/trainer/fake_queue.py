@@ -27,6 +27,8 @@ class FakeQueue:
     acked: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
     _ids: itertools.count = field(default_factory=itertools.count)
+    # Like the server's queue.snapshot_dir: snapshot names resolve inside it.
+    snapshot_dir: Path = Path(".")
 
     def put(self, group: TrajectoryGroup) -> None:
         self.ready.append(group)
@@ -47,13 +49,13 @@ class FakeQueue:
     def nack(self, lease):
         self.ready = self.leased.pop(lease.lease_id).groups + self.ready
 
-    def snapshot(self, path):
+    def snapshot(self, name):
         groups = [t for lease in self.leased.values() for g in lease.groups for t in g.to_trajectories()]
         groups += [t for g in self.ready for t in g.to_trajectories()]
-        Path(path).write_bytes(msgspec.json.encode(groups))
+        (self.snapshot_dir / name).write_bytes(msgspec.json.encode(groups))
 
-    def restore(self, path):
-        trajs = msgspec.json.decode(Path(path).read_bytes(), type=list[Trajectory])
+    def restore(self, name):
+        trajs = msgspec.json.decode((self.snapshot_dir / name).read_bytes(), type=list[Trajectory])
         by_group: dict[str, list[Trajectory]] = {}
         for t in trajs:
             by_group.setdefault(t.group_id, []).append(t)

@@ -125,7 +125,8 @@ def test_resume_with_queue_snapshot_loses_and_repeats_nothing(
     cfg = trainer_config(
         tiny_model_path, "trainer.batch_groups=2", "trainer.checkpoint_every=2", f"run.output_dir={tmp_path}"
     )
-    queue = FakeQueue()
+    snapshots = tmp_path / cfg.run.name / "checkpoints"  # the queue's snapshot_dir: the checkpoint root
+    queue = FakeQueue(snapshot_dir=snapshots)
     _fill(queue, 8)
     all_uids = {f"g{i}-{j}" for i in range(8) for j in range(4)}
 
@@ -138,7 +139,7 @@ def test_resume_with_queue_snapshot_loses_and_repeats_nothing(
     ckpt = latest_checkpoint(first.checkpoint_root)
     assert ckpt is not None and ckpt.name == "step_00000002"
 
-    restored_queue = FakeQueue()  # a fresh server process restored from the snapshot
+    restored_queue = FakeQueue(snapshot_dir=snapshots)  # a fresh server process restored from the snapshot
     second = _trainer(cfg, restored_queue)
     second.resume(ckpt)
     assert second.version == 2

@@ -62,7 +62,8 @@ def test_resume_on_a_fresh_server_trains_every_sample_once(tiny_model_path, sing
         tiny_model_path, "trainer.batch_groups=2", "trainer.checkpoint_every=2", f"run.output_dir={tmp_path}"
     )
     all_uids = {f"g{i}-{j}" for i in range(6) for j in range(4)}
-    first_server = start_queue_server(QueueConfig())
+    queue_cfg = QueueConfig(snapshot_dir=str(tmp_path / cfg.run.name / "checkpoints"))  # the checkpoint root
+    first_server = start_queue_server(queue_cfg)
     before = []
     try:
         with QueueClient(first_server.address) as client:
@@ -77,7 +78,7 @@ def test_resume_on_a_fresh_server_trains_every_sample_once(tiny_model_path, sing
     finally:
         first_server.stop()
     ckpt = latest_checkpoint(trainer.checkpoint_root)
-    second_server = start_queue_server(QueueConfig())
+    second_server = start_queue_server(queue_cfg)
     after = []
     try:
         with QueueClient(second_server.address) as client:
