@@ -142,12 +142,12 @@ def zero_copy(frames: Sequence[Any]) -> bool:
     return any(_frame_nbytes(f) >= ZERO_COPY_MIN_BYTES for f in frames)
 
 
-def send_frames(sock: Any, frames: Sequence[Any]) -> None:
+def send_frames(sock: Any, frames: Sequence[Any], flags: int = 0) -> None:
     """Send a multipart message: zero-copy (``copy=False``) when it carries a large buffer, else copied."""
     if zero_copy(frames):
-        sock.send_multipart(frames, copy=False)
+        sock.send_multipart(frames, flags, copy=False)
     else:
-        sock.send_multipart(frames)
+        sock.send_multipart(frames, flags)
 
 
 def ipc_supported() -> bool:

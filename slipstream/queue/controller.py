@@ -65,7 +65,7 @@ _PARTITION_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _EXPIRED_LEASES_KEPT = 4096
 
 ReplyTo = Any  # (socket, identity) as the server loop gives it
-Send = Callable[..., None]  # send(reply_to, msg_type, header, buffers=())
+Send = Callable[..., bool]  # send(reply_to, msg_type, header, buffers=()) -> False if the requester is gone
 
 
 @dataclass(slots=True, eq=False)
@@ -162,8 +162,8 @@ class Controller(Recovery):
     def _timer(self, deadline: float, kind: str, key: Any) -> None:
         heapq.heappush(self._timers, (deadline, next(self._timer_seq), kind, key))
 
-    def _ok(self, reply_to: ReplyTo, header: msgspec.Struct, buffers: Sequence[Any] = ()) -> None:
-        self._send(reply_to, P.MsgType.OK, header, buffers)
+    def _ok(self, reply_to: ReplyTo, header: msgspec.Struct, buffers: Sequence[Any] = ()) -> bool:
+        return self._send(reply_to, P.MsgType.OK, header, buffers)
 
     def _is_seen(self, meta: GroupMeta) -> bool:
         gid = meta.group_id
@@ -359,21 +359,27 @@ class Controller(Recovery):
                 self._guarded(waiter.reply_to, waiter.req.req_id, lambda w=waiter: self._grant(part, w))
 
     def _grant(self, part: _Partition, waiter: _Waiter) -> None:
+        """Lease the front of the ready set to ``waiter``; if its reply cannot be delivered (the requester is
+        gone), nothing changes and the groups stay ready for the next waiter."""
         waiter.done = True
         req = waiter.req
         take = min(req.n_groups, len(part.ready))
+        groups = [self._groups[gid] for gid in itertools.islice(part.ready, take)]
         lease_id = f"{self._lease_prefix}-{next(self._lease_ids)}"
-        deadline = time.monotonic() + self.cfg.lease_timeout_s
-        groups = [self._groups[part.ready.popleft()] for _ in range(take)]
-        leased = []
+        leased = [
+            P.LeasedGroup(g.meta, g.specs, g.unit, g.token, g.arena_offset, g.region_bytes, g.num_buffers)
+            for g in groups
+        ]
+        reply = P.LeaseReply(req.req_id, lease_id, self.cfg.lease_timeout_s, leased)
+        if not self._ok(waiter.reply_to, reply):
+            log.info("a lease waiter went away: its %d group(s) stay ready", take)
+            return
         for g in groups:
+            part.ready.popleft()
             g.state, g.lease_id = LEASED, lease_id
             part.counters.on_lease(g, req.consumer_version)
-            leased.append(
-                P.LeasedGroup(g.meta, g.specs, g.unit, g.token, g.arena_offset, g.region_bytes, g.num_buffers)
-            )
+        deadline = time.monotonic() + self.cfg.lease_timeout_s
         self._leases[lease_id] = _Lease(lease_id, req.partition, [g.meta.group_id for g in groups], deadline)
-        self._ok(waiter.reply_to, P.LeaseReply(req.req_id, lease_id, self.cfg.lease_timeout_s, leased))
 
     def _return_to_ready(self, part: _Partition, group_ids: list[str]) -> None:
         groups = sorted((self._groups[gid] for gid in group_ids), key=lambda g: g.seq)
@@ -476,6 +482,20 @@ class Controller(Recovery):
     def handle_pop_dropped(self, reply_to: ReplyTo, req: P.PopDroppedRequest, _buffers: list[Any]) -> None:
         n = max(0, min(req.max_groups, len(self._dropped)))
         self._ok(reply_to, P.DroppedReply(req.req_id, [self._dropped.popleft() for _ in range(n)]))
+
+    def forget(self, sock: Any) -> None:
+        """A requester's connection closed: cancel its parked leases and puts, which can never be answered
+        (a lease granted to it would hold its groups until ``lease_timeout_s``)."""
+        for part in self._partitions.values():
+            for waiter in part.waiters:
+                if waiter.reply_to[0] is sock:
+                    waiter.done = True
+        for waiter in self._parked_puts:
+            if not waiter.done and waiter.reply_to[0] is sock:
+                waiter.done = True
+                if waiter.on_timeout is not None:
+                    waiter.on_timeout()
+        self._admit_parked()
 
     # -------------------------------------------------------------------------------------- timers
     def tick(self) -> float:

@@ -124,6 +124,8 @@ class QueueServer:
         sock.setsockopt(zmq.SNDHWM, 0)  # never drop a reply
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, min(2 * self.cfg.max_message_bytes, 2**62))
+        # A reply to a peer that is gone fails instead of vanishing, so a lease is never granted to it.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.bind(f"tcp://{self.cfg.host}:{port}")
         bound = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
         if self._ipc_prefix and name:
@@ -213,6 +215,7 @@ class QueueServer:
             if self._conns.pop(conn.fd, None) is not None:
                 self._poller.unregister(conn.fd)
                 conn.close()
+                self.controller.forget(conn)  # its parked requests can never be answered
             return
         want = _POLLIN | (_POLLOUT if conn.pending else 0)
         if want != conn.watched:
@@ -232,16 +235,27 @@ class QueueServer:
             log.exception("request failed")
             self._send(reply_to, P.MsgType.ERROR, P.ErrorReply(req_id, "internal", repr(err)))
 
-    def _send(self, reply_to: tuple, msg_type: int, header: msgspec.Struct, buffers: Any = ()) -> None:
+    def _send(self, reply_to: tuple, msg_type: int, header: msgspec.Struct, buffers: Any = ()) -> bool:
+        """Send a reply; False when its requester is gone (or not reading), so nothing was handed over."""
         sock, identity = reply_to
         if identity is None:  # a direct-channel connection: control replies carry no payload frames
             if buffers:
                 raise RuntimeError("a reply with payload frames cannot go over the direct channel")
-            if not sock.closed:
-                sock.send(self._codec.encode(msg_type, header))
-                self._watch(sock)
-            return
-        send_frames(sock, [identity, *self._codec.encode(msg_type, header, buffers)])
+            if sock.closed:
+                return False
+            sock.send(self._codec.encode(msg_type, header))
+            if sock.closed:  # the loop unregisters it (and forgets its requests) when it polls it next
+                return False
+            self._watch(sock)
+            return True
+        try:
+            send_frames(sock, [identity, *self._codec.encode(msg_type, header, buffers)], zmq.NOBLOCK)
+        except zmq.ZMQError as err:
+            if err.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+                raise
+            log.debug("reply %d dropped: its requester is gone or not reading (%s)", header.req_id, err)
+            return False
+        return True
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stop.set()

@@ -1,0 +1,94 @@
+"""Who may hold a lease: a waiter that went away is granted nothing, lease ids are unguessable and bound to
+the client that got them, and an ack after expiry is fenced by whether the group was leased again."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+from collections.abc import Callable
+
+import pytest
+
+from slipstream.queue import protocol as P
+from slipstream.queue.client import QueueClient
+from slipstream.queue.codec import Codec, pack_frames
+from slipstream.queue.config import QueueConfig
+from slipstream.queue.controller import Controller
+from slipstream.queue.storage import StorageUnit
+from slipstream.queue.testing import make_group
+
+
+def _wait(predicate: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+class _Replies:
+    """A controller's ``send``: records every reply; requesters named "gone" cannot be reached."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[object, object]] = []
+
+    def __call__(self, reply_to, msg_type, header, buffers=()) -> bool:
+        self.sent.append((reply_to[0], header))
+        return reply_to[0] != "gone"
+
+    def last(self, requester: str):
+        return next(h for who, h in reversed(self.sent) if who == requester)
+
+
+def _controller(**cfg) -> tuple[Controller, _Replies]:
+    replies = _Replies()
+    units = [StorageUnit(0, None, 0, None)]
+    return Controller(QueueConfig(**cfg), units, replies, b"n" * 16), replies
+
+
+def _put(ctl: Controller, gid: str, req_id: int = 100) -> None:
+    group = make_group(gid)
+    specs, buffers = pack_frames(group.tensors, 512)
+    ctl.handle_put(0, ("producer", b""), P.PutRequest(req_id, "train", group.meta, specs, 1.0), buffers)
+
+
+def test_a_grant_that_cannot_be_delivered_leaves_the_groups_ready():
+    ctl, replies = _controller(lease_timeout_s=600)
+    ctl.handle_lease(("gone", b""), P.LeaseRequest(1, "train", 1, 1, 300.0), [])
+    _put(ctl, "a")
+    part = ctl.stats().partitions["train"]
+    assert (part.ready_groups, part.leased_groups, part.leased_total) == (1, 0, 0)
+    ctl.handle_lease(("live", b""), P.LeaseRequest(2, "train", 1, 1, 300.0), [])
+    reply = replies.last("live")
+    assert reply.lease_id and [g.meta.group_id for g in reply.groups] == ["a"]
+
+
+def test_a_reply_to_an_unknown_peer_is_reported_undelivered():
+    from slipstream.queue.server import QueueServer
+
+    srv = QueueServer(QueueConfig(shm_bytes_per_unit=0))  # never served: this thread may use its sockets
+    try:
+        assert srv._send((srv._socket, b"nobody"), P.MsgType.OK, P.DoneReply(1)) is False
+    finally:
+        srv.stop()
+
+
+def test_a_lease_waiter_whose_connection_closed_is_granted_nothing(server):
+    srv = server(lease_timeout_s=600)
+    client = QueueClient(srv.address, timeout_s=30)
+    client.ping()
+    if client.transport != "unix":
+        pytest.skip("the direct channel needs Linux abstract sockets")
+    from slipstream.queue.direct import abstract_address
+
+    body = b"".join(Codec().encode(P.MsgType.LEASE, P.LeaseRequest(1, "train", 1, 1, 300.0)))
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as gone:
+        gone.connect(abstract_address(client._session.direct))
+        gone.sendall(struct.pack("<I", len(body)) + body)
+        _wait(lambda: client.stats().leases_waiting == 1, "the lease never started waiting")
+    _wait(lambda: client.stats().leases_waiting == 0, "the server kept the waiter of a closed connection")
+    assert client.put(make_group("a"))
+    lease = client.lease(1, timeout_s=5)  # not held by the closed connection for lease_timeout_s
+    assert lease is not None and [g.group_id for g in lease.groups] == ["a"]
+    client.ack(lease)
+    client.close()
