@@ -1,0 +1,203 @@
+"""Lease handlers of the controller: grant, fetch, ack, nack, expiry.
+
+Split out of :mod:`slipstream.queue.controller` to keep each file about one thing; they use the controller's
+state and run on its loop thread. The rules they keep:
+
+* a group is handed out only from READY, to a waiter that can still be answered, in put order;
+* a lease not acked within ``lease_timeout_s`` goes back to the front of the ready set in put order;
+* a late ack still consumes whatever of the expired lease was not handed out again.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import deque
+from typing import Any
+
+from slipstream.queue import protocol as P
+from slipstream.queue.codec import WireError
+from slipstream.queue.state import LEASED, READY, Group, LeaseRecord, Partition, ReplyTo, Waiter
+from slipstream.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+_EXPIRED_LEASES_KEPT = 4096
+
+
+class Leases:
+    """Lease handlers of :class:`~slipstream.queue.controller.Controller` (a mixin: no state of its own)."""
+
+    def handle_lease(self, reply_to: ReplyTo, req: P.LeaseRequest, _buffers: list[Any]) -> None:
+        if req.n_groups < 1 or not 1 <= req.min_groups <= req.n_groups:
+            raise WireError(
+                "bad_request", f"need 1 <= min_groups ({req.min_groups}) <= n_groups ({req.n_groups})"
+            )
+        part = self._part(req.partition)
+        waiter = Waiter(reply_to, req, time.monotonic() + max(0.0, req.timeout_s))
+        part.waiters.append(waiter)
+        self._serve_waiters(part)
+        if not waiter.done:
+            self._timer(waiter.deadline, "wait", (req.partition, waiter))
+
+    def _serve_waiters(self, part: Partition) -> None:
+        while part.waiters and (part.waiters[0].done or len(part.ready) >= part.waiters[0].req.min_groups):
+            waiter = part.waiters.popleft()
+            if not waiter.done:
+                self._guarded(waiter.reply_to, waiter.req.req_id, lambda w=waiter: self._grant(part, w))
+
+    def _grant(self, part: Partition, waiter: Waiter) -> None:
+        """Lease the front of the ready set to ``waiter``; if its reply cannot be delivered (the requester is
+        gone), nothing changes and the groups stay ready for the next waiter."""
+        waiter.done = True
+        req = waiter.req
+        take = min(req.n_groups, len(part.ready))
+        groups = [self._groups[gid] for gid in itertools.islice(part.ready, take)]
+        lease_id = f"{self._lease_prefix}-{next(self._lease_ids)}"
+        leased = [
+            P.LeasedGroup(g.meta, g.specs, g.unit, g.token, g.arena_offset, g.region_bytes, g.num_buffers)
+            for g in groups
+        ]
+        reply = P.LeaseReply(req.req_id, lease_id, self.cfg.lease_timeout_s, leased)
+        if not self._ok(waiter.reply_to, reply):
+            log.info("a lease waiter went away: its %d group(s) stay ready", take)
+            return
+        for g in groups:
+            part.ready.popleft()
+            g.state, g.lease_id = LEASED, lease_id
+            part.counters.on_lease(g, req.consumer_version)
+        deadline = time.monotonic() + self.cfg.lease_timeout_s
+        self._leases[lease_id] = LeaseRecord(
+            lease_id, req.partition, [g.meta.group_id for g in groups], deadline
+        )
+
+    def _return_to_ready(self, part: Partition, group_ids: list[str]) -> None:
+        groups = sorted((self._groups[gid] for gid in group_ids), key=lambda g: g.seq)
+        for g in groups:
+            g.state, g.lease_id = READY, ""
+        ids = [g.meta.group_id for g in groups]
+        if not part.ready or groups[-1].seq < self._groups[part.ready[0]].seq:
+            part.ready.extendleft(reversed(ids))
+        else:
+            merged = heapq.merge(ids, part.ready, key=lambda gid: self._groups[gid].seq)
+            part.ready = deque(merged)
+        self._serve_waiters(part)
+
+    def handle_fetch(
+        self, unit_index: int, reply_to: ReplyTo, req: P.FetchRequest, _buffers: list[Any]
+    ) -> None:
+        if req.lease_id not in self._leases:
+            raise WireError(
+                "unknown_lease", f"lease {req.lease_id!r} is unknown, acked or expired", req.req_id
+            )
+        unit = self.units[unit_index]
+        counts, buffers = [], []
+        for token in req.tokens:
+            group = self._by_token.get(token)
+            if group is None or group.lease_id != req.lease_id or group.unit != unit_index:
+                raise WireError("bad_request", f"token {token} is not in lease {req.lease_id!r} on this unit")
+            frames = unit.frames(token, group.arena_offset, group.region_bytes, self._background.track)
+            buffers.extend(frames)
+            counts.append(len(frames))
+        self._ok(reply_to, P.FetchReply(req.req_id, counts), buffers)
+
+    def handle_ack(self, reply_to: ReplyTo, req: P.AckRequest, _buffers: list[Any]) -> None:
+        lease = self._leases.get(req.lease_id)
+        if lease is None:
+            self._late_ack(reply_to, req)
+            return
+        dropped = set(req.dropped)
+        unknown = dropped.difference(lease.group_ids)
+        if unknown:
+            raise WireError(
+                "bad_request", f"dropped group(s) {sorted(unknown)[:5]} are not in lease {req.lease_id!r}"
+            )
+        del self._leases[req.lease_id]
+        for gid in lease.group_ids:
+            self._consume(self._groups[gid], gid in dropped)
+        self._ok(reply_to, P.AckReply(req.req_id, len(lease.group_ids)))
+        self._admit_parked()
+
+    def _late_ack(self, reply_to: ReplyTo, req: P.AckRequest) -> None:
+        group_ids = self._expired.pop(req.lease_id, None)
+        if group_ids is None:
+            raise WireError(
+                "unknown_lease", f"lease {req.lease_id!r} is unknown or already acked", req.req_id
+            )
+        acked = lost = 0
+        for gid in group_ids:
+            group = self._groups.get(gid)
+            if group is not None and group.state == READY:
+                self._part(group.partition).ready.remove(gid)
+                self._consume(group, gid in req.dropped)
+                acked += 1
+            else:
+                lost += 1
+        self._ok(reply_to, P.AckReply(req.req_id, acked, lost))
+        self._admit_parked()
+
+    def _consume(self, group: Group, dropped: bool) -> None:
+        if self.journal is not None:
+            self._journal(group, dropped)
+        self._release(group)
+        self._consumed_groups.add(group.meta.group_id)
+        self._consumed_uids.update(s.uid for s in group.meta.samples)
+        self._part(group.partition).counters.on_ack(dropped)
+        if dropped:
+            self._dropped.append(group.meta)
+
+    def _journal(self, group: Group, dropped: bool) -> None:
+        unit = self.units[group.unit]
+        if group.arena_offset >= 0:
+            region = unit.arena.buffer(group.arena_offset, group.region_bytes)
+            self.journal.append(group.partition, group.meta, group.seq, group.nbytes, dropped, group.unit,
+                                group.specs, [region], unit.arena, group.arena_offset, group.region_bytes)  # fmt: skip
+        else:
+            self.journal.append(group.partition, group.meta, group.seq, group.nbytes, dropped, group.unit,
+                                group.specs, unit.blobs(group.token))  # fmt: skip
+
+    def handle_nack(self, reply_to: ReplyTo, req: P.NackRequest, _buffers: list[Any]) -> None:
+        lease = self._leases.pop(req.lease_id, None)
+        if lease is None:
+            if req.lease_id not in self._expired:
+                raise WireError(
+                    "unknown_lease", f"lease {req.lease_id!r} is unknown or already acked", req.req_id
+                )
+        else:
+            part = self._part(lease.partition)
+            part.counters.nacked_total += len(lease.group_ids)
+            self._return_to_ready(part, lease.group_ids)
+        self._ok(reply_to, P.DoneReply(req.req_id))
+
+    def _expire_lease(self, lease_id: str) -> None:
+        lease = self._leases.pop(lease_id)
+        self._expired[lease_id] = lease.group_ids
+        while len(self._expired) > _EXPIRED_LEASES_KEPT:
+            self._expired.popitem(last=False)
+        part = self._part(lease.partition)
+        part.counters.expired_total += len(lease.group_ids)
+        log.warning("lease %s expired: %d group(s) back to the ready set", lease_id, len(lease.group_ids))
+        self._return_to_ready(part, lease.group_ids)
+
+    def _expire_wait(self, key: tuple[str, Waiter]) -> None:
+        partition, waiter = key
+        if waiter.done:
+            return
+        waiter.done = True
+        self._ok(waiter.reply_to, P.LeaseReply(waiter.req.req_id))
+        self._serve_waiters(self._part(partition))  # a head waiter that timed out may unblock the next
+
+    def forget(self, sock: Any) -> None:
+        """A requester's connection closed: cancel its parked leases and puts, which can never be answered
+        (a lease granted to it would hold its groups until ``lease_timeout_s``)."""
+        for part in self._partitions.values():
+            for waiter in part.waiters:
+                if waiter.reply_to[0] is sock:
+                    waiter.done = True
+        for waiter in self._parked_puts:
+            if not waiter.done and waiter.reply_to[0] is sock:
+                waiter.done = True
+                if waiter.on_timeout is not None:
+                    waiter.on_timeout()
+        self._admit_parked()
