@@ -336,12 +336,18 @@ def unpack(specs: Sequence[P.TensorSpec], buffers: Sequence[memoryview]) -> dict
 
 
 # ------------------------------------------------------------------------------------------ validation
-def validate_group(meta: GroupMeta, specs: Sequence[P.TensorSpec], buffer_sizes: Sequence[int]) -> int:
+def validate_group(
+    meta: GroupMeta, specs: Sequence[P.TensorSpec], buffer_sizes: Sequence[int], exact: bool = False
+) -> int:
     """Check a group's header and tensor specs against the buffers that came with it.
 
     Returns the payload size in bytes. Raises :class:`WireError` (``bad_request``) naming the first problem,
     so nothing half-valid is ever stored: after this, ``unpack`` cannot fail and the unpacked group
-    satisfies ``TrajectoryGroup.validate``. (Plain loops, no generators: this runs on every put.)
+    satisfies ``TrajectoryGroup.validate``. Shapes are bounded (``MAX_DIMS`` dimensions, an extent of at most
+    ``MAX_TENSOR_BYTES`` counting empty dimensions as 1, as torch's strides do), so a tensor with no elements
+    cannot carry an overflowing shape. ``exact`` (socket puts): every buffer holds exactly one tensor, from
+    its first byte to its last, so the bytes held are the bytes accounted. (Plain loops, no generators: this
+    runs on every put.)
     """
     gid = meta.group_id
     if not meta.samples:
@@ -367,10 +373,31 @@ def validate_group(meta: GroupMeta, specs: Sequence[P.TensorSpec], buffer_sizes:
     if not _REQUIRED.issubset(names):
         missing = sorted(_REQUIRED - names)
         raise WireError("bad_request", f"group {gid!r}: missing column(s) {', '.join(missing)}")
+    if exact:
+        _check_exact(gid, specs, buffer_sizes)
     return total
 
 
+def _check_exact(group_id: str, specs: Sequence[P.TensorSpec], buffer_sizes: Sequence[int]) -> None:
+    """Each buffer is exactly one tensor's bytes (nothing unaccounted rides along)."""
+    users = [0] * len(buffer_sizes)
+    for spec in specs:
+        if spec.frame < 0:
+            continue
+        users[spec.frame] += 1
+        if spec.offset != 0 or spec_nbytes(spec) != buffer_sizes[spec.frame] or users[spec.frame] > 1:
+            raise WireError(
+                "bad_request",
+                f"group {group_id!r}, tensor `{spec.name}`: frame {spec.frame} of {buffer_sizes[spec.frame]} "
+                f"bytes must hold exactly this tensor's {spec_nbytes(spec)} bytes, at offset 0",
+            )
+    if 0 in users:
+        raise WireError("bad_request", f"group {group_id!r}: frame {users.index(0)} belongs to no tensor")
+
+
 _REQUIRED = frozenset((*PROMPT_COLUMNS, *RESPONSE_COLUMNS))
+MAX_DIMS = 8
+MAX_TENSOR_BYTES = 1 << 48
 
 
 def _check_spec(group_id: str, spec: P.TensorSpec, buffer_sizes: Sequence[int], rows: int) -> int:
@@ -380,8 +407,17 @@ def _check_spec(group_id: str, spec: P.TensorSpec, buffer_sizes: Sequence[int], 
         raise WireError(
             "bad_request", f"group {group_id!r}, tensor `{spec.name}`: unknown dtype {spec.dtype!r}"
         )
-    if not shape or min(shape) < 0:
-        raise WireError("bad_request", f"group {group_id!r}, tensor `{spec.name}`: bad shape {shape}")
+    if not shape or len(shape) > MAX_DIMS or min(shape) < 0:
+        raise WireError("bad_request", f"group {group_id!r}, tensor `{spec.name}`: bad shape {shape[:9]}")
+    extent = dtype.itemsize
+    for dim in shape:
+        extent *= max(dim, 1)
+    if extent > MAX_TENSOR_BYTES:
+        raise WireError(
+            "bad_request",
+            f"group {group_id!r}, tensor `{spec.name}`: shape {shape} spans {extent} bytes (limit "
+            f"{MAX_TENSOR_BYTES}, counting empty dimensions as 1)",
+        )
     want_dtype = COLUMN_DTYPES.get(spec.name)
     if want_dtype is not None and dtype != want_dtype:
         raise WireError(

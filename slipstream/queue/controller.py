@@ -237,7 +237,7 @@ class Controller(Leases, Recovery):
 
     # --------------------------------------------------------------------------------------- puts
     def handle_put(self, unit_index: int, reply_to: ReplyTo, req: P.PutRequest, buffers: list[Any]) -> None:
-        nbytes = validate_group(req.meta, req.tensors, [len(b) for b in buffers])
+        nbytes = validate_group(req.meta, req.tensors, [len(b) for b in buffers], exact=True)
 
         def store() -> None:
             token = next(self._tokens)

@@ -170,6 +170,36 @@ class Leases:
             self._return_to_ready(part, lease.group_ids)
         self._ok(reply_to, P.DoneReply(req.req_id))
 
+    def handle_quarantine(self, reply_to: ReplyTo, req: P.QuarantineRequest, _buffers: list[Any]) -> None:
+        """Take groups its consumer could not unpack out of their lease for good (a group redelivered after
+        every expiry would fail every time, and hold the groups leased with it hostage)."""
+        lease = self._leases.get(req.lease_id)
+        if lease is None:
+            raise WireError(
+                "unknown_lease", f"lease {req.lease_id!r} is unknown, acked or expired", req.req_id
+            )
+        bad = set(req.group_ids)
+        unknown = bad.difference(lease.group_ids)
+        if unknown:
+            raise WireError(
+                "bad_request", f"group(s) {sorted(unknown)[:5]} are not in lease {req.lease_id!r}"
+            )
+        lease.group_ids = [gid for gid in lease.group_ids if gid not in bad]
+        for gid in sorted(bad):
+            self._quarantine(self._groups[gid], req.reason)
+        if not lease.group_ids:
+            del self._leases[req.lease_id]
+        self._ok(reply_to, P.DoneReply(req.req_id))
+        self._admit_parked()
+
+    def _quarantine(self, group: Group, reason: str) -> None:
+        gid = group.meta.group_id
+        log.error("group %r quarantined: its consumer could not unpack it (%s)", gid, reason[:300])
+        self._release(group)
+        self._consumed_groups.add(gid)
+        self._consumed_uids.update(s.uid for s in group.meta.samples)
+        self._part(group.partition).counters.quarantined_total += 1
+
     def _expire_lease(self, lease_id: str) -> None:
         lease = self._leases.pop(lease_id)
         self._expired[lease_id] = lease.group_ids

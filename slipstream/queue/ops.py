@@ -304,18 +304,43 @@ def lease(
     consumer_version: int | None,
 ) -> Op:
     min_groups = n_groups if min_groups is None else min_groups
-    request = P.LeaseRequest(0, partition, n_groups, min_groups, timeout_s, consumer_version)
-    reply: P.LeaseReply = yield Call(CONTROLLER, P.MsgType.LEASE, request, server_wait_s=timeout_s)
-    if not reply.lease_id:
-        return None
-    deadline = time.time() + reply.ttl_s
-    try:
-        buffers = yield from _buffers(session, reply)
-    except BaseException:
-        yield Call(CONTROLLER, P.MsgType.NACK, P.NackRequest(0, reply.lease_id))  # give the groups back now
-        raise
-    groups = [TrajectoryGroup(g.meta, unpack(g.tensors, buffers[i])) for i, g in enumerate(reply.groups)]
-    return Lease(reply.lease_id, groups, deadline)
+    until = time.monotonic() + timeout_s
+    while True:
+        wait_s = max(0.0, until - time.monotonic())
+        request = P.LeaseRequest(0, partition, n_groups, min_groups, wait_s, consumer_version)
+        reply: P.LeaseReply = yield Call(CONTROLLER, P.MsgType.LEASE, request, server_wait_s=wait_s)
+        if not reply.lease_id:
+            return None
+        deadline = time.time() + reply.ttl_s
+        try:
+            buffers = yield from _buffers(session, reply)
+        except BaseException:  # give the groups back now
+            yield Call(CONTROLLER, P.MsgType.NACK, P.NackRequest(0, reply.lease_id))
+            raise
+        groups = yield from _unpack(reply, buffers)
+        if groups:
+            return Lease(reply.lease_id, groups, deadline)
+        # every group was quarantined (and the lease with them): wait for others
+
+
+def _unpack(reply: P.LeaseReply, buffers: list[list[Any]]) -> Op:
+    """The leased groups as tensors. A group that cannot be unpacked is quarantined on the server (taken out
+    of the lease, never delivered again) instead of failing the whole lease after every expiry."""
+    groups, bad, reasons = [], [], []
+    for leased, group_buffers in zip(reply.groups, buffers, strict=True):
+        try:
+            group = TrajectoryGroup(leased.meta, unpack(leased.tensors, group_buffers))
+            group.validate()
+        except Exception as err:  # noqa: BLE001 - whatever a malformed group raises
+            bad.append(leased.meta.group_id)
+            reasons.append(f"{leased.meta.group_id}: {err!r}"[:300])
+            continue
+        groups.append(group)
+    if bad:
+        reason = "; ".join(reasons)[:2000]
+        log.error("quarantining %d leased group(s) that cannot be unpacked: %s", len(bad), reason)
+        yield Call(CONTROLLER, P.MsgType.QUARANTINE, P.QuarantineRequest(0, reply.lease_id, bad, reason))
+    return groups
 
 
 def _buffers(session: Session, reply: P.LeaseReply) -> Generator[Any, Any, list[list[Any]]]:

@@ -13,7 +13,7 @@ long-lived socket and match replies by it.
 Replies carry ``OK`` (the header type follows from the request) or ``ERROR`` (:class:`ErrorReply`).
 
 Which socket takes what: the controller socket takes the metadata requests (HELLO, RESERVE, COMMIT, LEASE,
-ACK, NACK, POP_DROPPED, STATS, SNAPSHOT, RESTORE, PING); each storage unit's socket takes the data requests
+ACK, NACK, POP_DROPPED, STATS, SNAPSHOT, RESTORE, PING, QUARANTINE); each storage unit's socket takes the data requests
 (PUT, FETCH, PING). Payload bytes never touch the controller socket. Same-host clients send the controller's
 requests (and puts without payload frames) over the direct channel instead (:mod:`slipstream.queue.direct`:
 the same type byte and header, length-prefixed on a Unix socket), and reach the units over ``ipc://``.
@@ -44,6 +44,7 @@ class MsgType(enum.IntEnum):
     SNAPSHOT = 0x0B
     RESTORE = 0x0C
     PING = 0x0D
+    QUARANTINE = 0x0E
     OK = 0x80
     ERROR = 0xFF
 
@@ -62,6 +63,7 @@ CONTROLLER_TYPES = frozenset(
         MsgType.SNAPSHOT,
         MsgType.RESTORE,
         MsgType.PING,
+        MsgType.QUARANTINE,
     }
 )
 UNIT_TYPES = frozenset({MsgType.PUT, MsgType.FETCH, MsgType.PING})
@@ -165,6 +167,16 @@ class AckRequest(_Wire):
 class NackRequest(_Wire):
     req_id: int
     lease_id: str
+
+
+class QuarantineRequest(_Wire):
+    """Groups of a lease its consumer could not unpack: taken out of the lease and never delivered again
+    (they count as consumed, so a put of the same ids is refused too)."""
+
+    req_id: int
+    lease_id: str
+    group_ids: list[str]
+    reason: str = ""
 
 
 class PopDroppedRequest(_Wire):
@@ -297,6 +309,8 @@ class PartitionStats(msgspec.Struct, kw_only=True, gc=False):
     nacked_total: int = 0
     expired_total: int = 0
     duplicates_total: int = 0
+    # Groups a consumer could not unpack (see QuarantineRequest); never delivered again.
+    quarantined_total: int = 0
     put_rate: float = 0.0
     lease_rate: float = 0.0
     ack_rate: float = 0.0
@@ -372,6 +386,7 @@ REQUEST_TYPES: dict[MsgType, type[msgspec.Struct]] = {
     MsgType.SNAPSHOT: PathRequest,
     MsgType.RESTORE: PathRequest,
     MsgType.PING: PingRequest,
+    MsgType.QUARANTINE: QuarantineRequest,
 }
 
 REPLY_TYPES: dict[MsgType, type[msgspec.Struct]] = {
@@ -388,4 +403,5 @@ REPLY_TYPES: dict[MsgType, type[msgspec.Struct]] = {
     MsgType.SNAPSHOT: SummaryReply,
     MsgType.RESTORE: SummaryReply,
     MsgType.PING: DoneReply,
+    MsgType.QUARANTINE: DoneReply,
 }

@@ -95,6 +95,7 @@ class QueueServer:
             P.MsgType.SNAPSHOT: self.controller.handle_snapshot,
             P.MsgType.RESTORE: self.controller.handle_restore,
             P.MsgType.PING: self.controller.handle_ping,
+            P.MsgType.QUARANTINE: self.controller.handle_quarantine,
         }
         self._routes: dict[Any, tuple[frozenset, dict[P.MsgType, Callable]]] = {
             self._socket: (P.CONTROLLER_TYPES, handlers)

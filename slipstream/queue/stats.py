@@ -48,6 +48,7 @@ class PartitionCounters:
     nacked_total: int = 0
     expired_total: int = 0
     duplicates_total: int = 0
+    quarantined_total: int = 0
     staleness: dict[int, int] = field(default_factory=dict)
     _puts: _Rate = field(default_factory=lambda: _Rate(PartitionCounters.WINDOW_S))
     _leases: _Rate = field(default_factory=lambda: _Rate(PartitionCounters.WINDOW_S))
@@ -86,6 +87,7 @@ class PartitionCounters:
             nacked_total=self.nacked_total,
             expired_total=self.expired_total,
             duplicates_total=self.duplicates_total,
+            quarantined_total=self.quarantined_total,
             put_rate=self._puts.rate(),
             lease_rate=self._leases.rate(),
             ack_rate=self._acks.rate(),

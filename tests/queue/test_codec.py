@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from slipstream.queue import codec as C
 from slipstream.queue import protocol as P
 from slipstream.queue.testing import make_group
+from slipstream.queue.types import COLUMN_DTYPES
 
 
 def _roundtrip_frames(tensors, inline=512):
@@ -94,6 +95,42 @@ def test_validate_group_names_the_problem():
     empty = msgspec.structs.replace(group.meta, samples=[])
     with pytest.raises(C.WireError, match="no samples"):
         C.validate_group(empty, specs, sizes)
+
+
+def _zero_rows_meta():
+    from slipstream.queue.types import GroupMeta, SampleMeta
+
+    return GroupMeta("z", [SampleMeta("z-0", 0, 0, 0, 0)])
+
+
+def _empty_columns(rows_shape=(0,)):
+    return [
+        P.TensorSpec(name, C.DTYPE_NAMES[dtype], list(rows_shape)) for name, dtype in COLUMN_DTYPES.items()
+    ]
+
+
+def test_a_tensor_without_elements_cannot_carry_an_overflowing_shape():
+    meta = _zero_rows_meta()
+    assert C.validate_group(meta, _empty_columns(), []) == 0
+    huge = P.TensorSpec("extra", "float32", [0, 2**62, 2**62])  # no bytes, but strides overflow int64
+    with pytest.raises(C.WireError, match=r"spans \d+ bytes"):
+        C.validate_group(meta, [*_empty_columns(), huge], [])
+    deep = P.TensorSpec("extra", "uint8", [0] + [1] * 8)
+    with pytest.raises(C.WireError, match="bad shape"):
+        C.validate_group(meta, [*_empty_columns(), deep], [])
+
+
+def test_socket_put_frames_hold_exactly_their_tensors():
+    group = make_group("g", n=2, payload=8)
+    specs, buffers = _specs_of(group)
+    sizes = [memoryview(b).nbytes for b in buffers]
+    assert C.validate_group(group.meta, specs, sizes, exact=True) == group.nbytes
+    padded = [n + 1_000_000 for n in sizes]  # bytes held but never accounted
+    with pytest.raises(C.WireError, match="must hold exactly"):
+        C.validate_group(group.meta, specs, padded, exact=True)
+    with pytest.raises(C.WireError, match="belongs to no tensor"):
+        C.validate_group(group.meta, specs, [*sizes, 10], exact=True)
+    C.validate_group(group.meta, specs, padded)  # an arena region or a snapshot blob may be larger
 
 
 def test_decode_request_rejects_malformed_messages():
