@@ -92,7 +92,7 @@ class ServerHost:
 
     def start(self) -> str:
         """Launch the server and wait until it answers ``/health``; return its URL."""
-        from slipstream.rollouter.launch import launch_server
+        from slipstream.rollouter.launch import ServerLaunchError, launch_server
         from slipstream.utils.net import free_port
 
         self.stop()
@@ -100,17 +100,19 @@ class ServerHost:
         threads = rollout.embedded.num_threads or os.cpu_count() or 1
         # Ray sets OMP_NUM_THREADS=1 in actors that reserve no CPU; the server gets its own count.
         env = {"OMP_NUM_THREADS": str(threads)}
-        port = free_port(host if host not in ("0.0.0.0", "::") else "127.0.0.1")
-        self.server = launch_server(
-            rollout.backend,
-            self.model_path,
-            host=host,
-            port=port,
-            cfg=rollout,
-            env=env,
-            log_path=self.log_path,
-        )
-        self.server.wait_healthy(rollout.launch_timeout_s)
+        for attempt in range(3):
+            # The port is probed on the address the server binds (0.0.0.0 covers every interface), and
+            # another process may still take it before the server binds: then a new port is tried.
+            port = free_port(host if host != "::" else "0.0.0.0")
+            self.server = launch_server(rollout.backend, self.model_path, host=host, port=port, cfg=rollout,
+                                        env=env, log_path=self.log_path)  # fmt: skip
+            try:
+                self.server.wait_healthy(rollout.launch_timeout_s)
+                break
+            except ServerLaunchError as err:
+                if attempt == 2 or "address already in use" not in str(err).lower():
+                    raise
+                log.warning("server %d: port %d was taken before it bound; trying another", self.index, port)
         self.url = f"http://{_advertised(host)}:{port}"
         log.info("server %d serving at %s (pid %d)", self.index, self.url, self.server.pid)
         return self.url

@@ -110,6 +110,8 @@ class Pipeline:
         self._rollouter_started = False
         self._closed = False
         self._restarting: dict[int, Any] = {}  # server index -> ref of its start()
+        self._restart_began: dict[int, float] = {}
+        self._no_room: set[int] = set()  # restarting servers whose node is gone and that have no room yet
         self._joining: list[str] = []  # restarted servers waiting for a push before they take requests
         self._unhealthy: dict[int, int] = {}
         self._next_health = 0.0
@@ -287,6 +289,7 @@ class Pipeline:
                         f"{self.cfg.cluster.step_timeout_s:.0f} s"
                     )
                 self._watch()
+        self._watch()  # also when steps are shorter than the health interval
         return [results[r] for r in refs]
 
     def _rank_result(self, ref: Any) -> Any:
@@ -400,8 +403,16 @@ class Pipeline:
             why = f"cluster.max_restarts={self.cfg.cluster.max_restarts} used up"
         elif resume is None:
             why = "no checkpoint to restart from"
+        if (
+            why is None
+            and self.placement is not None
+            and any("queue" in parts for parts in self.placement.lost_nodes().values())
+        ):
+            why = "the queue server's node is gone"
         if why is not None:
-            raise PartFailed(f"trainer failed at version {self.version} ({reason}); not restarted: {why}")
+            raise PartFailed(
+                f"trainer failed at version {self.version} ({reason}); not restarted: {why}{self._lost_note()}"
+            )
         log.warning("%s; restarting the trainer from %s", reason, resume)
         self.restarts["trainer"] = count + 1
         for rank in self.ranks:
@@ -413,6 +424,22 @@ class Pipeline:
         log.info("trainer restarted at version %d (servers keep version %d)", self.version, self.published)
 
     # ------------------------------------------------------------------ health
+    def poll_parts(self) -> None:
+        """Run the health checks and move server restarts on now (the step loop does this every
+        ``cluster.health_interval_s``); for callers of ``on_step`` that wait for a part to come back."""
+        self._next_health = 0.0
+        self._watch()
+
+    @property
+    def servers_restarting(self) -> set[int]:
+        """Indices of the servers being restarted (not yet back in the balancer)."""
+        return set(self._restarting)
+
+    @property
+    def servers_without_room(self) -> set[int]:
+        """Restarting servers whose node is gone and for which the rollout pool has no room yet."""
+        return set(self._no_room)
+
     def _watch(self) -> None:
         """Health checks, at most every ``cluster.health_interval_s``; restarts progress between them."""
         self._progress_restarts()
@@ -474,6 +501,7 @@ class Pipeline:
             ray.kill(self.hosts[index], no_restart=True)
             self.hosts[index] = self._new_host(index)
         self._restarting[index] = self.hosts[index].start.remote()
+        self._restart_began[index] = time.monotonic()
 
     def _progress_restarts(self) -> None:
         import ray
@@ -481,8 +509,10 @@ class Pipeline:
         for index, ref in list(self._restarting.items()):
             ready, _ = ray.wait([ref], timeout=0)
             if not ready:
+                self._check_room(index)
                 continue
             del self._restarting[index]
+            self._no_room.discard(index)
             try:
                 url = ray.get(ref, timeout=CALL_TIMEOUT_S)
             except Exception as err:
@@ -500,6 +530,25 @@ class Pipeline:
             else:
                 self._get(self.rollouter.add_server.remote(url), CALL_TIMEOUT_S, "rollouter")
                 log.info("server %d is back at %s with version %d", index, url, self.published)
+
+    def _check_room(self, index: int) -> None:
+        """A server restarting after its node died waits for Ray to find its bundle room elsewhere. Past
+        ``health_interval_s x unhealthy_checks`` without room: the run goes on with the servers left (the
+        server starts once room appears, e.g. a replacement node joins), or stops when none is left."""
+        c = self.cfg.cluster
+        name = f"server{index}"
+        if self.placement is None or self.placement.has_room(name):
+            return
+        if time.monotonic() - self._restart_began.get(index, 0.0) < c.health_interval_s * c.unhealthy_checks:
+            return
+        ask = self.placement.parts[name].demand
+        left = len(self.hosts) - len(self._restarting)
+        what = f"inference server {index} lost its node and the rollout pool has no room left for it ({ask})"
+        if left == 0:
+            raise PartFailed(f"{what}; no server is left{self._lost_note()}")
+        if index not in self._no_room:
+            self._no_room.add(index)
+            log.warning("%s; the run goes on with %d server(s) and starts it when room appears", what, left)
 
     # ------------------------------------------------------------------ metrics
     def _side_metrics(self) -> dict[str, float]:
@@ -531,17 +580,20 @@ class Pipeline:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
         timeout = self.cfg.cluster.shutdown_timeout_s
-        steps: list[tuple[str, list[Any], str]] = [
+        steps: list[tuple[str, list[Any], str | None]] = [
             ("rollouter", [self.rollouter] if self.rollouter else [], "stop"),
             ("trainer", self.ranks, "close"),
-            ("servers", self.hosts, "stop"),
+            # A host still starting (or waiting for room after its node died) cannot answer `stop`: killed.
+            ("servers", [h for i, h in enumerate(self.hosts) if i not in self._restarting], "stop"),
+            ("restarting servers", [self.hosts[i] for i in self._restarting], None),
             ("queue", [self.queue_actor] if self.queue_actor else [], "stop"),
         ]
         for name, actors, method in steps:
             if not actors:
                 continue
             try:
-                ray.get([getattr(a, method).remote() for a in actors], timeout=timeout)
+                if method is not None:
+                    ray.get([getattr(a, method).remote() for a in actors], timeout=timeout)
             except Exception as err:
                 log.warning("stopping the %s: %s; killing it", name, _first_line(err))
             for actor in actors:
@@ -567,9 +619,20 @@ class Pipeline:
         except ray.exceptions.GetTimeoutError as err:
             raise PartFailed(f"{what}: no answer within {timeout_s:.0f} s") from err
         except ray.exceptions.RayActorError as err:
-            raise PartFailed(f"{what} died: {_first_line(err)}") from err
+            raise PartFailed(f"{what} died: {_first_line(err)}{self._lost_note()}") from err
         except ray.exceptions.RayTaskError as err:
             raise PartFailed(f"{what} failed: {err.cause if err.cause is not None else err}") from err
+
+    def _lost_note(self) -> str:
+        """``; node X holding a, b is gone ...`` for every node of the run Ray lost, else empty."""
+        lost = self.placement.lost_nodes() if self.placement is not None else {}
+        if not lost:
+            return ""
+        nodes = "; ".join(f"node {node} (holding {', '.join(parts)})" for node, parts in lost.items())
+        return (
+            f". Lost: {nodes}. Start a replacement node (scripts/launch_*_cluster.sh) and run the same command "
+            "again: run.resume continues from the latest checkpoint"
+        )
 
 
 def connect_ray(cfg: Config) -> bool:

@@ -247,6 +247,7 @@ class Placement:
         self.pgs = pgs
         self.nodes = {n.node_id: n for n in nodes}
         self._pinned: dict[str, str] = {}
+        self.first_layout: list[Slot] = []  # where every part landed at the start (node-loss reports)
 
     @classmethod
     def reserve(cls, cfg: Config, timeout_s: float | None = None) -> Placement:
@@ -274,6 +275,7 @@ class Placement:
             ) from None
         placement = cls(cfg, parts, pgs, nodes)
         placement._pin_cpu_parts()
+        placement.first_layout = placement.layout()
         return placement
 
     def options(self, name: str, **extra: Any) -> dict[str, Any]:
@@ -301,6 +303,28 @@ class Placement:
             node = self.nodes.get(node_id)
             slots.append(Slot(part.name, part.pool, node_id, node.address if node else "?", part.gpus))
         return slots
+
+    def lost_nodes(self) -> dict[str, list[str]]:
+        """Nodes of this run's first layout that Ray no longer lists alive: ``{"ADDR [node]": [parts]}``."""
+        import ray
+
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        lost: dict[str, list[str]] = {}
+        for slot in self.first_layout:
+            if slot.node_id not in alive:
+                lost.setdefault(f"{slot.address} [{slot.node_id[:8]}]", []).append(slot.part)
+        return lost
+
+    def has_room(self, name: str) -> bool:
+        """Whether part ``name``'s bundle is placed (False while Ray looks for room after its node died)."""
+        import ray
+        from ray.util.placement_group import placement_group_table
+
+        part = self.parts[name]
+        if part.group is None:
+            return True
+        node = placement_group_table(self.pgs[part.group]).get("bundles_to_node_id", {}).get(part.bundle)
+        return node is not None and node in {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
 
     def summary(self) -> str:
         """One line: the parts on each node (``127.0.0.1 [1a2b3c4d]: rank0, queue; ...``)."""
