@@ -449,14 +449,16 @@ class TrainerRank:
         """Push the current weights as ``version`` (rank 0 sends; the others drive the all-gathers)."""
         import msgspec
 
+        from slipstream.trainer.trainer import push_dtype
         from slipstream.weightsync.publisher import make_publish_fn
 
         self._threads()
         t0 = time.monotonic()
+        dtype = push_dtype(self.cfg)
         if self.publisher is None:
-            make_publish_fn(None)(version, self.engine.get_per_tensor_param())
+            make_publish_fn(None)(version, self.engine.get_per_tensor_param(dtype))
             return {}
-        report = self.publisher.publish(version, self.engine.get_per_tensor_param())
+        report = self.publisher.publish(version, self.engine.get_per_tensor_param(dtype))
         out = msgspec.to_builtins(report)
         out["wall_s"] = time.monotonic() - t0
         return out

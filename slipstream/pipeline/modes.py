@@ -54,7 +54,8 @@ BACKEND_MODULES: dict[str, str] = {"vllm": "vllm", "sglang": "sglang"}
 
 
 def prepare_config(cfg: Config) -> tuple[Config, list[str]]:
-    """Apply the mode's preset to ``cfg.async``, derive ``weightsync.pause_mode`` and ``queue.journal``.
+    """Apply the mode's preset to ``cfg.async``, derive ``weightsync.pause_mode``, ``queue.journal`` and
+    ``queue.snapshot_dir`` (the run's checkpoint directory).
 
     Returns the new config and one note per value the preset changed (the controller logs them, so a
     user who set ``async.staleness_threshold`` in ``sync`` mode sees why it is not used).
@@ -70,14 +71,42 @@ def prepare_config(cfg: Config) -> tuple[Config, list[str]]:
     async_cfg = msgspec.structs.replace(cfg.async_, **preset)
     pause = PAUSE_MODES[async_cfg.partial_rollout]
     weightsync = msgspec.structs.replace(cfg.weightsync, pause_mode=pause)
+    if weightsync.push_dtype == "auto":
+        weightsync = msgspec.structs.replace(weightsync, push_dtype=served_dtype(cfg))
     queue = cfg.queue
     if cfg.cluster.restart_trainer and not queue.journal:
         # A trainer restarted while the queue server lives on rolls the queue back to its checkpoint's
         # snapshot; the groups acked since come back from the journal (without it they would be lost).
         queue = msgspec.structs.replace(queue, journal=True)
         notes.append("queue.journal: False -> True (cluster.restart_trainer rolls the live queue back)")
+    # Each checkpoint holds its queue snapshot; the server writes snapshots only inside its snapshot_dir.
+    snapshots = str(Path(cfg.run.output_dir, cfg.run.name, "checkpoints").absolute())
+    if queue.snapshot_dir != snapshots:
+        if queue.snapshot_dir:
+            notes.append(f"queue.snapshot_dir: {queue.snapshot_dir!r} -> {snapshots!r} (the checkpoints)")
+        queue = msgspec.structs.replace(queue, snapshot_dir=snapshots)
     replaced = msgspec.structs.replace(cfg, async_=async_cfg, weightsync=weightsync, queue=queue)
     return replaced, notes
+
+
+def served_dtype(cfg: Config) -> str:
+    """The dtype the inference servers hold weights in (what ``weightsync.push_dtype: auto`` pushes)."""
+    if cfg.rollout.backend == "embedded":
+        return cfg.rollout.embedded.dtype
+    for arg in cfg.rollout.server_args:
+        key, _, value = arg.partition("=")
+        if key == "--dtype" and value in ("float32", "bfloat16", "float16"):
+            return value
+        if key == "--dtype" and value in ("half", "bf16", "float", "fp32"):
+            return {"half": "float16", "bf16": "bfloat16", "float": "float32", "fp32": "float32"}[value]
+    config = Path(cfg.model.path).expanduser() / "config.json"
+    if config.is_file():  # vLLM and SGLang serve the checkpoint's dtype unless told otherwise
+        found = json.loads(config.read_text()).get("torch_dtype") or json.loads(config.read_text()).get(
+            "dtype"
+        )
+        if found in ("float32", "bfloat16", "float16"):
+            return found
+    return cfg.model.dtype
 
 
 def check_config(cfg: Config, *, environment: bool = True) -> None:

@@ -126,7 +126,7 @@ class Trainer:
         metrics["trainer/dropped_groups"] = float(self._bcast_scalar(sum(len(v) for v in dropped.values())))
         if self.publish_fn is not None and self.version % self.cfg.async_.sync_every == 0:
             t_pub = time.perf_counter()
-            self.publish_fn(self.version, self.engine.get_per_tensor_param())
+            self.publish_fn(self.version, self.engine.get_per_tensor_param(push_dtype(self.cfg)))
             metrics["trainer/publish_s"] = time.perf_counter() - t_pub
         every = self.cfg.trainer.checkpoint_every
         if every and self.version % every == 0:
@@ -362,3 +362,9 @@ def _accumulate(into: dict[str, float], metrics: dict[str, float]) -> None:
 
 def _lookup_peak_tflops(name: str) -> float | None:
     return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
+def push_dtype(cfg: Config) -> torch.dtype | None:
+    """The dtype weights are pushed in (``weightsync.push_dtype``; ``auto`` unresolved: as trained)."""
+    name = cfg.weightsync.push_dtype
+    return None if name == "auto" else getattr(torch, name)

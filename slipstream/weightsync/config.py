@@ -39,5 +39,9 @@ class WeightSyncConfig(ConfigStruct):
     # Receivers refuse a version that does not cover every parameter they serve (a sender bug would
     # otherwise leave a model that mixes two versions).
     require_all_weights: bool = True
+    # Dtype of the pushed weights: the servers' own (`auto`: the embedded server's `rollout.embedded.dtype`,
+    # a vLLM/SGLang `--dtype` in `rollout.server_args`, else the checkpoint's `torch_dtype`), so a bf16 server
+    # gets 2 bytes a parameter even when the trainer keeps fp32 master weights.
+    push_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # Name of the trainer↔servers process group (several may coexist on one server).
     group_name: str = "slipstream_weights"
