@@ -64,5 +64,21 @@ class QueueConfig(ConfigStruct):
     # followed), never a path of its own. "" refuses both requests. `slipstream train` sets it to the run's
     # checkpoint directory, where each checkpoint holds its snapshot.
     snapshot_dir: str = ""
+    # Memory bounds against clients that misbehave (each refusal is an error reply naming the bound). A put
+    # parked on back-pressure holds its payload frames (a shared-memory put's region is already reserved): at
+    # most this many puts are parked at once ...
+    max_parked_puts: Annotated[int, msgspec.Meta(ge=1)] = 1024
+    # ... holding at most this many frame bytes; a put beyond either fails at once with QueueFull.
+    max_parked_put_bytes: Annotated[int, msgspec.Meta(ge=0)] = 1 * GiB
+    # Leases waiting for groups at once; one more is refused at once.
+    max_waiting_leases: Annotated[int, msgspec.Meta(ge=1)] = 4096
+    # Replies a same-host client has not read yet, per direct-channel connection: beyond this the server stops
+    # reading that connection's requests until the client catches up (a client that never reads blocks in its
+    # own send, and the server's memory stays bounded).
+    direct_max_unread_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 16 * MiB
+    # ZeroMQ high-water mark of every server socket: messages queued per peer and direction. A peer that sends
+    # faster than the server reads is slowed by TCP; a reply to a peer that does not read its replies is
+    # dropped once its queue is full (a lease reply: the groups stay ready).
+    zmq_hwm: Annotated[int, msgspec.Meta(ge=1)] = 1000
     # ZeroMQ IO threads of the server; more help only when many remote clients move data at once.
     io_threads: Annotated[int, msgspec.Meta(ge=1)] = 2

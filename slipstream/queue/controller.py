@@ -65,6 +65,11 @@ log = get_logger(__name__)
 _PARTITION_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
 
+def _waiter_of(timer: tuple[float, int, str, Any]) -> Waiter:
+    key = timer[3]
+    return key[1] if timer[2] == "wait" else key
+
+
 class Controller(Leases, Recovery):
     """Metadata owner of one queue server. Not thread-safe: only the server loop thread calls it."""
 
@@ -101,6 +106,9 @@ class Controller(Leases, Recovery):
         self._commits: OrderedDict[str, tuple[frozenset[str], frozenset[str]]] = OrderedDict()
         self.held_groups = 0
         self.held_bytes = 0
+        self.parked_puts = 0  # parked puts and the frame bytes they hold, and leases waiting (not done)
+        self.parked_bytes = 0
+        self.waiting_leases = 0
 
     # -------------------------------------------------------------------------------------- helpers
     def _part(self, name: str) -> Partition:
@@ -113,6 +121,17 @@ class Controller(Leases, Recovery):
 
     def _timer(self, deadline: float, kind: str, key: Any) -> None:
         heapq.heappush(self._timers, (deadline, next(self._timer_seq), kind, key))
+        if len(self._timers) > 4 * (self.parked_puts + self.waiting_leases) + 1024:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop answered requests from the timers and wait lists (each is otherwise kept until its deadline
+        or until it reaches the front of its list, so many short waits behind a long one would pile up)."""
+        self._timers = [t for t in self._timers if not _waiter_of(t).done]
+        heapq.heapify(self._timers)
+        self._parked_puts = deque(w for w in self._parked_puts if not w.done)
+        for part in self._partitions.values():
+            part.waiters = deque(w for w in part.waiters if not w.done)
 
     def _ok(self, reply_to: ReplyTo, header: msgspec.Struct, buffers: Sequence[Any] = ()) -> bool:
         return self._send(reply_to, P.MsgType.OK, header, buffers)
@@ -176,9 +195,10 @@ class Controller(Leases, Recovery):
         on_admit: Callable[[], None],
         on_duplicate: Callable[[], None],
         on_timeout: Callable[[], None] | None = None,
+        frame_bytes: int = 0,
     ) -> None:
         """Run ``on_admit`` now or once capacity allows; ``on_duplicate`` when the group was seen; on a
-        timeout, ``on_timeout`` then a QueueFull reply."""
+        timeout, ``on_timeout`` then a QueueFull reply. ``frame_bytes``: what the request holds while parked."""
         self._part(req.partition)
         if self._is_seen(req.meta):
             self._part(req.partition).counters.duplicates_total += 1
@@ -195,10 +215,41 @@ class Controller(Leases, Recovery):
         if not self._parked_puts and self._fits(nbytes):
             on_admit()
             return
+        self._check_parking(frame_bytes)
         deadline = time.monotonic() + max(0.0, req.timeout_s)
         waiter = Waiter(reply_to, req, deadline, nbytes, on_admit, on_duplicate, on_timeout)
+        waiter.frame_bytes = frame_bytes
         self._parked_puts.append(waiter)
+        self.parked_puts += 1
+        self.parked_bytes += frame_bytes
         self._timer(waiter.deadline, "put", waiter)
+
+    def _check_parking(self, frame_bytes: int) -> None:
+        """Refuse to park one more put beyond ``max_parked_puts`` / ``max_parked_put_bytes``."""
+        cfg = self.cfg
+        if (
+            self.parked_puts < cfg.max_parked_puts
+            and self.parked_bytes + frame_bytes <= cfg.max_parked_put_bytes
+        ):
+            return
+        raise WireError(
+            "queue_full",
+            f"queue full and {self.parked_puts} put(s) holding {self.parked_bytes} bytes already wait for room "
+            f"(queue.max_parked_puts={cfg.max_parked_puts}, max_parked_put_bytes={cfg.max_parked_put_bytes}); "
+            "retry later",
+        )
+
+    def _settle(self, waiter: Waiter) -> bool:
+        """Mark a parked request answered or abandoned (False if it already was); frees its parking share."""
+        if waiter.done:
+            return False
+        waiter.done = True
+        if waiter.is_put:
+            self.parked_puts -= 1
+            self.parked_bytes -= waiter.frame_bytes
+        else:
+            self.waiting_leases -= 1
+        return True
 
     def _fits(self, nbytes: int) -> bool:
         groups, held = self.held_groups, self.held_bytes
@@ -215,14 +266,14 @@ class Controller(Leases, Recovery):
                 continue
             if self._is_seen(waiter.req.meta):
                 self._parked_puts.popleft()
-                waiter.done = True
+                self._settle(waiter)
                 self._part(waiter.req.partition).counters.duplicates_total += 1
                 self._guarded(waiter.reply_to, waiter.req.req_id, waiter.on_duplicate)
                 continue
             if not self._fits(waiter.nbytes):
                 return
             self._parked_puts.popleft()
-            waiter.done = True
+            self._settle(waiter)
             self._guarded(waiter.reply_to, waiter.req.req_id, waiter.on_admit)
 
     def _guarded(self, reply_to: ReplyTo, req_id: int, fn: Callable[[], None]) -> None:
@@ -248,7 +299,8 @@ class Controller(Leases, Recovery):
             self._ok(reply_to, P.PutReply(req.req_id, True))  # before a waiting lease is served from it
             self._make_ready(group)
 
-        self._admit(req, nbytes, reply_to, store, lambda: self._ok(reply_to, P.PutReply(req.req_id, False)))
+        duplicate = lambda: self._ok(reply_to, P.PutReply(req.req_id, False))  # noqa: E731
+        self._admit(req, nbytes, reply_to, store, duplicate, frame_bytes=nbytes)
 
     def handle_reserve(self, reply_to: ReplyTo, req: P.ReserveRequest, _buffers: list[Any]) -> None:
         self.credits.release(req.release)
@@ -317,9 +369,8 @@ class Controller(Leases, Recovery):
         return max(0.0, min(wait, 1.0))
 
     def _expire_put(self, waiter: Waiter) -> None:
-        if waiter.done:
+        if not self._settle(waiter):
             return
-        waiter.done = True
         if waiter.on_timeout is not None:
             waiter.on_timeout()
         backlog = self.journal.backlog_groups if self.journal is not None else 0
@@ -370,8 +421,9 @@ class Controller(Leases, Recovery):
             held_bytes=self.held_bytes,
             capacity_groups=self.cfg.capacity_groups,
             capacity_bytes=self.cfg.capacity_bytes,
-            puts_waiting=sum(not w.done for w in self._parked_puts),
-            leases_waiting=sum(not w.done for p in self._partitions.values() for w in p.waiters),
+            puts_waiting=self.parked_puts,
+            puts_waiting_bytes=self.parked_bytes,
+            leases_waiting=self.waiting_leases,
             credits=len(self.credits),
             consumed_uids=len(self._consumed_uids),
             dropped_waiting=len(self._dropped),

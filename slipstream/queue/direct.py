@@ -18,7 +18,10 @@ only processes in the server's network namespace (on its host) can connect.
 
 Server side: :class:`DirectListener` and :class:`DirectConn` are driven by the server loop (their
 descriptors sit in its ZeroMQ poller); writes that do not fit the socket buffer wait in the connection's
-output buffer until it is writable. Client side: :class:`DirectSocket` offers the few ``zmq.Socket`` methods the
+output buffer until it is writable. Memory per connection is bounded both ways: at most ``_FILL_MAX`` bytes are
+read per wake-up, and the server stops taking requests from a connection whose unread replies exceed
+``queue.direct_max_unread_bytes`` until the client reads them (so a client that never reads ends up blocked in
+its own send). Client side: :class:`DirectSocket` offers the few ``zmq.Socket`` methods the
 clients use (``send_multipart``, ``poll``, ``recv_multipart``, ``getsockopt(FD/EVENTS)``, ``close``), so both
 clients drive it exactly like their ZeroMQ sockets.
 """
@@ -41,6 +44,7 @@ _LEN = struct.Struct("<I")
 # Control messages are headers only; this bounds what a peer can make either side buffer.
 MAX_FRAME = 64 << 20
 _READ = 1 << 16
+_FILL_MAX = 1 << 20  # bytes read from one connection per wake-up of the server loop
 
 
 def abstract_address(endpoint: str) -> str:
@@ -115,25 +119,33 @@ class DirectConn:
     def pending(self) -> bool:
         return bool(self._out)
 
-    def read(self) -> list[list[bytes]]:
-        """Complete messages received so far; sets ``closed`` at end of stream. Raises FrameTooLarge."""
-        while True:
+    @property
+    def unread_bytes(self) -> int:
+        """Replies queued for the client and not yet taken by its socket."""
+        return len(self._out)
+
+    def fill(self) -> None:
+        """Read what has arrived, at most ``_FILL_MAX`` bytes (the rest waits in the kernel, so a client
+        that sends without pause cannot grow this buffer); sets ``closed`` at end of stream."""
+        got = 0
+        while got < _FILL_MAX:
             try:
                 chunk = self.sock.recv(_READ)
             except BlockingIOError:
-                break
+                return
             except OSError:
                 chunk = b""
             if not chunk:
                 self.closed = True
-                break
+                return
             self._reader.buf += chunk
+            got += len(chunk)
             if len(chunk) < _READ:
-                break
-        out = []
-        while (msg := self._reader.take()) is not None:
-            out.append(msg)
-        return out
+                return
+
+    def take(self) -> list[bytes] | None:
+        """The next complete message received, or None. Raises FrameTooLarge."""
+        return self._reader.take()
 
     def send(self, parts: Sequence[Any]) -> bool:
         """Queue one message and write what the socket takes now; True while output is left over."""

@@ -35,8 +35,16 @@ class Leases:
                 "bad_request", f"need 1 <= min_groups ({req.min_groups}) <= n_groups ({req.n_groups})"
             )
         part = self._part(req.partition)
+        if self.waiting_leases >= self.cfg.max_waiting_leases:
+            self._serve_waiters(part)  # drops answered waiters from the front
+        if self.waiting_leases >= self.cfg.max_waiting_leases:
+            raise WireError(
+                "too_many_waiting",
+                f"{self.waiting_leases} leases already wait for groups (queue.max_waiting_leases); retry later",
+            )
         waiter = Waiter(reply_to, req, time.monotonic() + max(0.0, req.timeout_s))
         part.waiters.append(waiter)
+        self.waiting_leases += 1
         self._serve_waiters(part)
         if not waiter.done:
             self._timer(waiter.deadline, "wait", (req.partition, waiter))
@@ -50,7 +58,7 @@ class Leases:
     def _grant(self, part: Partition, waiter: Waiter) -> None:
         """Lease the front of the ready set to ``waiter``; if its reply cannot be delivered (the requester is
         gone), nothing changes and the groups stay ready for the next waiter."""
-        waiter.done = True
+        self._settle(waiter)
         req = waiter.req
         take = min(req.n_groups, len(part.ready))
         groups = [self._groups[gid] for gid in itertools.islice(part.ready, take)]
@@ -212,9 +220,8 @@ class Leases:
 
     def _expire_wait(self, key: tuple[str, Waiter]) -> None:
         partition, waiter = key
-        if waiter.done:
+        if not self._settle(waiter):
             return
-        waiter.done = True
         self._ok(waiter.reply_to, P.LeaseReply(waiter.req.req_id))
         self._serve_waiters(self._part(partition))  # a head waiter that timed out may unblock the next
 
@@ -224,10 +231,8 @@ class Leases:
         for part in self._partitions.values():
             for waiter in part.waiters:
                 if waiter.reply_to[0] is sock:
-                    waiter.done = True
+                    self._settle(waiter)
         for waiter in self._parked_puts:
-            if not waiter.done and waiter.reply_to[0] is sock:
-                waiter.done = True
-                if waiter.on_timeout is not None:
-                    waiter.on_timeout()
+            if waiter.reply_to[0] is sock and self._settle(waiter) and waiter.on_timeout is not None:
+                waiter.on_timeout()
         self._admit_parked()

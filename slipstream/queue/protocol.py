@@ -326,6 +326,8 @@ class QueueStats(msgspec.Struct, kw_only=True, gc=False):
     capacity_groups: int = 0
     capacity_bytes: int = 0
     puts_waiting: int = 0
+    # Payload bytes the waiting puts hold in server memory (socket frames; beside held_bytes).
+    puts_waiting_bytes: int = 0
     leases_waiting: int = 0
     # Arena credits handed out and not yet used.
     credits: int = 0
@@ -367,7 +369,7 @@ class DoneReply(_Wire):
 
 class ErrorReply(_Wire):
     req_id: int
-    # bad_request | too_large | queue_full | unknown_lease | expired | internal
+    # bad_request | too_large | queue_full | too_many_waiting | unknown_lease | expired | internal
     kind: str
     message: str
 

@@ -122,8 +122,10 @@ class QueueServer:
         returns it and the port."""
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)  # never drop a reply
-        sock.setsockopt(zmq.RCVHWM, 0)
+        # Bounded queues per peer: a sender faster than the loop is slowed by TCP; a reply to a peer that
+        # does not read is dropped once its queue is full (ROUTER_MANDATORY makes that an error, see _send).
+        sock.setsockopt(zmq.SNDHWM, self.cfg.zmq_hwm)
+        sock.setsockopt(zmq.RCVHWM, self.cfg.zmq_hwm)
         sock.setsockopt(zmq.MAXMSGSIZE, min(2 * self.cfg.max_message_bytes, 2**62))
         # A reply to a peer that is gone fails instead of vanishing, so a lease is never granted to it.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -199,26 +201,37 @@ class QueueServer:
     def _serve_conn(self, conn: DirectConn, events: int) -> None:
         if events & _POLLOUT:
             conn.flush()
-        if events & _POLLIN:
-            try:
-                messages = conn.read()
-            except FrameTooLarge as err:
-                messages = []
-                conn.send(self._codec.encode(P.MsgType.ERROR, P.ErrorReply(0, "too_large", str(err))))
-                conn.closed = True
-            for body in messages:
-                self._handle((conn, None), body, P.DIRECT_TYPES, self._direct_handlers)
+        if events & _POLLIN and self._reading(conn):
+            conn.fill()
+        self._serve_buffered(conn)
         self._watch(conn)
 
+    def _reading(self, conn: DirectConn) -> bool:
+        """Whether to take more requests from ``conn``: not while its client leaves too many replies unread."""
+        return conn.unread_bytes <= self.cfg.direct_max_unread_bytes
+
+    def _serve_buffered(self, conn: DirectConn) -> None:
+        """Serve the complete requests ``conn`` has buffered, while its unread replies stay within bounds."""
+        while self._reading(conn):
+            try:
+                body = conn.take()
+            except FrameTooLarge as err:
+                conn.send(self._codec.encode(P.MsgType.ERROR, P.ErrorReply(0, "too_large", str(err))))
+                conn.closed = True
+                return
+            if body is None:
+                return
+            self._handle((conn, None), body, P.DIRECT_TYPES, self._direct_handlers)
+
     def _watch(self, conn: DirectConn) -> None:
-        """Keep the poller in step with a connection: gone, waiting to write, or only reading."""
+        """Keep the poller in step with a connection: gone, waiting to write, reading, or both."""
         if conn.closed:
             if self._conns.pop(conn.fd, None) is not None:
                 self._poller.unregister(conn.fd)
                 conn.close()
                 self.controller.forget(conn)  # its parked requests can never be answered
             return
-        want = _POLLIN | (_POLLOUT if conn.pending else 0)
+        want = (_POLLIN if self._reading(conn) else 0) | (_POLLOUT if conn.pending else 0)
         if want != conn.watched:
             conn.watched = want
             self._poller.modify(conn.fd, want)

@@ -57,6 +57,12 @@ class Waiter:
     on_duplicate: Callable[[], None] | None = None
     on_timeout: Callable[[], None] | None = None
     done: bool = False
+    # Payload bytes the parked request holds in server memory (a socket put's frames; 0 for the rest).
+    frame_bytes: int = 0
+
+    @property
+    def is_put(self) -> bool:
+        return self.on_admit is not None
 
 
 @dataclass(slots=True)
