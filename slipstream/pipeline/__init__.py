@@ -12,7 +12,8 @@ The package is the only place (with ``cli.py``) that imports every role (design.
 * ``checkpoint.py``: run checkpoints consistent across parts, and the record of trained samples.
 
 Exit codes of ``main``: 0 done, 1 a part failed (the message names it), 2 a bad config or command line
-(nothing was started), 130 interrupted (every part was stopped). With ``--check-placement`` nothing is
+(nothing was started), 130 interrupted (every part was stopped), 143 stopped by SIGTERM after a step and a
+checkpoint (a second SIGTERM stops at once, as Ctrl-C does). With ``--check-placement`` nothing is
 started but the reservation: 0 when every part fits the cluster (the layout is printed), 1 naming the
 shortfall.
 """
@@ -61,6 +62,13 @@ def main(argv: list[str]) -> int:
     except (PartFailed, ConfigError) as err:
         print(f"slipstream train: {err}", file=sys.stderr)
         return 1
+    if result.stopped:
+        print(
+            f"slipstream train: stopped on request after step {result.version} with a checkpoint; the same "
+            "command continues the run",
+            file=sys.stderr,
+        )
+        return 143
     print(
         f"slipstream train: {result.version} steps in {result.wall_s:.0f} s; metrics in "
         f"{result.run_dir}/metrics.jsonl (curves: slipstream plot {result.run_dir})",

@@ -73,6 +73,7 @@ class RunResult:
     run_dir: Path
     wall_s: float
     restarts: dict[str, int] = field(default_factory=dict)
+    stopped: bool = False  # ended early by a stop request (SIGTERM), after a checkpoint
 
 
 class _TrainerDied(Exception):
@@ -93,6 +94,8 @@ class Pipeline:
         self.on_step = on_step
         # `kill` stops a run as cleanly as Ctrl-C (the command sets this; library users keep their handler).
         self.stop_on_sigterm = False
+        self._stop_requested = False
+        self._sigterm_before: Any = None  # the SIGTERM handler to put back at shutdown
         self.run_dir = Path(cfg.run.output_dir) / cfg.run.name
         self.ckpt_root = ckpt.checkpoint_root(self.run_dir)
         self.version = 0
@@ -123,13 +126,28 @@ class Pipeline:
         self._t0 = time.monotonic()
         try:
             self._start()
-            while self.version < self.total_steps:
+            while self.version < self.total_steps and not self._stop_requested:
                 self._step()
-            if self.cfg.trainer.checkpoint_every and self.version % self.cfg.trainer.checkpoint_every:
-                self._checkpoint()  # the end of a run is always resumable
+            if self.version > 0 and self._end_needs_checkpoint():
+                self._checkpoint()  # the end of a run is always resumable; so is a stop on request
         finally:
             self.shutdown()
-        return RunResult(self.version, self.run_dir, time.monotonic() - self._t0, dict(self.restarts))
+        wall = time.monotonic() - self._t0
+        return RunResult(self.version, self.run_dir, wall, dict(self.restarts), self._stop_requested)
+
+    def _end_needs_checkpoint(self) -> bool:
+        every = self.cfg.trainer.checkpoint_every
+        return self.version % every != 0 if every else self._stop_requested
+
+    def request_stop(self) -> None:
+        """Finish the step in flight, write a checkpoint (even with ``checkpoint_every: 0``), stop every part.
+        `slipstream train` calls this on SIGTERM (a second SIGTERM stops at once, without the checkpoint);
+        the same command run again continues from that checkpoint."""
+        if self._stop_requested:
+            raise KeyboardInterrupt
+        self._stop_requested = True
+        log.warning("stop requested: finishing step %d, then a checkpoint; SIGTERM again to stop at once",
+                    self.version + 1)  # fmt: skip
 
     # ------------------------------------------------------------------ start-up
     def _start(self) -> None:
@@ -170,8 +188,8 @@ class Pipeline:
         from slipstream.pipeline.placement import Placement, PlacementError
 
         self._ray_started = connect_ray(self.cfg)
-        if self._ray_started and self.stop_on_sigterm:  # after ray.init, which installs a handler of its own
-            signal.signal(signal.SIGTERM, _interrupt)
+        if self.stop_on_sigterm:  # after ray.init, which installs a handler of its own
+            self._sigterm_before = signal.signal(signal.SIGTERM, lambda signum, frame: self.request_stop())
         wait_for_own_children()  # Ray's subreaper setting made this driver ignore SIGCHLD
         check_pools(self.cfg, ray.cluster_resources())
         check_hosts(self.cfg, sum(1 for n in ray.nodes() if n.get("Alive")))
@@ -609,6 +627,8 @@ class Pipeline:
             self.placement.release()
         if self._ray_started:
             ray.shutdown()
+        if self._sigterm_before is not None:
+            signal.signal(signal.SIGTERM, self._sigterm_before)
 
     # ------------------------------------------------------------------ helpers
     def _get(self, refs: Any, timeout_s: float, what: str) -> Any:
@@ -708,10 +728,6 @@ def check_hosts(cfg: Config, nodes: int) -> None:
             f"{', '.join(k.split('=')[0] for k in keys)}: loopback ({', '.join(keys)}) but the Ray cluster has "
             f"{nodes} nodes, so other nodes could not reach them; set {fix}"
         )
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
 
 
 def _first_line(err: BaseException) -> str:

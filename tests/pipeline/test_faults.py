@@ -92,3 +92,28 @@ def _metrics(run_dir):
     import json
 
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sigterm_finishes_the_step_saves_a_checkpoint_and_the_rerun_loses_nothing(
+    ray_pools, tiny_model_path, tmp_path
+):
+    """With `checkpoint_every: 0` (as in the quickstart) a SIGTERM after step 2 still leaves a checkpoint: the
+    run stops after the step in flight, and the same command continues from it, each prompt once."""
+    stopped_at = []
+
+    def terminate(pipeline, version, metrics):
+        if version == 2 and not stopped_at:
+            stopped_at.append(version)
+            os.kill(os.getpid(), signal.SIGTERM)  # as `kill` or a scheduler's preemption does
+
+    args = ("async.mode=fully_async", "run.total_steps=5", "trainer.checkpoint_every=0")
+    before = signal.getsignal(signal.SIGTERM)
+    pipeline = Pipeline(pipeline_config(tmp_path, tiny_model_path, *args), on_step=terminate)
+    pipeline.stop_on_sigterm = True
+    first = pipeline.run()
+    assert first.stopped and first.version == 2
+    assert (first.run_dir / "checkpoints" / "step_00000002" / "COMPLETE").is_file()
+    assert signal.getsignal(signal.SIGTERM) is before  # the library gives the handler back
+    second = Pipeline(pipeline_config(tmp_path, tiny_model_path, *args)).run()
+    assert not second.stopped and second.version == 5
+    assert_each_prompt_trained_once(second.run_dir, 5)
