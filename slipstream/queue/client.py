@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -77,6 +78,15 @@ class _Base:
         self._held: set[str] = set()
         self._abandoned: dict[int, P.MsgType] = {}
         self._closed = False
+        # This client's secret: the server binds the leases and arena credits it grants to it, so no other
+        # client can ack, nack, fetch, commit or release them, even knowing their ids.
+        self._owner = secrets.token_bytes(16)
+
+    def _stamp(self, header: Any) -> None:
+        """Fill in a request's id and, where it has one, its owner secret."""
+        header.req_id = next(self._ids)
+        if hasattr(header, "owner"):
+            header.owner = self._owner
 
     def _closing_ops(self) -> list[ops.Op]:
         """Nack the leases still held and release unused arena credits."""
@@ -309,7 +319,7 @@ class QueueClient(_Base):
     def _exchange(self, calls: list[Call]) -> list[Any]:
         sent = []
         for call in calls:
-            call.header.req_id = next(self._ids)
+            self._stamp(call.header)
             send_frames(
                 self._socket(call.target), self._codec.encode(call.msg_type, call.header, call.buffers)
             )
@@ -337,7 +347,7 @@ class QueueClient(_Base):
                 self._send_nack(stale)
 
     def _send_nack(self, lease_id: str) -> None:
-        req = P.NackRequest(next(self._ids), lease_id)
+        req = P.NackRequest(next(self._ids), lease_id, owner=self._owner)
         self._abandon(req.req_id, P.MsgType.NACK)
         self._socket(CONTROLLER).send_multipart(self._codec.encode(P.MsgType.NACK, req))
 
@@ -494,7 +504,7 @@ class AsyncQueueClient(_Base):
         loop = asyncio.get_running_loop()
         futures = []
         for call in calls:
-            call.header.req_id = next(self._ids)
+            self._stamp(call.header)
             future = loop.create_future()
             self._waiting[call.header.req_id] = (future, call)
             futures.append(future)
@@ -531,7 +541,7 @@ class AsyncQueueClient(_Base):
             if entry is None:
                 stale = self._stale_lease(frames)
                 if stale:
-                    req = P.NackRequest(next(self._ids), stale)
+                    req = P.NackRequest(next(self._ids), stale, owner=self._owner)
                     self._abandon(req.req_id, P.MsgType.NACK)
                     self._send(CONTROLLER, self._codec.encode(P.MsgType.NACK, req))
                 continue

@@ -38,7 +38,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import re
-import secrets
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
@@ -81,11 +80,9 @@ class Controller(Leases, Recovery):
         self.units = list(units)
         self._send = send
         self._nonce = nonce
-        self._lease_prefix = secrets.token_hex(4)
         self._started = time.monotonic()
         self._seq = itertools.count()
         self._tokens = itertools.count(1)
-        self._lease_ids = itertools.count(1)
         self._groups: dict[str, Group] = {}
         self._by_token: dict[int, Group] = {}
         self._partitions: dict[str, Partition] = {}
@@ -93,7 +90,7 @@ class Controller(Leases, Recovery):
         # front (a heap of them would grow with every lease).
         self._leases: OrderedDict[str, LeaseRecord] = OrderedDict()
         self.credits = Credits(self.units, self._tokens, cfg.reserve_timeout_s)
-        self._expired: OrderedDict[str, list[str]] = OrderedDict()
+        self._expired: OrderedDict[str, LeaseRecord] = OrderedDict()
         self._held_uids: set[str] = set()
         self._consumed_groups: set[str] = set()
         self._consumed_uids: set[str] = set()
@@ -198,7 +195,8 @@ class Controller(Leases, Recovery):
         frame_bytes: int = 0,
     ) -> None:
         """Run ``on_admit`` now or once capacity allows; ``on_duplicate`` when the group was seen; on a
-        timeout, ``on_timeout`` then a QueueFull reply. ``frame_bytes``: what the request holds while parked."""
+        timeout, ``on_timeout`` then a QueueFull reply. ``frame_bytes``: what the request holds while
+        parked."""
         self._part(req.partition)
         if self._is_seen(req.meta):
             self._part(req.partition).counters.duplicates_total += 1
@@ -234,9 +232,9 @@ class Controller(Leases, Recovery):
             return
         raise WireError(
             "queue_full",
-            f"queue full and {self.parked_puts} put(s) holding {self.parked_bytes} bytes already wait for room "
-            f"(queue.max_parked_puts={cfg.max_parked_puts}, max_parked_put_bytes={cfg.max_parked_put_bytes}); "
-            "retry later",
+            f"queue full and {self.parked_puts} put(s) holding {self.parked_bytes} bytes already wait for "
+            f"room (queue.max_parked_puts={cfg.max_parked_puts}, "
+            f"max_parked_put_bytes={cfg.max_parked_put_bytes}); retry later",
         )
 
     def _settle(self, waiter: Waiter) -> bool:
@@ -303,13 +301,13 @@ class Controller(Leases, Recovery):
         self._admit(req, nbytes, reply_to, store, duplicate, frame_bytes=nbytes)
 
     def handle_reserve(self, reply_to: ReplyTo, req: P.ReserveRequest, _buffers: list[Any]) -> None:
-        self.credits.release(req.release)
-        credit = self.credits.grant(req.nbytes) if req.nbytes > 0 else None
+        self.credits.release(req.release, req.owner)
+        credit = self.credits.grant(req.nbytes, req.owner) if req.nbytes > 0 else None
         self._ok(reply_to, P.ReserveReply(req.req_id, credit))
 
     def handle_commit(self, reply_to: ReplyTo, req: P.CommitRequest, _buffers: list[Any]) -> None:
-        self.credits.release(req.release)
-        held = self.credits.take(req.token, req.req_id)  # ours until stored, or handed back below
+        self.credits.release(req.release, req.owner)
+        held = self.credits.take(req.token, req.req_id, req.owner)  # its until stored, or handed back below
 
         def store() -> None:
             self.credits.trim(held, req.tensors)
@@ -320,7 +318,7 @@ class Controller(Leases, Recovery):
                 1,
             )
             self._hold(group)
-            credit = self.credits.grant(req.next_nbytes) if req.next_nbytes > 0 else None
+            credit = self.credits.grant(req.next_nbytes, req.owner) if req.next_nbytes > 0 else None
             self._ok(reply_to, P.CommitReply(req.req_id, True, credit))  # before a waiting lease is served
             self._make_ready(group)
 

@@ -19,6 +19,7 @@ the server can never have freed and re-used a region while its producer still wr
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
@@ -38,6 +39,7 @@ class Held:
     unit: int
     offset: int
     nbytes: int
+    owner: bytes = b""  # the secret of the client it was granted to: only it may commit or release it
 
 
 class Credits:
@@ -53,26 +55,27 @@ class Credits:
     def __len__(self) -> int:
         return len(self._live)
 
-    def grant(self, nbytes: int) -> P.Credit | None:
-        """A new credit of at least ``nbytes``, or None when no arena has room now."""
+    def grant(self, nbytes: int, owner: bytes) -> P.Credit | None:
+        """A new credit of at least ``nbytes`` for ``owner``, or None when no arena has room now."""
         for i in range(len(self._units)):
             unit = self._units[(self._next + i) % len(self._units)]
             offset = unit.arena.alloc(nbytes)
             if offset is not None:
                 self._next = (self._next + i + 1) % len(self._units)
-                return self._register(Held(next(self._tokens), unit.index, offset, nbytes))
+                return self._register(Held(next(self._tokens), unit.index, offset, nbytes, owner))
         return None
 
     def _register(self, held: Held) -> P.Credit:
         self._live[held.token] = (time.monotonic() + self.ttl_s, held)
         return P.Credit(held.token, held.unit, held.offset, held.nbytes, self.ttl_s)
 
-    def take(self, token: int, req_id: int) -> Held:
-        entry = self._live.pop(token, None)
-        if entry is None:
+    def take(self, token: int, req_id: int, owner: bytes) -> Held:
+        entry = self._live.get(token)
+        if entry is None or not secrets.compare_digest(entry[1].owner, owner):
             raise WireError(
                 "expired", f"arena credit {token} is unknown, used or lapsed (reserve_timeout_s)", req_id
             )
+        del self._live[token]
         return entry[1]
 
     def give_back(self, held: Held) -> P.Credit:
@@ -83,10 +86,12 @@ class Credits:
         """Free the part of a taken credit's region the group does not use."""
         self._arena(held.unit).shrink(held.offset, region_extent(specs))
 
-    def release(self, tokens: Iterable[int]) -> None:
+    def release(self, tokens: Iterable[int], owner: bytes) -> None:
+        """Free ``owner``'s credits among ``tokens`` (others' are left alone)."""
         for token in tokens:
-            entry = self._live.pop(token, None)
-            if entry is not None:
+            entry = self._live.get(token)
+            if entry is not None and secrets.compare_digest(entry[1].owner, owner):
+                del self._live[token]
                 self._arena(entry[1].unit).free(entry[1].offset)
 
     def expire(self, now: float) -> float | None:

@@ -18,10 +18,10 @@ only processes in the server's network namespace (on its host) can connect.
 
 Server side: :class:`DirectListener` and :class:`DirectConn` are driven by the server loop (their
 descriptors sit in its ZeroMQ poller); writes that do not fit the socket buffer wait in the connection's
-output buffer until it is writable. Memory per connection is bounded both ways: at most ``_FILL_MAX`` bytes are
-read per wake-up, and the server stops taking requests from a connection whose unread replies exceed
-``queue.direct_max_unread_bytes`` until the client reads them (so a client that never reads ends up blocked in
-its own send). Client side: :class:`DirectSocket` offers the few ``zmq.Socket`` methods the
+output buffer until it is writable. Memory per connection is bounded both ways: at most ``_FILL_MAX`` bytes
+are read per wake-up, and the server stops taking requests from a connection whose unread replies exceed
+``queue.direct_max_unread_bytes`` until the client reads them (so a client that never reads ends up blocked
+in its own send). Client side: :class:`DirectSocket` offers the few ``zmq.Socket`` methods the
 clients use (``send_multipart``, ``poll``, ``recv_multipart``, ``getsockopt(FD/EVENTS)``, ``close``), so both
 clients drive it exactly like their ZeroMQ sockets.
 """

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import secrets
 import time
 from collections import deque
 from typing import Any
@@ -40,7 +41,8 @@ class Leases:
         if self.waiting_leases >= self.cfg.max_waiting_leases:
             raise WireError(
                 "too_many_waiting",
-                f"{self.waiting_leases} leases already wait for groups (queue.max_waiting_leases); retry later",
+                f"{self.waiting_leases} leases already wait for groups (queue.max_waiting_leases); "
+                "retry later",
             )
         waiter = Waiter(reply_to, req, time.monotonic() + max(0.0, req.timeout_s))
         part.waiters.append(waiter)
@@ -62,7 +64,7 @@ class Leases:
         req = waiter.req
         take = min(req.n_groups, len(part.ready))
         groups = [self._groups[gid] for gid in itertools.islice(part.ready, take)]
-        lease_id = f"{self._lease_prefix}-{next(self._lease_ids)}"
+        lease_id = secrets.token_urlsafe(16)  # unguessable, and only good with its owner's secret
         leased = [
             P.LeasedGroup(g.meta, g.specs, g.unit, g.token, g.arena_offset, g.region_bytes, g.num_buffers)
             for g in groups
@@ -76,9 +78,8 @@ class Leases:
             g.state, g.lease_id = LEASED, lease_id
             part.counters.on_lease(g, req.consumer_version)
         deadline = time.monotonic() + self.cfg.lease_timeout_s
-        self._leases[lease_id] = LeaseRecord(
-            lease_id, req.partition, [g.meta.group_id for g in groups], deadline
-        )
+        group_ids = [g.meta.group_id for g in groups]
+        self._leases[lease_id] = LeaseRecord(lease_id, req.partition, group_ids, deadline, req.owner)
 
     def _return_to_ready(self, part: Partition, group_ids: list[str]) -> None:
         groups = sorted((self._groups[gid] for gid in group_ids), key=lambda g: g.seq)
@@ -95,10 +96,7 @@ class Leases:
     def handle_fetch(
         self, unit_index: int, reply_to: ReplyTo, req: P.FetchRequest, _buffers: list[Any]
     ) -> None:
-        if req.lease_id not in self._leases:
-            raise WireError(
-                "unknown_lease", f"lease {req.lease_id!r} is unknown, acked or expired", req.req_id
-            )
+        self._owned(self._leases, req, "is unknown, acked or expired")
         unit = self.units[unit_index]
         counts, buffers = [], []
         for token in req.tokens:
@@ -110,11 +108,19 @@ class Leases:
             counts.append(len(frames))
         self._ok(reply_to, P.FetchReply(req.req_id, counts), buffers)
 
+    def _owned(self, table: dict[str, LeaseRecord], req: Any, why: str) -> LeaseRecord:
+        """``req``'s lease in ``table`` if ``req`` comes from its owner; else an unknown_lease error (the
+        same whether the id is unknown or someone else's)."""
+        lease = table.get(req.lease_id)
+        if lease is None or not secrets.compare_digest(lease.owner, req.owner):
+            raise WireError("unknown_lease", f"lease {req.lease_id!r} {why}", req.req_id)
+        return lease
+
     def handle_ack(self, reply_to: ReplyTo, req: P.AckRequest, _buffers: list[Any]) -> None:
-        lease = self._leases.get(req.lease_id)
-        if lease is None:
+        if req.lease_id not in self._leases:
             self._late_ack(reply_to, req)
             return
+        lease = self._owned(self._leases, req, "is unknown or already acked")
         dropped = set(req.dropped)
         unknown = dropped.difference(lease.group_ids)
         if unknown:
@@ -128,11 +134,8 @@ class Leases:
         self._admit_parked()
 
     def _late_ack(self, reply_to: ReplyTo, req: P.AckRequest) -> None:
-        group_ids = self._expired.pop(req.lease_id, None)
-        if group_ids is None:
-            raise WireError(
-                "unknown_lease", f"lease {req.lease_id!r} is unknown or already acked", req.req_id
-            )
+        group_ids = self._owned(self._expired, req, "is unknown or already acked").group_ids
+        del self._expired[req.lease_id]
         acked = lost = 0
         for gid in group_ids:
             group = self._groups.get(gid)
@@ -166,13 +169,11 @@ class Leases:
                                 group.specs, unit.blobs(group.token))  # fmt: skip
 
     def handle_nack(self, reply_to: ReplyTo, req: P.NackRequest, _buffers: list[Any]) -> None:
-        lease = self._leases.pop(req.lease_id, None)
-        if lease is None:
-            if req.lease_id not in self._expired:
-                raise WireError(
-                    "unknown_lease", f"lease {req.lease_id!r} is unknown or already acked", req.req_id
-                )
+        if req.lease_id not in self._leases:  # expired already: its groups are back, nothing to do
+            self._owned(self._expired, req, "is unknown or already acked")
         else:
+            lease = self._owned(self._leases, req, "is unknown or already acked")
+            del self._leases[req.lease_id]
             part = self._part(lease.partition)
             part.counters.nacked_total += len(lease.group_ids)
             self._return_to_ready(part, lease.group_ids)
@@ -181,11 +182,7 @@ class Leases:
     def handle_quarantine(self, reply_to: ReplyTo, req: P.QuarantineRequest, _buffers: list[Any]) -> None:
         """Take groups its consumer could not unpack out of their lease for good (a group redelivered after
         every expiry would fail every time, and hold the groups leased with it hostage)."""
-        lease = self._leases.get(req.lease_id)
-        if lease is None:
-            raise WireError(
-                "unknown_lease", f"lease {req.lease_id!r} is unknown, acked or expired", req.req_id
-            )
+        lease = self._owned(self._leases, req, "is unknown, acked or expired")
         bad = set(req.group_ids)
         unknown = bad.difference(lease.group_ids)
         if unknown:
@@ -210,7 +207,7 @@ class Leases:
 
     def _expire_lease(self, lease_id: str) -> None:
         lease = self._leases.pop(lease_id)
-        self._expired[lease_id] = lease.group_ids
+        self._expired[lease_id] = lease
         while len(self._expired) > _EXPIRED_LEASES_KEPT:
             self._expired.popitem(last=False)
         part = self._part(lease.partition)

@@ -13,10 +13,11 @@ long-lived socket and match replies by it.
 Replies carry ``OK`` (the header type follows from the request) or ``ERROR`` (:class:`ErrorReply`).
 
 Which socket takes what: the controller socket takes the metadata requests (HELLO, RESERVE, COMMIT, LEASE,
-ACK, NACK, POP_DROPPED, STATS, SNAPSHOT, RESTORE, PING, QUARANTINE); each storage unit's socket takes the data requests
-(PUT, FETCH, PING). Payload bytes never touch the controller socket. Same-host clients send the controller's
-requests (and puts without payload frames) over the direct channel instead (:mod:`slipstream.queue.direct`:
-the same type byte and header, length-prefixed on a Unix socket), and reach the units over ``ipc://``.
+ACK, NACK, POP_DROPPED, STATS, SNAPSHOT, RESTORE, PING, QUARANTINE); each storage unit's socket takes the
+data requests (PUT, FETCH, PING). Payload bytes never touch the controller socket. Same-host clients send the
+controller's requests (and puts without payload frames) over the direct channel instead
+(:mod:`slipstream.queue.direct`: the same type byte and header, length-prefixed on a Unix socket), and reach
+the units over ``ipc://``.
 """
 
 from __future__ import annotations
@@ -119,11 +120,14 @@ class PutRequest(_Wire):
 
 class ReserveRequest(_Wire):
     """Ask for an arena region of ``nbytes`` (a *credit* for a same-host client's next put); ``nbytes`` 0
-    only gives back the credits in ``release``."""
+    only gives back the credits in ``release`` (only the requester's own: see ``owner``)."""
 
     req_id: int
     nbytes: int
     release: list[int] = []
+    # A random secret of the requesting client (16 bytes, never shown). Leases and credits are bound to the
+    # owner that got them: another client cannot ack, nack, fetch, quarantine, commit or release them.
+    owner: bytes = b""
 
 
 class CommitRequest(_Wire):
@@ -139,6 +143,7 @@ class CommitRequest(_Wire):
     timeout_s: float
     next_nbytes: int = 0
     release: list[int] = []
+    owner: bytes = b""
 
 
 class LeaseRequest(_Wire):
@@ -148,6 +153,7 @@ class LeaseRequest(_Wire):
     min_groups: int
     timeout_s: float
     consumer_version: int | None = None
+    owner: bytes = b""
 
 
 class FetchRequest(_Wire):
@@ -156,17 +162,20 @@ class FetchRequest(_Wire):
     req_id: int
     lease_id: str
     tokens: list[int]
+    owner: bytes = b""
 
 
 class AckRequest(_Wire):
     req_id: int
     lease_id: str
     dropped: list[str] = []
+    owner: bytes = b""
 
 
 class NackRequest(_Wire):
     req_id: int
     lease_id: str
+    owner: bytes = b""
 
 
 class QuarantineRequest(_Wire):
@@ -177,6 +186,7 @@ class QuarantineRequest(_Wire):
     lease_id: str
     group_ids: list[str]
     reason: str = ""
+    owner: bytes = b""
 
 
 class PopDroppedRequest(_Wire):

@@ -207,7 +207,7 @@ class QueueServer:
         self._watch(conn)
 
     def _reading(self, conn: DirectConn) -> bool:
-        """Whether to take more requests from ``conn``: not while its client leaves too many replies unread."""
+        """Whether to take more requests from ``conn``: not while its client leaves many replies unread."""
         return conn.unread_bytes <= self.cfg.direct_max_unread_bytes
 
     def _serve_buffered(self, conn: DirectConn) -> None:

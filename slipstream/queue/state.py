@@ -43,6 +43,7 @@ class LeaseRecord:
     partition: str
     group_ids: list[str]
     deadline: float
+    owner: bytes = b""  # the secret of the client it was granted to
 
 
 @dataclass(slots=True, eq=False)

@@ -9,9 +9,10 @@ import time
 from collections.abc import Callable
 
 import pytest
+import zmq
 
 from slipstream.queue import protocol as P
-from slipstream.queue.client import QueueClient
+from slipstream.queue.client import QueueClient, QueueError
 from slipstream.queue.codec import Codec, pack_frames
 from slipstream.queue.config import QueueConfig
 from slipstream.queue.controller import Controller
@@ -92,3 +93,65 @@ def test_a_lease_waiter_whose_connection_closed_is_granted_nothing(server):
     assert lease is not None and [g.group_id for g in lease.groups] == ["a"]
     client.ack(lease)
     client.close()
+
+
+def _raw(address: str, msg_type: P.MsgType, header) -> object:
+    """One request from a bare socket, as another program would send it (it has no client's secret)."""
+    codec, ctx = Codec(), zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        sock.connect(address)
+        sock.send_multipart(codec.encode(msg_type, header))
+        assert sock.poll(10_000), "no reply"
+        return codec.decode_reply(sock.recv_multipart(), msg_type)
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+def test_a_lease_is_usable_only_by_the_client_it_was_granted_to(server):
+    srv = server(lease_timeout_s=600)
+    holder = QueueClient(srv.address, timeout_s=30, shared_memory=False)
+    other = QueueClient(srv.address, timeout_s=30)
+    for i in range(3):
+        holder.put(make_group(f"g{i}", payload=100))  # stored as frames: a lease of them needs a fetch
+    first, second = holder.lease(1, timeout_s=5), holder.lease(1, timeout_s=5)
+    assert len(first.lease_id) >= 22 and first.lease_id[:8] != second.lease_id[:8]  # random, no counter
+    for call in (other.ack, other.nack):
+        with pytest.raises(QueueError, match="unknown_lease"):  # even knowing the id
+            call(first.lease_id)
+    token = srv.controller._groups["g0"].token
+    unit = f"tcp://127.0.0.1:{srv.units[srv.controller._groups['g0'].unit].port}"
+    fetched = _raw(unit, P.MsgType.FETCH, P.FetchRequest(1, first.lease_id, [token]))
+    assert isinstance(fetched, P.ErrorReply) and fetched.kind == "unknown_lease"
+    quarantined = _raw(srv.address, P.MsgType.QUARANTINE, P.QuarantineRequest(1, first.lease_id, ["g0"]))
+    assert isinstance(quarantined, P.ErrorReply) and quarantined.kind == "unknown_lease"
+    assert holder.stats().partitions["train"].leased_groups == 2
+    holder.ack(first)
+    holder.nack(second)
+    assert [g.group_id for g in other.lease(2, timeout_s=5).groups] == ["g1", "g2"]
+    holder.close()
+    other.close()
+
+
+def test_an_arena_credit_is_usable_only_by_its_producer(server):
+    srv = server(shm_min_group_bytes=0)
+    producer = QueueClient(srv.address, timeout_s=30)
+    assert producer.put(make_group("a", payload=100))  # the reply brings a credit for the next put
+    if not producer._session.credits:
+        pytest.skip("no shared memory here")
+    token = producer._session.credits[0][0].token
+    released = _raw(srv.address, P.MsgType.RESERVE, P.ReserveRequest(1, 0, [token]))
+    assert isinstance(released, P.ReserveReply)  # nothing of another's to release: silently nothing
+    group = make_group("b", payload=100)
+    from slipstream.queue.codec import layout_region
+
+    specs, _ = layout_region(group.tensors, 0)
+    stolen = _raw(srv.address, P.MsgType.COMMIT, P.CommitRequest(2, token, "train", group.meta, specs, 1.0))
+    assert isinstance(stolen, P.ErrorReply) and stolen.kind == "expired"
+    assert producer.stats().credits == 1
+    assert producer.put(group)  # into the credit it still holds
+    lease = producer.lease(2, timeout_s=5)
+    assert [g.group_id for g in lease.groups] == ["a", "b"]
+    producer.ack(lease)
+    producer.close()

@@ -1,4 +1,4 @@
-"""A group that cannot be used is refused at put time, and one that still cannot be unpacked by its consumer is
+"""A group that cannot be used is refused at put time, and one that its consumer still cannot unpack is
 quarantined: taken out of its lease and never delivered again, so it holds no valid group hostage."""
 
 from __future__ import annotations
