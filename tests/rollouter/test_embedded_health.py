@@ -120,7 +120,9 @@ def test_watchdog_reports_a_stalled_loop_and_recovers(tiny_model_path):
 
     async def main():
         async with started(tiny_model_path, cfg, clock) as engine:
-            http = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(engine)), base_url="http://t")
+            http = httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=build_app(engine)), base_url="http://t"
+            )
             state = await engine.submit([1, 2], LONG, rid="stall", ignore_eos=True)
             await first_token(engine, state)
             # Inject the stall: park the generation loop as a wedged scheduler would leave it.

@@ -355,3 +355,26 @@ def test_client_disconnect_aborts_the_request(embedded_server):
             return after_stream, await drained(http)
 
     assert run(main()) == (True, True)
+
+
+def _chunks(data: bytes, size: int = 1 << 16):
+    for i in range(0, len(data), size):
+        yield data[i : i + size]
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_oversized_body_gets_413(embedded_server, path, chunked):
+    """A body over max_request_bytes (4 MiB by default) is refused, declared up front or not."""
+    body = json.dumps({"text": "x" * (5 << 20)}).encode()
+    content = _chunks(body) if chunked else body
+    headers = {"content-type": "application/json"}
+    response = httpx.post(f"{embedded_server.url}{path}", content=content, headers=headers, timeout=60)
+    assert response.status_code == 413
+    assert "4194304" in response.json()["error"]["message"]
+    ok = httpx.post(
+        f"{embedded_server.url}/generate",
+        json={"input_ids": [1], "sampling_params": {"max_new_tokens": 1}},
+        timeout=60,
+    )
+    assert ok.status_code == 200

@@ -17,9 +17,12 @@ The native routes use SGLang 0.5.23's paths, field names and response shapes, so
 =========================  ==========================================================================
 
 Versions are strings on the wire, as SGLang sends them (``"3"``); clients turn them back into ints.
-Errors are ``{"error": {"message", "type", "code"}}`` with 400 for bad input, 503 when the engine is down.
-Request bodies are decoded with msgspec (schemas.py) rather than pydantic so unknown fields are rejected
-with the offending path in the message.
+Errors are ``{"error": {"message", "type", "code"}}`` with 400 for bad input, 413 for a body over
+``max_request_bytes``, 503 when the engine is down. Request bodies are decoded with msgspec (schemas.py)
+rather than pydantic so unknown fields are rejected with the offending path in the message.
+
+The event loop serves every request, so nothing slow runs on it: text is tokenised (and chat templates
+rendered) in a worker thread, and a body is refused as soon as it outgrows the limit rather than read whole.
 """
 
 from __future__ import annotations
@@ -51,10 +54,35 @@ def error_response(message: str, status_code: int, err_type: str = "invalid_requ
     return json_response({"error": {"message": message, "type": err_type, "code": status_code}}, status_code)
 
 
-async def decode_body(request: Request, body_type: type):
+class BodyTooLarge(Exception):
+    """A request body over ``max_request_bytes`` (HTTP 413)."""
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The raw body, refused past ``max_bytes``: by its Content-Length first, else counted as it arrives."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise BodyTooLarge(f"the request body has {declared} bytes; this server accepts at most {max_bytes}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise BodyTooLarge(f"the request body exceeds {max_bytes} bytes, the most this server accepts")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def decode_body(request: Request, body_type: type, max_bytes: int):
     """Decode the JSON body into ``body_type``; an empty body means all defaults."""
-    raw = await request.body()
+    raw = await read_body(request, max_bytes)
     return msgspec.json.decode(raw or b"{}", type=body_type)
+
+
+async def encode_text(engine: EmbeddedEngine, text: str) -> list[int]:
+    """Tokenise in a worker thread: megabytes of text take seconds, which would stall every other request."""
+    if engine.tokenizer is None:
+        raise RequestError("this model has no tokenizer: send token ids instead of text")
+    return await asyncio.to_thread(engine.tokenizer.encode, text, add_special_tokens=False)
 
 
 def sse(payload: object) -> bytes:
@@ -117,14 +145,12 @@ def generate_payload(engine: EmbeddedEngine, state: RequestState, req: GenerateR
     return out
 
 
-def prompt_ids_of(engine: EmbeddedEngine, req: GenerateReqInput) -> list[int]:
+async def prompt_ids_of(engine: EmbeddedEngine, req: GenerateReqInput) -> list[int]:
     if (req.input_ids is None) == (req.text is None):
         raise RequestError("give exactly one of input_ids and text")
     if req.input_ids is not None:
         return req.input_ids
-    if engine.tokenizer is None:
-        raise RequestError("this model has no tokenizer: send input_ids instead of text")
-    return engine.tokenizer.encode(req.text, add_special_tokens=False)
+    return await encode_text(engine, req.text)
 
 
 def check_generate_options(req: GenerateReqInput) -> None:
@@ -145,7 +171,8 @@ async def run_generate(engine: EmbeddedEngine, req: GenerateReqInput, request: R
         stop_token_ids=sp.stop_token_ids,
     )
     rid = req.rid or uuid.uuid4().hex
-    state = await engine.submit(prompt_ids_of(engine, req), sampling, rid=rid, ignore_eos=sp.ignore_eos)
+    ids = await prompt_ids_of(engine, req)
+    state = await engine.submit(ids, sampling, rid=rid, ignore_eos=sp.ignore_eos)
     if req.stream:
         return StreamingResponse(_stream_generate(engine, state, req), media_type="text/event-stream")
     await wait_or_abort_on_disconnect(engine, state, request)
@@ -217,6 +244,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _malformed(_req: Request, err: msgspec.DecodeError) -> Response:
         return error_response(f"malformed JSON body: {err}", 400)
 
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(_req: Request, err: BodyTooLarge) -> Response:
+        return error_response(str(err), 413)
+
     @app.exception_handler(EngineUnavailable)
     async def _unavailable(_req: Request, err: EngineUnavailable) -> Response:
         return error_response(str(err), 503, "service_unavailable")
@@ -228,13 +259,15 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def _add_native_routes(app: FastAPI, engine: EmbeddedEngine) -> None:
+    limit = engine.cfg.max_request_bytes
+
     @app.post("/generate")
     async def generate(request: Request) -> Response:
-        return await run_generate(engine, await decode_body(request, GenerateReqInput), request)
+        return await run_generate(engine, await decode_body(request, GenerateReqInput, limit), request)
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
-        body = await decode_body(request, AbortReq)
+        body = await decode_body(request, AbortReq, limit)
         if body.abort_all:
             engine.abort_all()
         elif body.rid:
@@ -243,13 +276,13 @@ def _add_native_routes(app: FastAPI, engine: EmbeddedEngine) -> None:
 
     @app.post("/pause_generation")
     async def pause_generation(request: Request) -> Response:
-        body = await decode_body(request, PauseReq)
+        body = await decode_body(request, PauseReq, limit)
         await engine.pause(body.mode)
         return json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     @app.post("/continue_generation")
     async def continue_generation(request: Request) -> Response:
-        await decode_body(request, ContinueReq)
+        await decode_body(request, ContinueReq, limit)
         await engine.resume()
         return json_response({"message": "Generation continued successfully.", "status": "ok"})
 

@@ -7,6 +7,12 @@ SGLang does, the weight versions (``metadata.weight_version``/``weight_versions`
 Log-probabilities: the engine computes the sampled token's log-probability only, so ``logprobs`` (completions)
 may be 0 or 1 and ``top_logprobs`` (chat) 0 or 1; larger values get a 400 rather than a shorter list.
 Stop strings are not supported (use ``stop_token_ids``); streaming supports ``n == 1``.
+
+Request hygiene, as vLLM does it: ``n`` is capped (``max_n``); ``max_tokens`` (and chat's
+``max_completion_tokens``) must be at least 1, absent meaning "up to the context length" in chat; chat
+messages need a known role and content (an assistant message with ``tool_calls`` may omit content), and a
+400 names the message index and field; a chat template sent with the request is Jinja run by the server,
+so it is refused unless the server was started with ``trust_request_chat_template``.
 """
 
 from __future__ import annotations
@@ -21,9 +27,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from slipstream.agents.protocol import SamplingParams
+from slipstream.rollouter.config import EmbeddedServerConfig
 from slipstream.rollouter.embedded.app import (
     SSE_DONE,
     decode_body,
+    encode_text,
     json_response,
     sse,
     wait_or_abort_on_disconnect,
@@ -31,16 +39,19 @@ from slipstream.rollouter.embedded.app import (
 from slipstream.rollouter.embedded.engine import EmbeddedEngine, RequestError, RequestState
 from slipstream.rollouter.embedded.schemas import ChatCompletionRequest, CompletionRequest, _OpenAISampling
 
+# OpenAI's message roles ("function" is deprecated there and not rendered by chat templates).
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
-def _check_common(req: _OpenAISampling) -> None:
+
+def _check_common(req: _OpenAISampling, cfg: EmbeddedServerConfig) -> None:
     if req.stop:
         raise RequestError("stop strings are not supported by this server; use stop_token_ids")
     if req.seed is not None:
         raise RequestError("seed is not supported per request; the server's sampling seed is set at start-up")
     if req.presence_penalty or req.frequency_penalty:
         raise RequestError("presence_penalty and frequency_penalty are not supported (must be 0)")
-    if req.n < 1:
-        raise RequestError(f"n must be at least 1, got {req.n}")
+    if not 1 <= req.n <= cfg.max_n:
+        raise RequestError(f"n must be between 1 and {cfg.max_n} (this server's max_n), got {req.n}")
     if req.stream and req.n != 1:
         raise RequestError("streaming supports n == 1 only")
 
@@ -141,13 +152,14 @@ def build_openai_router(engine: EmbeddedEngine) -> APIRouter:
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = await decode_body(request, CompletionRequest)
-        _check_common(req)
+        req = await decode_body(request, CompletionRequest, engine.cfg.max_request_bytes)
+        _check_common(req, engine.cfg)
         if req.echo:
             raise RequestError("echo is not supported")
         if req.logprobs is not None and not 0 <= req.logprobs <= 1:
             raise RequestError("logprobs may be 0 or 1: only the sampled token's logprob is computed")
-        ids = _prompt_ids(engine, req.prompt)
+        _check_max_tokens("max_tokens", req.max_tokens)
+        ids = await _prompt_ids(engine, req.prompt)
         base, states = await _submit_n(engine, req, ids, _sampling(req, req.max_tokens))
         top = req.logprobs if req.logprobs is not None else -1
 
@@ -173,12 +185,15 @@ def build_openai_router(engine: EmbeddedEngine) -> APIRouter:
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = await decode_body(request, ChatCompletionRequest)
-        _check_common(req)
+        req = await decode_body(request, ChatCompletionRequest, engine.cfg.max_request_bytes)
+        _check_common(req, engine.cfg)
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 1:
             raise RequestError("top_logprobs may be 0 or 1: only the sampled token's logprob is computed")
-        ids = _chat_prompt_ids(engine, req)
-        max_tokens = req.max_completion_tokens or req.max_tokens or engine.cfg.max_model_len - len(ids)
+        check_messages(req.messages)
+        _check_template_trust(req, engine.cfg)
+        max_tokens = _chat_max_tokens(req)
+        ids = await _chat_prompt_ids(engine, req)
+        max_tokens = max_tokens if max_tokens is not None else engine.cfg.max_model_len - len(ids)
         base, states = await _submit_n(engine, req, ids, _sampling(req, max_tokens))
         top = (req.top_logprobs or 0) if req.logprobs else -1
 
@@ -246,27 +261,85 @@ async def _stream_chunks(
             engine.abort(state.rid, "client disconnected")
 
 
-def _prompt_ids(engine: EmbeddedEngine, prompt: str | list[int]) -> list[int]:
+def _check_max_tokens(name: str, value: int | None) -> None:
+    """0 would mean "no new token" to OpenAI and "no limit" to a falsy test; like vLLM, refuse it."""
+    if value is not None and value < 1:
+        raise RequestError(f"{name} must be at least 1, got {value}")
+
+
+def _chat_max_tokens(req: ChatCompletionRequest) -> int | None:
+    """``max_completion_tokens`` wins over the deprecated ``max_tokens``; None: up to the context length."""
+    _check_max_tokens("max_completion_tokens", req.max_completion_tokens)
+    _check_max_tokens("max_tokens", req.max_tokens)
+    return req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+
+
+def check_messages(messages: list[dict]) -> None:
+    """Each message needs a known role and content (a string or a list of text parts); 400 names which.
+
+    An assistant message that carries ``tool_calls`` may omit its content, as OpenAI allows.
+    """
+    if not messages:
+        raise RequestError("messages is empty")
+    for i, message in enumerate(messages):
+        role = message.get("role")
+        if role not in ROLES:
+            raise RequestError(f"messages[{i}].role must be one of {list(ROLES)}, got {role!r}")
+        content = message.get("content")
+        if content is None:
+            if role == "assistant" and message.get("tool_calls"):
+                continue
+            raise RequestError(f"messages[{i}].content is missing (a {role} message needs content)")
+        _check_content(i, content)
+
+
+def _check_content(index: int, content: object) -> None:
+    if isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise RequestError(f"messages[{index}].content must be a string or a list of text parts")
+    for j, part in enumerate(content):
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            raise RequestError(
+                f'messages[{index}].content[{j}] must be a text part {{"type": "text", "text": "..."}}'
+                " (this server reads text only)"
+            )
+
+
+def _check_template_trust(req: ChatCompletionRequest, cfg: EmbeddedServerConfig) -> None:
+    sent = req.chat_template is not None or "chat_template" in (req.chat_template_kwargs or {})
+    if sent and not cfg.trust_request_chat_template:
+        raise RequestError(
+            "chat_template: this server renders only the model's own chat template; a template sent with the"
+            " request is accepted only when the server runs with --trust-request-chat-template"
+        )
+
+
+async def _prompt_ids(engine: EmbeddedEngine, prompt: str | list[int]) -> list[int]:
     if isinstance(prompt, list):
         return prompt
-    if engine.tokenizer is None:
-        raise RequestError("this model has no tokenizer: send the prompt as a list of token ids")
-    return engine.tokenizer.encode(prompt, add_special_tokens=False)
+    return await encode_text(engine, prompt)
 
 
-def _chat_prompt_ids(engine: EmbeddedEngine, req: ChatCompletionRequest) -> list[int]:
+async def _chat_prompt_ids(engine: EmbeddedEngine, req: ChatCompletionRequest) -> list[int]:
     tok = engine.tokenizer
-    if tok is None or not getattr(tok, "chat_template", None):
+    if tok is None or not (getattr(tok, "chat_template", None) or req.chat_template):
         raise RequestError("this model has no chat template: use /v1/completions or /generate")
-    if not req.messages:
-        raise RequestError("messages is empty")
+    return await asyncio.to_thread(_render_chat, tok, req)
+
+
+def _render_chat(tok, req: ChatCompletionRequest) -> list[int]:
+    """Runs in a worker thread (see app.py): template rendering and tokenising are CPU-bound."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.chat_template is not None:
+        kwargs["chat_template"] = req.chat_template
     try:
         text = tok.apply_chat_template(
             req.messages,
             tools=req.tools,
             add_generation_prompt=req.add_generation_prompt,
             tokenize=False,
-            **(req.chat_template_kwargs or {}),
+            **kwargs,
         )
     except Exception as err:  # noqa: BLE001 - a template error is the caller's malformed messages
         raise RequestError(f"cannot render messages with the chat template: {err}") from err

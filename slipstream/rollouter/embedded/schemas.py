@@ -103,5 +103,7 @@ class ChatCompletionRequest(_OpenAISampling, kw_only=True):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | None = None
+    # A Jinja template to render with instead of the model's; refused unless the server trusts it.
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
