@@ -28,7 +28,8 @@ Invariants:
   * a group id or uid is accepted at most once: ``_is_seen`` covers held groups (ready, leased) and
     everything ever acked, so a replayed put is refused and nothing is trained twice;
   * a group is handed out only from READY and never after its ack; a lease whose deadline passed goes back
-    to the ready set, and a late ack of it still consumes whatever of it was not handed out again;
+    to the ready set, and a late ack of it still consumes whatever of it was not leased again since (each
+    group keeps its last lease id as a fence);
   * ``held_groups``/``held_bytes`` count READY + LEASED groups; capacity bounds them plus the consumed
     groups whose journal copy is not written yet (their buffers are still held).
 """

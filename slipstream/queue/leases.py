@@ -5,7 +5,8 @@ state and run on its loop thread. The rules they keep:
 
 * a group is handed out only from READY, to a waiter that can still be answered, in put order;
 * a lease not acked within ``lease_timeout_s`` goes back to the front of the ready set in put order;
-* a late ack still consumes whatever of the expired lease was not handed out again.
+* an ack after expiry (or a fetch) is still served for the groups not leased again since: each group keeps
+  the id of its last lease as a fence, so a late ack never consumes a group that another holder has.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class Leases:
     def _return_to_ready(self, part: Partition, group_ids: list[str]) -> None:
         groups = sorted((self._groups[gid] for gid in group_ids), key=lambda g: g.seq)
         for g in groups:
-            g.state, g.lease_id = READY, ""
+            g.state = READY  # lease_id stays: the fence a late ack of that lease is checked against
         ids = [g.meta.group_id for g in groups]
         if not part.ready or groups[-1].seq < self._groups[part.ready[0]].seq:
             part.ready.extendleft(reversed(ids))
@@ -96,11 +97,16 @@ class Leases:
     def handle_fetch(
         self, unit_index: int, reply_to: ReplyTo, req: P.FetchRequest, _buffers: list[Any]
     ) -> None:
-        self._owned(self._leases, req, "is unknown, acked or expired")
+        live = req.lease_id in self._leases  # else expired: served while its groups were not leased again
+        self._owned(self._leases if live else self._expired, req, "is unknown or acked")
         unit = self.units[unit_index]
         counts, buffers = [], []
         for token in req.tokens:
             group = self._by_token.get(token)
+            if group is not None and group.lease_id != req.lease_id and not live:
+                raise WireError(
+                    "unknown_lease", f"lease {req.lease_id!r} expired and its groups were leased again"
+                )
             if group is None or group.lease_id != req.lease_id or group.unit != unit_index:
                 raise WireError("bad_request", f"token {token} is not in lease {req.lease_id!r} on this unit")
             frames = unit.frames(token, group.arena_offset, group.region_bytes, self._background.track)
@@ -134,12 +140,14 @@ class Leases:
         self._admit_parked()
 
     def _late_ack(self, reply_to: ReplyTo, req: P.AckRequest) -> None:
+        """An ack after its lease expired consumes each of its groups that was not leased again since
+        (fencing: the group's last lease is still this one); the others are reported as ``lost``."""
         group_ids = self._owned(self._expired, req, "is unknown or already acked").group_ids
         del self._expired[req.lease_id]
         acked = lost = 0
         for gid in group_ids:
             group = self._groups.get(gid)
-            if group is not None and group.state == READY:
+            if group is not None and group.state == READY and group.lease_id == req.lease_id:
                 self._part(group.partition).ready.remove(gid)
                 self._consume(group, gid in req.dropped)
                 acked += 1

@@ -294,7 +294,7 @@ class FetchReply(_Wire):
 class AckReply(_Wire):
     req_id: int
     acked: int
-    # Groups of an expired lease that had been handed out again before this late ack (they will be trained
+    # Groups of an expired lease that had been leased again before this late ack (they will be trained
     # by their new holder too).
     lost: int = 0
 

@@ -53,6 +53,7 @@ from slipstream.queue import protocol as P
 from slipstream.queue.codec import WireError
 from slipstream.queue.snapdir import SnapshotDir, check_name
 from slipstream.queue.snapshot import MAGIC, SnapshotHeader, SnapshotItem, read_snapshot, write_snapshot
+from slipstream.queue.state import LEASED
 from slipstream.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -88,7 +89,7 @@ class Recovery:
             else:
                 buffers = unit.blobs(group.token)
             items.append(
-                SnapshotItem(group.partition, group.lease_id != "", group.meta, group.specs, buffers)
+                SnapshotItem(group.partition, group.state == LEASED, group.meta, group.specs, buffers)
             )
         snapshot_id = secrets.token_hex(8)
         mark = self.journal.seal() if self.journal is not None else 0

@@ -19,7 +19,9 @@ batch, so results do not depend on the number of ranks:
 
 Nothing is lost or trained twice: leases are acked only after the optimizer steps (a failed step nacks
 them back), and a checkpoint holds the queue snapshot taken right after the ack, so resuming restores
-exactly the samples the saved weights have not seen.
+exactly the samples the saved weights have not seen. The queue delivers at least once (a group whose lease
+expired before its ack can come back), so rank 0 also skips, and acks, a group whose uids it trained
+recently or already holds for this batch.
 
 Worked example (one process; ``run_trainer_rank`` does the same for N processes)::
 
@@ -55,6 +57,9 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 PublishFn = Callable[[int, Iterator[tuple[str, torch.Tensor]]], None]
+# Uids rank 0 remembers having trained, to skip a group delivered again after a lease expiry; covers far more
+# than the groups leased within one lease_timeout_s at any realistic rate.
+_TRAINED_UIDS_KEPT = 1 << 18
 STATE_FILE = "trainer_state.json"
 COMPLETE_MARKER = "COMPLETE"
 
@@ -94,6 +99,7 @@ class Trainer:
         self._collate = collate_fn
         self.version = 0  # weight version = completed trainer steps
         self.last_batch_uids: list[str] = []  # rank 0: the samples the last step trained on
+        self._trained: dict[str, None] = {}  # rank 0: recently trained uids, oldest first (see _skip)
         self.checkpoint_root = Path(cfg.run.output_dir) / cfg.run.name / "checkpoints"
 
     # ---------------------------------------------------------------- the loop
@@ -122,6 +128,7 @@ class Trainer:
         if self.rank == 0:
             for lease in leases:
                 self.queue.ack(lease, dropped=dropped.get(lease.lease_id, ()))
+            self._remember_trained(self.last_batch_uids)
         self.version += 1
         metrics["trainer/dropped_groups"] = float(self._bcast_scalar(sum(len(v) for v in dropped.values())))
         if self.publish_fn is not None and self.version % self.cfg.async_.sync_every == 0:
@@ -178,14 +185,35 @@ class Trainer:
                 for g in lease.groups
                 if acfg.stale_policy == "drop" and self.version - g.min_version > acfg.max_staleness
             ]
-            groups.extend(g for g in lease.groups if g.group_id not in set(stale))
-            if stale and len(stale) == len(lease.groups):
+            skip = set(stale) | self._skip(lease.groups, groups)
+            groups.extend(g for g in lease.groups if g.group_id not in skip)
+            if len(skip) == len(lease.groups):
                 self.queue.ack(lease, dropped=stale)  # nothing of it is trained: release it now
                 continue
             leases.append(lease)
             if stale:
                 dropped[lease.lease_id] = stale
         return leases, dropped, groups
+
+    def _skip(self, leased: list, held: list) -> set[str]:
+        """Ids of ``leased`` groups delivered again: trained recently or already held for this batch. The
+        queue hands a group out again once its lease expired unacked; it is acked, not trained twice."""
+        held_ids = {g.group_id for g in held}
+        again = {
+            g.group_id
+            for g in leased
+            if g.group_id in held_ids or any(uid in self._trained for uid in g.uids)
+        }
+        if again:
+            log.warning(
+                "skipping %d group(s) delivered again after a lease expiry: %s", len(again), sorted(again)[:5]
+            )
+        return again
+
+    def _remember_trained(self, uids: list[str]) -> None:
+        self._trained.update(dict.fromkeys(uids))
+        while len(self._trained) > _TRAINED_UIDS_KEPT:
+            del self._trained[next(iter(self._trained))]
 
     def _collate_groups(self, groups: list) -> TensorDict:
         if self._collate is None:
@@ -310,6 +338,7 @@ class Trainer:
         if self.critic is not None:
             self.critic.load_checkpoint(path / "critic")
         self.version = int(json.loads((path / STATE_FILE).read_text())["version"])
+        self._trained.clear()  # what was trained after this checkpoint is to be trained again
         if self.rank == 0 and restore_queue:
             self.queue.restore(self._snapshot_name(path))
         self._barrier()

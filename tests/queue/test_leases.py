@@ -155,3 +155,20 @@ def test_an_arena_credit_is_usable_only_by_its_producer(server):
     assert [g.group_id for g in lease.groups] == ["a", "b"]
     producer.ack(lease)
     producer.close()
+
+
+def test_an_expired_lease_can_still_fetch_and_ack_what_was_not_leased_again(server):
+    srv = server(lease_timeout_s=0.3, shared_memory=False)  # groups stored as frames: leases need a fetch
+    watcher = QueueClient(srv.address, timeout_s=30)
+    watcher.put(make_group("a", payload=100))
+    owner = b"k" * 16
+    granted = _raw(srv.address, P.MsgType.LEASE, P.LeaseRequest(1, "train", 1, 1, 5.0, owner=owner))
+    _wait(lambda: watcher.stats().partitions["train"].expired_total == 1, "the lease never expired")
+    group = granted.groups[0]
+    unit = f"tcp://127.0.0.1:{srv.units[group.unit].port}"
+    fetched = _raw(unit, P.MsgType.FETCH, P.FetchRequest(2, granted.lease_id, [group.token], owner=owner))
+    assert isinstance(fetched, P.FetchReply) and fetched.counts == [group.num_buffers]
+    acked = _raw(srv.address, P.MsgType.ACK, P.AckRequest(3, granted.lease_id, owner=owner))
+    assert isinstance(acked, P.AckReply) and (acked.acked, acked.lost) == (1, 0)
+    assert watcher.lease(1, timeout_s=0.2) is None  # consumed, not delivered again
+    watcher.close()

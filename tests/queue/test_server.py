@@ -30,11 +30,12 @@ def _ids(lease):
     return [g.group_id for g in lease.groups]
 
 
-def _journalled(client) -> QueueStats:
-    """Stats once every acked group's journal copy is written (until then its arena region is held)."""
+def _arena_freed(client) -> QueueStats:
+    """Stats once no arena byte is held: every acked group's journal copy is written and every zero-copy
+    send of an arena region is done (until then the region stays pinned)."""
     deadline = time.monotonic() + 30
-    while (stats := client.stats()).journal_backlog_groups:
-        assert time.monotonic() < deadline, "journal copies never finished"
+    while (stats := client.stats()).journal_backlog_groups or stats.shm_bytes_used:
+        assert time.monotonic() < deadline, f"arena bytes still held: {stats}"
         time.sleep(0.02)
     return stats
 
@@ -65,7 +66,7 @@ def test_put_lease_ack_fifo_and_payload_intact(server, client_of, producer_shm, 
     assert stats.held_groups == 0 and stats.partitions["train"].acked_total == 5
     assert stats.credits == (1 if producer_shm else 0)  # the producer's credit for its next put
     producer.close()  # hands the credit back
-    assert _journalled(consumer).shm_bytes_used == 0
+    _arena_freed(consumer)
 
 
 def test_duplicates_are_dropped_before_and_after_ack(server, client_of):
@@ -104,19 +105,42 @@ def test_nack_and_expiry_return_groups_to_the_front_in_order(server, client_of):
         c.ack("no-such-lease")
 
 
+def _expired(client, n: int) -> None:
+    """Wait until the server has expired ``n`` leased groups in all."""
+    deadline = time.monotonic() + 30
+    while client.stats().partitions["train"].expired_total < n:
+        assert time.monotonic() < deadline, "the lease never expired"
+        time.sleep(0.02)
+
+
 def test_late_ack_consumes_what_was_not_handed_out_again(server, client_of):
     srv = server(lease_timeout_s=0.3)
     c = client_of(srv)
     c.put(make_group("a"))
     c.put(make_group("b"))
     lease = c.lease(2, timeout_s=5)
-    time.sleep(0.6)
+    _expired(c, 2)
     other = c.lease(1, timeout_s=5)  # "a" goes to a second holder after the expiry
     assert _ids(other) == ["a"]
     c.ack(lease)  # late: consumes "b", reports "a" as already handed out
     c.ack(other)
     assert c.lease(1, timeout_s=0.1) is None
     assert c.stats().partitions["train"].acked_total == 2
+
+
+def test_a_late_ack_is_fenced_by_the_groups_last_lease(server, client_of):
+    srv = server(lease_timeout_s=0.3, shared_memory=False)  # stored as frames: the lease needs a fetch
+    first, second = client_of(srv), client_of(srv)
+    first.put(make_group("a", payload=100))
+    first.put(make_group("b", payload=100))
+    lease = first.lease(2, timeout_s=5)
+    _expired(first, 2)
+    again = second.lease(1, timeout_s=5)  # "a" is leased again ...
+    second.nack(again)  # ... and handed back: ready, but no longer the first lease's
+    first.ack(lease)  # late: "b" had not been leased again, so it is consumed; "a" is not
+    stats = first.stats().partitions["train"]
+    assert (stats.acked_total, stats.ready_groups) == (1, 1)
+    assert _ids(second.lease(2, min_groups=1, timeout_s=5)) == ["a"]
 
 
 @pytest.mark.parametrize("ipc", [True, False])
@@ -233,7 +257,7 @@ def test_full_arena_falls_back_to_the_socket(server, client_of):
     for got, sent in zip(lease.groups, groups, strict=True):
         assert torch.equal(got.tensors["payload"], sent.tensors["payload"])
     c.ack(lease)
-    assert _journalled(c).shm_bytes_used == 0
+    _arena_freed(c)
 
 
 def test_close_gives_held_leases_back(server, client_of):

@@ -151,3 +151,21 @@ def test_resume_with_queue_snapshot_loses_and_repeats_nothing(
     assert len(trained) == len(set(trained)), "a sample was trained twice"
     assert set(trained) == all_uids, "a sample was lost"
     assert second.version == 4
+
+
+def test_a_group_delivered_again_is_acked_not_trained_twice(tiny_model_path, single_process_group, tmp_path):
+    cfg = trainer_config(tiny_model_path, "trainer.batch_groups=2", f"run.output_dir={tmp_path}")
+    queue = FakeQueue()
+    # g0 comes back after its step (leases that expired unacked), g4 a second time within one batch
+    for gid in ["g0", "g1", "g2", "g0", "g3", "g4", "g0", "g4", "g5"]:
+        queue.put(make_group(gid, 4, version=0, seed=int(gid[1:])))
+    trainer = _trainer(cfg, queue)
+    trained = []
+    for _ in range(3):
+        trainer.step()
+        trained += trainer.last_batch_uids
+    assert len(trained) == len(set(trained)), "a sample was trained twice"
+    assert set(trained) == {f"g{i}-{j}" for i in range(6) for j in range(4)}
+    assert not queue.ready and not queue.leased
+    assert sorted(queue.acked) == ["g0"] * 3 + ["g1", "g2", "g3", "g4", "g4", "g5"]  # copies acked, not dropped
+    assert queue.dropped == []
