@@ -105,6 +105,14 @@ def test_nack_and_expiry_return_groups_to_the_front_in_order(server, client_of):
         c.ack("no-such-lease")
 
 
+async def _until(predicate, what: str) -> None:
+    """Let the event loop run until ``predicate()`` holds."""
+    deadline = time.monotonic() + 30
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.01)
+
+
 def _expired(client, n: int) -> None:
     """Wait until the server has expired ``n`` leased groups in all."""
     deadline = time.monotonic() + 30
@@ -152,11 +160,10 @@ def test_lease_waits_for_min_groups_and_is_woken_by_a_put(server, client_of, ipc
         aconsumer = AsyncQueueClient(srv.address, timeout_s=30, ipc=ipc)
         try:
             waiting = asyncio.ensure_future(aconsumer.lease(3, min_groups=2, timeout_s=20))
-            await asyncio.sleep(0.2)
-            assert not waiting.done()
+            await _until(lambda: consumer.stats().leases_waiting == 1, "the lease never started waiting")
             producer.put(make_group("a"))
-            await asyncio.sleep(0.2)
-            assert not waiting.done()  # one ready, two needed
+            assert consumer.stats().leases_waiting == 1  # one ready, two needed
+            assert not waiting.done()
             producer.put(make_group("b"))
             lease = await asyncio.wait_for(waiting, 20)
             assert _ids(lease) == ["a", "b"]
@@ -225,9 +232,8 @@ def test_back_pressure_waits_then_fails_with_a_clear_message(server, client_of):
         aproducer = AsyncQueueClient(srv.address, timeout_s=30)
         try:
             waiting = asyncio.ensure_future(aproducer.put(make_group("c"), timeout_s=20))
-            await asyncio.sleep(0.3)
+            await _until(lambda: consumer.stats().puts_waiting == 1, "the put never started waiting")
             assert not waiting.done()
-            assert (await aproducer.stats()).puts_waiting == 1
             consumer.ack(consumer.lease(1, timeout_s=5))  # room for one
             assert await asyncio.wait_for(waiting, 20) is True
         finally:
