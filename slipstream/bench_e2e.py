@@ -149,6 +149,7 @@ def main(argv: list[str]) -> int:
         out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="slipstream-e2e-"))
         data = _prompts(out / "prompts.parquet", args.steps * args.batch_groups)
         ray.init(
+            address="local",
             include_dashboard=False,
             log_to_driver=False,
             configure_logging=False,

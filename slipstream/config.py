@@ -306,6 +306,8 @@ def _parse_override(item: str) -> tuple[str, Any]:
     if not sep or not _KEY_RE.match(key):
         raise ConfigError(f"override `{item}`: expected dotted.key=value, e.g. trainer.lr=1e-5")
     text = text.strip()
+    if text in ("null", "~"):  # YAML's null: `cluster.ray_address=null` clears a preset's value
+        return key, None
     if text[:1] in "[{":
         try:
             return key, yaml.safe_load(text)

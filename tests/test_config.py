@@ -154,3 +154,10 @@ def test_cli_config_show(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "lr: 3.0e-06" in out and "sync_every: 3" in out
     assert cli_main(["nosuch"]) == 2
+
+
+def test_null_override_clears_an_optional_value_and_is_refused_where_a_value_is_needed():
+    cfg = load_config(None, ["cluster.ray_address=auto", "cluster.ray_address=null"])
+    assert cfg.cluster.ray_address is None
+    with pytest.raises(ConfigError, match="trainer.lr"):
+        load_config(None, ["trainer.lr=null"])

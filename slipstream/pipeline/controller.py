@@ -672,7 +672,9 @@ def connect_ray(cfg: Config) -> bool:
     if cfg.cluster.ray_address is None:
         gpus = local_gpus()
         kwargs.update(num_gpus=gpus, resources=local_resources(cfg, gpus))
-    ray.init(address=cfg.cluster.ray_address, **kwargs)
+    # "local" starts a new instance: with no address, ray.init() would join any cluster that `ray start`
+    # left running on this machine (and then refuse the pool resources).
+    ray.init(address=cfg.cluster.ray_address or "local", **kwargs)
     return True
 
 

@@ -455,7 +455,7 @@ def _ray(sizes: list[int], quick: bool) -> dict[int, float]:
 
     top = max(sizes)
     store = max(512 * MiB, INFLIGHT_BYTES + 2 * top + 256 * MiB)
-    ray.init(num_cpus=4, object_store_memory=store, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=4, object_store_memory=store, include_dashboard=False, log_to_driver=False,
              configure_logging=False)  # fmt: skip
     out: dict[int, float] = {}
     try:

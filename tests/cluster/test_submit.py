@@ -118,3 +118,16 @@ def test_submit_trains_two_steps_on_two_nodes(two_nodes, tiny_model_path, tmp_pa
     assert len(by_node) == 2, placed  # the trainer's node and the rollout node
     assert any("rank0" in parts and "queue" in parts for parts in by_node.values()), placed
     assert any("server0" in parts and "rollouter" in parts for parts in by_node.values()), placed
+
+
+@pytest.mark.slow
+def test_a_run_without_ray_address_starts_its_own_ray_beside_a_running_cluster(
+    two_nodes, tiny_model_path, tmp_path
+):
+    """With `cluster.ray_address: null` a run starts its own local Ray even while a `ray start` cluster runs on
+    the machine (a bare ray.init() would join that cluster and refuse the run's pool resources)."""
+    config = tiny_config(tmp_path, tiny_model_path)
+    argv = [str(BIN / "slipstream"), "train", str(config), "--check-placement", "cluster.ray_address=null"]
+    done = subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "4 parts on 1 nodes" in done.stdout

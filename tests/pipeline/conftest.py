@@ -24,6 +24,7 @@ def ray_pools():
     before = os.environ.get(key)
     os.environ[key] = "1"  # as `slipstream train` runs (read by ray.init, inherited by the workers)
     ray.init(
+        address="local",  # a new instance, never a cluster some other test or user started here
         include_dashboard=False,
         log_to_driver=False,
         configure_logging=False,

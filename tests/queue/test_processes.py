@@ -268,7 +268,7 @@ def test_server_runs_inside_a_ray_actor():
     from slipstream.queue.config import QueueConfig
     from slipstream.queue.server import QueueServerActor
 
-    ray.init(num_cpus=1, object_store_memory=80 << 20, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=1, object_store_memory=80 << 20, include_dashboard=False, log_to_driver=False,
              configure_logging=False)  # fmt: skip
     try:
         cfg = QueueConfig(shm_bytes_per_unit=4 << 20, num_storage_units=1)
