@@ -54,6 +54,7 @@ def main(argv: list[str]) -> int:
         print(f"config error: {err}", file=sys.stderr)
         return 2
     pipeline.stop_on_sigterm = True
+    pipeline.reap_if_killed = True
     try:
         result = pipeline.run()
     except KeyboardInterrupt:

@@ -94,6 +94,8 @@ class Pipeline:
         self.on_step = on_step
         # `kill` stops a run as cleanly as Ctrl-C (the command sets this; library users keep their handler).
         self.stop_on_sigterm = False
+        # `slipstream train` sets this too: a watcher process kills what is left if the driver is SIGKILLed.
+        self.reap_if_killed = False
         self._stop_requested = False
         self._sigterm_before: Any = None  # the SIGTERM handler to put back at shutdown
         self.run_dir = Path(cfg.run.output_dir) / cfg.run.name
@@ -188,6 +190,10 @@ class Pipeline:
         from slipstream.pipeline.placement import Placement, PlacementError
 
         self._ray_started = connect_ray(self.cfg)
+        if self._ray_started and self.reap_if_killed:
+            from slipstream.pipeline.reaper import start_reaper
+
+            start_reaper()  # removes this run's processes if this driver is killed without cleaning up
         if self.stop_on_sigterm:  # after ray.init, which installs a handler of its own
             self._sigterm_before = signal.signal(signal.SIGTERM, lambda signum, frame: self.request_stop())
         wait_for_own_children()  # Ray's subreaper setting made this driver ignore SIGCHLD
