@@ -20,6 +20,9 @@ Invariants users can rely on:
     False and stores nothing, so a producer may retry a put whose reply it never saw;
   * a lease not acked within the server's ``lease_timeout_s`` goes back to the front of the ready set (a
     consumer that dies loses nothing); closing a client nacks the leases it still holds;
+  * a client reconnects by itself when its connection broke (the server restarted on the same address): an
+    operation none of which reached the server is run again at once on a fresh connection; one that may have
+    reached it raises ``QueueUnreachable`` and the next call reconnects;
   * **buffer lifetime**: a leased group's tensors may be views of the server's shared memory or of received
     frames. Views of shared memory are valid until the lease is acked, nacked or expired; copy what you
     keep (``collate`` copies). Treat them as read-only.
@@ -45,6 +48,7 @@ from slipstream.queue import ops
 from slipstream.queue import protocol as P
 from slipstream.queue.codec import Codec, send_frames
 from slipstream.queue.direct import DirectSocket
+from slipstream.queue.errors import QueueUnreachable
 from slipstream.queue.ops import CONTROLLER, Call, Lease, QueueError, QueueFull, Session
 from slipstream.queue.protocol import QueueStats
 from slipstream.queue.types import GroupMeta, TrajectoryGroup
@@ -81,6 +85,7 @@ class _Base:
         # This client's secret: the server binds the leases and arena credits it grants to it, so no other
         # client can ack, nack, fetch, commit or release them, even knowing their ids.
         self._owner = secrets.token_bytes(16)
+        self._nonce = b""  # of the server last said HELLO to (a new one: it restarted)
 
     def _stamp(self, header: Any) -> None:
         """Fill in a request's id and, where it has one, its owner secret."""
@@ -108,7 +113,10 @@ class _Base:
     def _new_socket(self, target: int) -> Any:
         """The controller's direct channel once HELLO found it reachable, else a ZeroMQ DEALER."""
         if target == CONTROLLER and self._session is not None and self._session.direct:
-            return DirectSocket(self._session.direct, self.timeout_s)
+            try:
+                return DirectSocket(self._session.direct, self.timeout_s)
+            except OSError as err:  # the server is gone (its abstract name with it)
+                raise QueueUnreachable(f"direct channel to the queue server: {err}", sent=False) from None
         sock = self._ctx.socket(zmq.DEALER)
         self._configure(sock)
         sock.connect(self._endpoint(target))
@@ -157,9 +165,30 @@ class _Base:
         return (reply, frames[2:]) if call.with_buffers else reply
 
     def _timeout_error(self, wait_s: float) -> QueueError:
-        return QueueError(
-            f"no reply from the queue server at {self.address} within {wait_s:.1f}s (is it running?)"
+        return QueueUnreachable(
+            f"no reply from the queue server at {self.address} within {wait_s:.1f}s (is it running?)",
+            sent=True,
         )
+
+    def _adopt(self, session: Session) -> None:
+        """Take the session a HELLO made; leases held from a server that restarted since are gone."""
+        if self._nonce and session.nonce != self._nonce and self._held:
+            log.warning(
+                "the queue server at %s restarted: the %d lease(s) this client held are gone",
+                self.address,
+                len(self._held),
+            )
+            self._held.clear()
+        self._nonce = session.nonce
+        self._session = session
+
+    @staticmethod
+    def _progressed(err: QueueError, progressed: bool) -> QueueError:
+        """A connection failure after an earlier request of the same operation got through: not safe to
+        run the operation again."""
+        if progressed and isinstance(err, QueueUnreachable):
+            err.sent = True
+        return err
 
 
 class QueueClient(_Base):
@@ -286,18 +315,41 @@ class QueueClient(_Base):
 
     # ------------------------------------------------------------------------------------- driver
     def _run(self, make_op: Callable[[Session], ops.Op]) -> Any:
+        """Run an operation; when the connection broke before any of it got through (the server restarted),
+        reconnect and run it once more."""
         with self._lock:
             if self._closed:
                 raise QueueError("the queue client is closed")
-            if self._session is None:
-                self._session = self._drive(ops.hello(self._use_shm, self._use_ipc))
-                if self._session.direct:  # reconnect over the direct channel from now on
-                    self._sockets.pop(CONTROLLER).close(linger=0)
-            return self._drive(make_op(self._session))
+            for attempt in range(2):
+                self._connect()
+                try:
+                    return self._drive(make_op(self._session))
+                except QueueUnreachable as err:
+                    self._reset()  # the next call says HELLO on fresh sockets
+                    if attempt or err.sent:
+                        raise
+                    log.info("reconnecting to the queue server at %s: %s", self.address, err)
+
+    def _connect(self) -> None:
+        if self._session is not None:
+            return
+        self._adopt(self._drive(ops.hello(self._use_shm, self._use_ipc)))
+        if self._session.direct:  # reconnect over the direct channel from now on
+            self._sockets.pop(CONTROLLER).close(linger=0)
+
+    def _reset(self) -> None:
+        """Drop the connection: sockets, arena mappings, credits (held leases stay this client's)."""
+        for sock in self._sockets.values():
+            sock.close(linger=0)
+        self._sockets.clear()
+        if self._session is not None:
+            self._session.close()
+            self._session = None
 
     def _drive(self, op: ops.Op) -> Any:
         value: Any = None
         error: QueueError | None = None
+        progressed = False
         while True:
             try:
                 step = op.throw(error) if error is not None else op.send(value)
@@ -307,8 +359,9 @@ class QueueClient(_Base):
             try:
                 replies = self._exchange(calls)
                 value, error = (replies if isinstance(step, list) else replies[0]), None
+                progressed = True
             except QueueError as err:
-                value, error = None, err
+                value, error = None, self._progressed(err, progressed)
 
     def _socket(self, target: int) -> Any:
         sock = self._sockets.get(target)
@@ -320,9 +373,14 @@ class QueueClient(_Base):
         sent = []
         for call in calls:
             self._stamp(call.header)
-            send_frames(
-                self._socket(call.target), self._codec.encode(call.msg_type, call.header, call.buffers)
-            )
+            try:
+                frames = self._codec.encode(call.msg_type, call.header, call.buffers)
+                send_frames(self._socket(call.target), frames)
+            except QueueUnreachable as err:
+                err.sent = err.sent or bool(sent)
+                for done in sent:
+                    self._abandon(done.header.req_id, done.msg_type)
+                raise
             sent.append(call)
         wait_s = self._deadline(calls)
         deadline = time.monotonic() + wait_s
@@ -454,27 +512,62 @@ class AsyncQueueClient(_Base):
 
     # ------------------------------------------------------------------------------------- driver
     async def _run(self, make_op: Callable[[Session], ops.Op]) -> Any:
-        if self._closed:
-            raise QueueError("the queue client is closed")
+        """Run an operation; when the connection broke before any of it got through (the server restarted),
+        reconnect and run it once more."""
+        for attempt in range(2):
+            if self._closed:
+                raise QueueError("the queue client is closed")
+            session = self._session
+            try:
+                session = await self._connect()
+                return await self._drive(make_op(session))
+            except QueueUnreachable as err:
+                self._reset(session)  # the next call says HELLO on fresh sockets
+                if attempt or err.sent:
+                    raise
+                log.info("reconnecting to the queue server at %s: %s", self.address, err)
+
+    async def _connect(self) -> Session:
         if self._session is None:
             if self._hello is None:  # concurrent first calls share one HELLO
                 self._hello = asyncio.ensure_future(self._drive(ops.hello(self._use_shm, self._use_ipc)))
+            hello = self._hello
             try:
-                session = await asyncio.shield(self._hello)
+                session = await asyncio.shield(hello)
             except BaseException:
-                self._hello = None
+                if self._hello is hello:
+                    self._hello = None
                 raise
             if self._session is None:
-                self._session = session
+                self._adopt(session)
                 if session.direct:  # reconnect over the direct channel from now on
                     sock = self._sockets.pop(CONTROLLER)
                     self._loop.remove_reader(sock.getsockopt(zmq.FD))
                     sock.close(linger=0)
-        return await self._drive(make_op(self._session))
+        return self._session
+
+    def _reset(self, session: Session | None) -> None:
+        """Drop the connection ``session`` ran on, unless another call already did: sockets, arena mappings,
+        credits (held leases stay this client's); what still waits on them fails."""
+        if session is not self._session:
+            return
+        for sock in self._sockets.values():
+            if self._loop is not None:
+                self._loop.remove_reader(sock.getsockopt(zmq.FD))
+            sock.close(linger=0)
+        self._sockets.clear()
+        broken = QueueUnreachable("the connection to the queue server was reset", sent=True)
+        for future, _call in list(self._waiting.values()):
+            if not future.done():
+                future.set_exception(broken)
+        if session is not None:
+            session.close()
+        self._session = self._hello = None
 
     async def _drive(self, op: ops.Op) -> Any:
         value: Any = None
         error: QueueError | None = None
+        progressed = False
         while True:
             try:
                 step = op.throw(error) if error is not None else op.send(value)
@@ -484,8 +577,9 @@ class AsyncQueueClient(_Base):
             try:
                 replies = await self._exchange(calls)
                 value, error = (replies if isinstance(step, list) else replies[0]), None
+                progressed = True
             except QueueError as err:
-                value, error = None, err
+                value, error = None, self._progressed(err, progressed)
 
     def _socket(self, target: int) -> Any:
         sock = self._sockets.get(target)
@@ -503,20 +597,24 @@ class AsyncQueueClient(_Base):
     async def _exchange(self, calls: list[Call]) -> list[Any]:
         loop = asyncio.get_running_loop()
         futures = []
-        for call in calls:
-            self._stamp(call.header)
-            future = loop.create_future()
-            self._waiting[call.header.req_id] = (future, call)
-            futures.append(future)
-            self._send(call.target, self._codec.encode(call.msg_type, call.header, call.buffers))
         wait_s = self._deadline(calls)
         try:
+            for call in calls:
+                self._stamp(call.header)
+                future = loop.create_future()
+                self._waiting[call.header.req_id] = (future, call)
+                futures.append(future)
+                try:
+                    self._send(call.target, self._codec.encode(call.msg_type, call.header, call.buffers))
+                except QueueUnreachable as err:
+                    err.sent = err.sent or len(futures) > 1
+                    raise
             async with asyncio.timeout(wait_s):
                 return [await f for f in futures]
         except TimeoutError:
             raise self._timeout_error(wait_s) from None
         finally:
-            for call, future in zip(calls, futures, strict=True):
+            for call, future in zip(calls, futures, strict=False):
                 self._waiting.pop(call.header.req_id, None)
                 if not future.done():
                     future.cancel()

@@ -38,7 +38,7 @@ from typing import Any
 
 import zmq
 
-from slipstream.queue.errors import QueueError
+from slipstream.queue.errors import QueueUnreachable
 
 _LEN = struct.Struct("<I")
 # Control messages are headers only; this bounds what a peer can make either side buffer.
@@ -221,11 +221,12 @@ class DirectSocket:
             raise ValueError("the direct channel carries no payload frames")
         try:
             self._sock.sendall(_frame(frames))
-        except OSError as err:
-            raise QueueError(f"direct channel to the queue server: send failed: {err}") from None
+        except OSError as err:  # a message is either whole on the stream or never sent: the latter here
+            broken = f"direct channel to the queue server: send failed: {err}"
+            raise QueueUnreachable(broken, sent=False) from None
 
     def _fill(self) -> None:
-        """Read what has arrived; raises QueueError once the server has closed the connection."""
+        """Read what has arrived; raises QueueUnreachable once the server has closed the connection."""
         while not self._broken:
             try:
                 chunk = os.read(self._fd, _READ)
@@ -240,7 +241,7 @@ class DirectSocket:
             if len(chunk) < _READ:
                 return
         if not self._reader.ready:
-            raise QueueError(f"direct channel to the queue server: {self._broken}")
+            raise QueueUnreachable(f"direct channel to the queue server: {self._broken}", sent=True)
 
     def poll(self, timeout_ms: float = -1, flags: int = zmq.POLLIN) -> int:
         deadline = time.monotonic() + timeout_ms / 1000 if timeout_ms >= 0 else None

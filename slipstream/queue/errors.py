@@ -9,3 +9,15 @@ class QueueError(RuntimeError):
 
 class QueueFull(QueueError):
     """A put waited ``timeout_s`` on back-pressure and the queue still had no room."""
+
+
+class QueueUnreachable(QueueError):
+    """The connection to the server broke or no reply came in time; the client reconnects on its next call.
+
+    ``sent`` is False when nothing of the failed operation reached the server (the connection was already
+    broken), so the client may run the operation again on a fresh connection without doing anything twice.
+    """
+
+    def __init__(self, message: str, *, sent: bool) -> None:
+        super().__init__(message)
+        self.sent = sent

@@ -75,6 +75,7 @@ class Session:
     inline_tensor_bytes: int
     shm_min_group_bytes: int
     put_timeout_s: float
+    nonce: bytes = b""  # the server's, random per server process: a new one means it restarted
     direct: str = ""  # the direct channel's endpoint when this client reaches it (same host), else ""
     arenas: list[ArenaMapping] = field(default_factory=list)  # all units' arenas, or empty
     # (credit, monotonic time until which it may be written: half its ttl, see credits.py)
@@ -125,7 +126,9 @@ Op = Generator[Call | list[Call], Any, Any]
 
 def hello(shared_memory: bool, ipc: bool = True) -> Op:
     reply: P.HelloReply = yield Call(CONTROLLER, P.MsgType.HELLO, P.HelloRequest(0))
-    session = Session(reply.units, reply.inline_tensor_bytes, reply.shm_min_group_bytes, reply.put_timeout_s)
+    session = Session(
+        reply.units, reply.inline_tensor_bytes, reply.shm_min_group_bytes, reply.put_timeout_s, reply.nonce
+    )
     if ipc and direct.reachable(reply.direct):
         session.direct = reply.direct
     if shared_memory and reply.units and all(u.shm_path for u in reply.units):

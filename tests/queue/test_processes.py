@@ -291,3 +291,68 @@ def test_cli_rejects_a_bad_override(capsys):
 
     assert main(["capacity_groups=lots"]) == 2
     assert "capacity_groups" in capsys.readouterr().err
+
+
+def _restart_on_the_same_port(server_process, **overrides):
+    """A server on a fixed port, and a function that stops it and starts another on that port."""
+    from slipstream.utils.net import free_port
+
+    port = free_port()
+    first = server_process(port=port, **overrides)
+
+    def restart():
+        first.stop()
+        second = server_process(port=port, **overrides)
+        assert second.address == first.address
+        return second
+
+    return first, restart
+
+
+def test_a_client_reconnects_after_the_server_restarts_on_the_same_port(server_process):
+    first, restart = _restart_on_the_same_port(server_process)
+    client = QueueClient(first.address, timeout_s=30)
+    assert client.put(make_group("a", payload=100))
+    assert client.lease(1, timeout_s=5) is not None  # held when the server goes away
+    restart()
+    assert client.put(make_group("b"))  # all inline: over the direct channel, on a fresh connection
+    assert client.put(make_group("c", payload=100))  # through the new server's arena
+    lease = client.lease(2, timeout_s=5)
+    assert [g.group_id for g in lease.groups] == ["b", "c"]
+    assert torch.equal(lease.groups[1].tensors["payload"], make_group("c", payload=100).tensors["payload"])
+    client.ack(lease)
+    client.close()  # the lease of the first server is not handed back to the second
+
+
+def test_an_async_client_reconnects_after_the_server_restarts_on_the_same_port(server_process):
+    import asyncio
+
+    from slipstream.queue.client import AsyncQueueClient
+
+    first, restart = _restart_on_the_same_port(server_process)
+
+    async def scenario():
+        client = AsyncQueueClient(first.address, timeout_s=30)
+        try:
+            assert await client.put(make_group("a", payload=100))
+            restart()
+            assert await client.put(make_group("b", payload=100))
+            lease = await client.lease(1, timeout_s=5)
+            assert [g.group_id for g in lease.groups] == ["b"]
+            await client.ack(lease)
+        finally:
+            await client.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_tcp_client_reconnects_after_one_failed_call(server_process):
+    first, restart = _restart_on_the_same_port(server_process)
+    client = QueueClient(first.address, timeout_s=1, ipc=False)
+    assert client.put(make_group("a"))
+    restart()
+    with pytest.raises(QueueError, match="no reply"):  # sent to the old server's storage unit
+        client.put(make_group("b"), timeout_s=0.5)
+    assert client.put(make_group("b"))  # the call after says HELLO again
+    assert [g.group_id for g in client.lease(1, timeout_s=5).groups] == ["b"]
+    client.close()
