@@ -6,7 +6,9 @@ the controller, one per storage unit, opened on first use), with many requests i
 then copy each group once into an arena region and its leases get views of those pages (no bytes on any
 socket); a group built with ``alloc_group`` already lies there, and its put copies nothing. Same-host clients
 also send their control requests over a plain Unix socket (:mod:`slipstream.queue.direct`). Across hosts,
-or with ``shared_memory=False``, payloads travel as zero-copy socket frames.
+or with ``shared_memory=False``, payloads travel as zero-copy socket frames. A server bound beyond loopback
+requires its token (:mod:`slipstream.queue.auth`): in the address it gives out (``tcp://TOKEN@host:port``), as
+``token=``, or in ``$SLIPSTREAM_QUEUE_TOKEN``.
 
 Lifecycle of a batch on the consumer side::
 
@@ -44,7 +46,7 @@ from typing import Any
 import torch
 import zmq
 
-from slipstream.queue import ops
+from slipstream.queue import auth, ops
 from slipstream.queue import protocol as P
 from slipstream.queue.codec import Codec, send_frames
 from slipstream.queue.direct import DirectSocket
@@ -53,6 +55,7 @@ from slipstream.queue.ops import CONTROLLER, Call, Lease, QueueError, QueueFull,
 from slipstream.queue.protocol import QueueStats
 from slipstream.queue.types import GroupMeta, TrajectoryGroup
 from slipstream.utils.logging import get_logger
+from slipstream.utils.net import is_loopback
 
 __all__ = ["AsyncQueueClient", "Lease", "QueueClient", "QueueError", "QueueFull", "QueueStats"]
 
@@ -69,10 +72,16 @@ def _lease_id(lease: Lease | str) -> str:
 class _Base:
     """Socket bookkeeping shared by both clients."""
 
-    def __init__(self, address: str, timeout_s: float, shared_memory: bool, ipc: bool) -> None:
+    def __init__(
+        self, address: str, timeout_s: float, shared_memory: bool, ipc: bool, token: str | None
+    ) -> None:
+        address, in_address = auth.split_address(address)
         if not address.startswith("tcp://") or ":" not in address[6:]:
-            raise ValueError(f"queue address {address!r}: expected tcp://HOST:PORT")
-        self.address = address
+            raise ValueError(
+                f"queue address {address!r}: expected tcp://HOST:PORT (or tcp://TOKEN@HOST:PORT)"
+            )
+        self.address = address  # without the token: it is shown in errors and logs
+        self._token = auth.client_token(in_address, token)
         self.timeout_s = timeout_s
         self._use_shm = shared_memory
         self._use_ipc = ipc
@@ -119,6 +128,7 @@ class _Base:
                 raise QueueUnreachable(f"direct channel to the queue server: {err}", sent=False) from None
         sock = self._ctx.socket(zmq.DEALER)
         self._configure(sock)
+        auth.authenticate(sock, self._token)
         sock.connect(self._endpoint(target))
         return sock
 
@@ -165,9 +175,11 @@ class _Base:
         return (reply, frames[2:]) if call.with_buffers else reply
 
     def _timeout_error(self, wait_s: float) -> QueueError:
+        hint = "is it running?"
+        if not self._token and not is_loopback(self.address[6:].rsplit(":", 1)[0]):
+            hint += f" A server beyond loopback needs its token: tcp://TOKEN@host:port or ${auth.TOKEN_ENV}"
         return QueueUnreachable(
-            f"no reply from the queue server at {self.address} within {wait_s:.1f}s (is it running?)",
-            sent=True,
+            f"no reply from the queue server at {self.address} within {wait_s:.1f}s ({hint})", sent=True
         )
 
     def _adopt(self, session: Session) -> None:
@@ -205,9 +217,15 @@ class QueueClient(_Base):
     """
 
     def __init__(
-        self, address: str, *, timeout_s: float = 60.0, shared_memory: bool = True, ipc: bool = True
+        self,
+        address: str,
+        *,
+        timeout_s: float = 60.0,
+        shared_memory: bool = True,
+        ipc: bool = True,
+        token: str | None = None,
     ) -> None:
-        super().__init__(address, timeout_s, shared_memory, ipc)
+        super().__init__(address, timeout_s, shared_memory, ipc, token)
         self._ctx = zmq.Context()
         self._sockets: dict[int, zmq.Socket] = {}
         self._lock = threading.RLock()
@@ -428,9 +446,15 @@ class AsyncQueueClient(_Base):
     """
 
     def __init__(
-        self, address: str, *, timeout_s: float = 60.0, shared_memory: bool = True, ipc: bool = True
+        self,
+        address: str,
+        *,
+        timeout_s: float = 60.0,
+        shared_memory: bool = True,
+        ipc: bool = True,
+        token: str | None = None,
     ) -> None:
-        super().__init__(address, timeout_s, shared_memory, ipc)
+        super().__init__(address, timeout_s, shared_memory, ipc, token)
         self._ctx = zmq.Context()
         self._sockets: dict[int, zmq.Socket] = {}
         self._loop: asyncio.AbstractEventLoop | None = None

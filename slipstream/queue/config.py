@@ -14,8 +14,12 @@ GiB = 1 << 30
 
 class QueueConfig(ConfigStruct):
     # Address the controller binds. Loopback by default: set 0.0.0.0 (or a NIC address) only when rollout
-    # and trainer nodes are different machines.
+    # and trainer nodes are different machines; such a server requires a token (auth_token).
     host: str = "127.0.0.1"
+    # Token every client must present (ZeroMQ PLAIN, see queue/auth.py): "auto" = none on loopback, a random
+    # one for any other bind; a literal secret = always (or set $SLIPSTREAM_QUEUE_TOKEN); "" = none, which
+    # only a loopback bind allows. Clients get it inside the server's address (tcp://TOKEN@host:port).
+    auth_token: str = "auto"
     # Controller port; 0 picks a free one (the pipeline passes the bound address to every client).
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
     # Storage units holding the payloads; groups are spread over them by group id. Each unit has its own

@@ -10,6 +10,9 @@ Three ways to run it, all the same :class:`QueueServer`:
   (pin it to a node with a custom resource in a cluster). Clients talk to it over ZeroMQ as usual;
 * in this process: ``QueueServer(cfg).start()`` (tests, benchmarks).
 
+It binds loopback unless ``queue.host`` says otherwise, and a server bound beyond loopback requires a token
+from every client (:mod:`slipstream.queue.auth`); ``address`` then carries it (``tcp://TOKEN@host:port``).
+
 Why one Python thread serves every socket: handlers only touch metadata and hand buffers to ZeroMQ
 (``copy=False``), so each takes microseconds whatever the payload size; the bytes move in ZeroMQ's IO
 threads (one per unit socket with ``io_threads``) and, for same-host clients, in the clients' own memcpy
@@ -43,6 +46,7 @@ import zmq
 
 from slipstream.queue import protocol as P
 from slipstream.queue.arena import HEADER_BYTES, Arena, shm_supported
+from slipstream.queue.auth import TOKEN_ENV, Gate, server_token, with_token
 from slipstream.queue.codec import Codec, WireError, ipc_supported, send_frames
 from slipstream.queue.config import QueueConfig
 from slipstream.queue.controller import Controller
@@ -65,7 +69,9 @@ class QueueServer:
 
     def __init__(self, cfg: QueueConfig) -> None:
         self.cfg = cfg
+        token = server_token(cfg)  # before anything binds: a bind beyond loopback needs a token
         self._ctx = zmq.Context(io_threads=cfg.io_threads)
+        self._gate = Gate(self._ctx, token)
         self._codec = Codec()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -74,7 +80,7 @@ class QueueServer:
         # Same-host clients switch to Unix domain sockets after HELLO: the direct channel for control
         # requests, ipc:// for the units (abstract names: no file to leak, and only processes in this network
         # namespace, i.e. on this host, can reach them).
-        use_unix = cfg.ipc and ipc_supported()
+        use_unix = cfg.ipc and ipc_supported() and not token  # no ZeroMQ handshake on the direct channel
         self._ipc_prefix = f"ipc://@slipstream-queue-{nonce.hex()}" if use_unix else ""
         self._direct = DirectListener(f"slipstream-queue-{nonce.hex()}-direct") if use_unix else None
         self._conns: dict[int, DirectConn] = {}
@@ -114,7 +120,9 @@ class QueueServer:
                 P.unit_for(h.meta.group_id, n_units), r, h, b
             ),
         }
-        log.info("queue server at %s with %d storage unit(s)", self.address, len(self.units))
+        log.info("queue server at %s with %d storage unit(s)", self._address, len(self.units))
+        if token:
+            log.info("clients must present the server's token (ZeroMQ PLAIN); it is in .address")
 
     # --------------------------------------------------------------------------------------- set-up
     def _bind(self, port: int, name: str) -> tuple[zmq.Socket, int]:
@@ -127,6 +135,7 @@ class QueueServer:
         sock.setsockopt(zmq.SNDHWM, self.cfg.zmq_hwm)
         sock.setsockopt(zmq.RCVHWM, self.cfg.zmq_hwm)
         sock.setsockopt(zmq.MAXMSGSIZE, min(2 * self.cfg.max_message_bytes, 2**62))
+        self._gate.secure(sock)
         # A reply to a peer that is gone fails instead of vanishing, so a lease is never granted to it.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.bind(f"tcp://{self.cfg.host}:{port}")
@@ -147,8 +156,14 @@ class QueueServer:
         return StorageUnit(index, sock, port, arena, self._ipc(f"unit{index}"))
 
     @property
-    def address(self) -> str:
+    def _address(self) -> str:
         return f"tcp://{routable_host(self.cfg.host)}:{self.port}"
+
+    @property
+    def address(self) -> str:
+        """What clients connect to: ``tcp://host:port``, with the token in front of the host when the
+        server requires one (``tcp://TOKEN@host:port``; see :mod:`slipstream.queue.auth`)."""
+        return with_token(self._address, self._gate.token)
 
     # ----------------------------------------------------------------------------------------- loop
     def start(self) -> QueueServer:
@@ -289,6 +304,7 @@ class QueueServer:
             self._direct.close()
         for unit in self.units:
             unit.close()
+        self._gate.close()
         self._ctx.term()
 
 
@@ -331,17 +347,22 @@ class QueueServerHandle:
 
 
 def config_args(cfg: QueueConfig) -> list[str]:
-    """``key=value`` arguments that rebuild ``cfg`` in ``slipstream queue serve``."""
+    """``key=value`` arguments that rebuild ``cfg`` in ``slipstream queue serve`` (a literal auth token is
+    left out: it goes through ``$SLIPSTREAM_QUEUE_TOKEN``, not the command line others can read)."""
     return [
         f"{k}={'true' if v is True else 'false' if v is False else v}"
         for k, v in msgspec.to_builtins(cfg).items()
+        if k != "auth_token" or v in ("auto", "")
     ]
 
 
 def start_queue_server(cfg: QueueConfig, *, timeout_s: float = 60.0) -> QueueServerHandle:
     """Start a server process and return once it is bound; it exits when this process does."""
     cmd = [sys.executable, "-m", "slipstream.queue.server", "--exit-with-parent", *config_args(cfg)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    env = None
+    if cfg.auth_token not in ("auto", ""):
+        env = {**os.environ, TOKEN_ENV: cfg.auth_token}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout is not None
     with selectors.DefaultSelector() as sel:
         sel.register(proc.stdout, selectors.EVENT_READ)
@@ -408,12 +429,14 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("host", "port", "num_storage_units"):
         if getattr(args, key) is not None:
             raw[key] = getattr(args, key)
+    if "auth_token" not in raw and os.environ.get(TOKEN_ENV):
+        raw["auth_token"] = os.environ[TOKEN_ENV]
     try:
         cfg = from_dict(raw, QueueConfig)
-    except ConfigError as err:
+        server = QueueServer(cfg)
+    except (ConfigError, ValueError) as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    server = QueueServer(cfg)
     freeze_imports()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
