@@ -24,6 +24,7 @@ import ctypes
 import json
 import logging
 import os
+import secrets
 import signal
 import time
 from pathlib import Path
@@ -350,6 +351,19 @@ class _TrackedQueue:
         tmp.replace(self.lease_file)
 
 
+def _lease_owner(run_dir: Path) -> bytes:
+    """Rank 0's queue secret, the same for every rank 0 of this run: the queue binds leases to it, and a
+    restarted rank 0 must be able to give back the leases of the one that died (release_stale_leases)."""
+    key = run_dir / "trainer_queue_owner"
+    if not key.is_file():
+        fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, secrets.token_bytes(16))
+        finally:
+            os.close(fd)
+    return key.read_bytes()
+
+
 class TrainerRank:
     """One trainer rank. Lifecycle: ``endpoint`` (rank 0) → ``setup`` on every rank at once → (``step``,
     ``publish``, ``save``)* on every rank at once → ``close``. ``add_server``/``remove_server`` (rank 0)
@@ -405,7 +419,8 @@ class TrainerRank:
             critic = make_engine(cfg, value_head=True)
             critic.initialize()
         if self.rank == 0:
-            self.queue = _TrackedQueue(QueueClient(queue_address), self.run_dir / "trainer_leases.json")
+            client = QueueClient(queue_address, owner=_lease_owner(self.run_dir))
+            self.queue = _TrackedQueue(client, self.run_dir / "trainer_leases.json")
         self.trainer = Trainer(
             cfg, self.engine, self.queue, rank=self.rank, world_size=self.world_size, critic=critic
         )

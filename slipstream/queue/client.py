@@ -73,7 +73,13 @@ class _Base:
     """Socket bookkeeping shared by both clients."""
 
     def __init__(
-        self, address: str, timeout_s: float, shared_memory: bool, ipc: bool, token: str | None
+        self,
+        address: str,
+        timeout_s: float,
+        shared_memory: bool,
+        ipc: bool,
+        token: str | None,
+        owner: bytes | None,
     ) -> None:
         address, in_address = auth.split_address(address)
         if not address.startswith("tcp://") or ":" not in address[6:]:
@@ -93,7 +99,9 @@ class _Base:
         self._closed = False
         # This client's secret: the server binds the leases and arena credits it grants to it, so no other
         # client can ack, nack, fetch, commit or release them, even knowing their ids.
-        self._owner = secrets.token_bytes(16)
+        if owner is not None and len(owner) < 16:
+            raise ValueError("owner: give at least 16 random bytes (it is what makes leases this client's)")
+        self._owner = owner or secrets.token_bytes(16)
         self._nonce = b""  # of the server last said HELLO to (a new one: it restarted)
 
     def _stamp(self, header: Any) -> None:
@@ -206,6 +214,9 @@ class _Base:
 class QueueClient(_Base):
     """Blocking client (the trainer's).
 
+    ``owner``: the secret the server binds this client's leases and credits to (random by default). Give a
+    consumer that takes over after a crash the secret of the one that died, and it can nack their leases.
+
     Worked example::
 
         client = QueueClient(handle.address)
@@ -224,8 +235,9 @@ class QueueClient(_Base):
         shared_memory: bool = True,
         ipc: bool = True,
         token: str | None = None,
+        owner: bytes | None = None,
     ) -> None:
-        super().__init__(address, timeout_s, shared_memory, ipc, token)
+        super().__init__(address, timeout_s, shared_memory, ipc, token, owner)
         self._ctx = zmq.Context()
         self._sockets: dict[int, zmq.Socket] = {}
         self._lock = threading.RLock()
@@ -453,8 +465,9 @@ class AsyncQueueClient(_Base):
         shared_memory: bool = True,
         ipc: bool = True,
         token: str | None = None,
+        owner: bytes | None = None,
     ) -> None:
-        super().__init__(address, timeout_s, shared_memory, ipc, token)
+        super().__init__(address, timeout_s, shared_memory, ipc, token, owner)
         self._ctx = zmq.Context()
         self._sockets: dict[int, zmq.Socket] = {}
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -172,3 +172,17 @@ def test_an_expired_lease_can_still_fetch_and_ack_what_was_not_leased_again(serv
     assert isinstance(acked, P.AckReply) and (acked.acked, acked.lost) == (1, 0)
     assert watcher.lease(1, timeout_s=0.2) is None  # consumed, not delivered again
     watcher.close()
+
+
+def test_a_client_given_the_owner_secret_of_a_dead_one_can_hand_its_leases_back(server):
+    srv = server(lease_timeout_s=600)
+    secret = b"s" * 16
+    dead = QueueClient(srv.address, timeout_s=30, owner=secret)
+    dead.put(make_group("a"))
+    held = dead.lease(1, timeout_s=5)  # then the process "dies" without closing its client
+    successor = QueueClient(srv.address, timeout_s=30, owner=secret)  # e.g. a restarted trainer rank 0
+    successor.nack(held.lease_id)
+    assert [g.group_id for g in successor.lease(1, timeout_s=5).groups] == ["a"]
+    successor.close()
+    with pytest.raises(ValueError, match="16 random bytes"):
+        QueueClient(srv.address, owner=b"short")
