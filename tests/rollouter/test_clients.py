@@ -252,7 +252,7 @@ def test_vllm_client_completions_retries_503_while_paused(fake):
     assert fake.bodies("/v1/completions")[0]["session_id"] == "s1"
     pauses = [r["query"] for r in fake.requests if r["path"] == "/pause"]
     assert pauses == [{"mode": ["keep"]}, {"mode": ["abort"]}]
-    assert fake.bodies("/abort_requests") == [{"request_ids": ["cmpl-r1-0", "r1"]}, {"request_ids": []}]
+    assert fake.bodies("/abort_requests") == [{"request_ids": ["cmpl-r1-0"]}, {"request_ids": []}]
 
 
 def test_vllm_client_generate_api_and_version_fallback(fake):
@@ -282,7 +282,8 @@ def test_vllm_client_generate_api_and_version_fallback(fake):
         and body["sampling_params"]["max_tokens"] == 16
         and body["request_id"] == "r2"
     )
-    assert fake.bodies("/inference/v1/abort_requests") == [{"request_ids": ["r3"]}]
+    # vLLM names a token-in/token-out engine request "generate-tokens-<rid>"; the bare rid aborts nothing
+    assert fake.bodies("/inference/v1/abort_requests") == [{"request_ids": ["generate-tokens-r3"]}]
 
 
 def test_errors_name_the_server_and_its_message(fake):

@@ -8,7 +8,8 @@ Two token-in/token-out routes, chosen with ``api=``:
   request ``cmpl-<request_id>-0``, which is what ``/abort_requests`` needs.
 * ``"generate"``: the native ``POST /inference/v1/generate`` (servers started with ``--tokens-only``):
   ``token_ids`` + a vLLM ``sampling_params`` dict; logprobs in ``choices[0].logprobs.content[].logprob``;
-  abort with ``/inference/v1/abort_requests``.
+  abort with ``/inference/v1/abort_requests``. vLLM names that engine request ``generate-tokens-<request_id>``
+  (``entrypoints/scale_out/token_in_token_out/serving.py``), so that is the id an abort must name.
 
 Dev-mode control: ``POST /pause?mode=abort|wait|keep`` (our ``in_place`` is vLLM's ``keep``), ``/resume``,
 ``/abort_requests {"request_ids": [...]}`` (empty: all), ``GET /weight_info`` for the version. While
@@ -66,6 +67,11 @@ def build_generate_payload(input_ids: list[int], sampling: SamplingParams, rid: 
         "sampling_params": _vllm_sampling(sampling),
         "stream": False,
     }
+
+
+def engine_request_id(rid: str, api: str = "completions") -> str:
+    """The id vLLM 0.33 gives the engine request of our ``request_id`` (what ``abort_requests`` matches)."""
+    return f"cmpl-{rid}-0" if api == "completions" else f"generate-tokens-{rid}"
 
 
 def _finish(reason: str | None) -> str:
@@ -172,11 +178,13 @@ class VLLMClient(ServerClient):
             delay = min(delay * 2, 1.0)
 
     async def abort(self, rid: str) -> None:
+        # vLLM aborts by the id it gave the engine request, never by the bare request_id we sent.
         if self.api == "completions":
-            # The engine request of a completions call is "cmpl-<request_id>-0"; unknown ids are ignored.
-            await self._request("POST", "/abort_requests", json={"request_ids": [f"cmpl-{rid}-0", rid]})
+            await self._request("POST", "/abort_requests", json={"request_ids": [engine_request_id(rid)]})
         else:
-            await self._request("POST", "/inference/v1/abort_requests", json={"request_ids": [rid]})
+            await self._request(
+                "POST", "/inference/v1/abort_requests", json={"request_ids": [engine_request_id(rid, "generate")]}
+            )
 
     async def abort_all(self) -> None:
         await self._request("POST", "/abort_requests", json={"request_ids": []})
