@@ -183,7 +183,9 @@ class VLLMClient(ServerClient):
             await self._request("POST", "/abort_requests", json={"request_ids": [engine_request_id(rid)]})
         else:
             await self._request(
-                "POST", "/inference/v1/abort_requests", json={"request_ids": [engine_request_id(rid, "generate")]}
+                "POST",
+                "/inference/v1/abort_requests",
+                json={"request_ids": [engine_request_id(rid, "generate")]},
             )
 
     async def abort_all(self) -> None:
