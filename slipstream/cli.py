@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
         "train": ("slipstream.trainer.bench", "training tokens/s, packed vs padded"),
         "weightsync": ("slipstream.weightsync.bench", "weight sync GB/s vs raw transport and naive"),
         "e2e": ("slipstream.bench_e2e", "samples/s of fully_async vs sync on a long-tail workload"),
+        "soak": ("slipstream.bench_soak", "a long run with servers and trainers killed: memory, lost groups"),
     },
     "models": {
         "prepare": ("slipstream.rollouter.models", "prepare a known model as a local HF checkpoint"),
