@@ -33,11 +33,14 @@ from typing import Any, ClassVar
 import httpx
 import msgspec
 
+from slipstream.utils.logging import get_logger
 from slipstream.weightsync.base import resolve_device
 from slipstream.weightsync.buckets import Layout
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.errors import TransferError
 from slipstream.weightsync.types import BucketMeta
+
+log = get_logger(__name__)
 
 ADAPTERS: dict[str, type[ServerAdapter]] = {}
 
@@ -318,24 +321,54 @@ class VLLMAdapter(ServerAdapter):
     async def destroy_group(self, group_name: str) -> None:
         await self.call("POST", "/shutdown_weight_transfer_engine", json={})
 
+    def __init__(self, url: str, cfg: WeightSyncConfig, http: httpx.AsyncClient) -> None:
+        super().__init__(url, cfg, http)
+        self._session = False  # between a successful /start_weight_update and its /finish_weight_update
+        self._loading = False  # an /update_weights of this session was sent: the layers may mix versions
+
     async def before(self, version: int) -> None:
         params = {"mode": VLLM_PAUSE[self.cfg.pause_mode]}
         if params["mode"] == "abort":
             params["clear_cache"] = "true"
         await self.call("POST", "/pause", params=params)
         await self.call("POST", "/start_weight_update", json={})
+        self._session, self._loading = True, False
 
     async def update(self, meta: BucketMeta) -> None:
         if meta.entries:
             names, dtypes, shapes = _entries(meta)
             update_info = {"names": names, "dtype_names": dtypes, "shapes": shapes}
+            self._loading = True
             await self.call("POST", "/update_weights", json={"update_info": update_info})
 
     async def after(self, version: int) -> None:
         await self.call("POST", "/finish_weight_update", json={"weight_version": str(version)})
+        self._session = False
         await self.call("POST", "/resume")
 
     async def recover(self, version: int) -> None:
+        """Close the update session, and resume only a server whose weights are whole.
+
+        vLLM keeps the layers on the meta device from ``/start_weight_update`` until
+        ``/finish_weight_update``, and refuses the next start while a session is open, so the session is
+        always finished (without a version: the served version stays). A server that already received
+        part of the version holds layers of two versions (a layer cut short holds uninitialised
+        elements): it stays paused until a whole version arrives (the publisher's retry from its kept
+        copy, or the next push), whose ``after`` resumes it.
+        """
+        if self._session:
+            self._session = False
+            try:  # vLLM may already have closed it (an update that failed inside vLLM resets the session)
+                await self.call("POST", "/finish_weight_update", json={})
+            except TransferError as err:
+                log.debug("%s: closing the update session: %s", self.url, err)
+        if self._loading:
+            log.warning(
+                "%s holds part of version %d; it stays paused until a whole version arrives",
+                self.url,
+                version,
+            )
+            return
         try:
             await self.call("POST", "/resume")
         except TransferError:

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import ctypes
+import time
 from collections.abc import Iterable, Sequence
 
 import msgspec
@@ -135,24 +137,31 @@ class DistLink:
         self.group.close(0)
 
     async def close(self, adapters: Iterable[ServerAdapter]) -> None:
+        # No barrier: every broadcast was answered by the servers' update calls before a link is closed,
+        # and SGLang's destroy never joins one (a barrier would stall, then abort the communicator).
         calls = [a.destroy_group(self.group_name) for a in adapters] if not self.group.broken else []
-        results = await asyncio.gather(
-            asyncio.to_thread(self.group.close, min(10.0, self.timeout_s)), *calls, return_exceptions=True
-        )
+        results = await asyncio.gather(asyncio.to_thread(self.group.close, 0), *calls, return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException):
                 log.debug("leaving group %s: %s", self.group_name, r)
 
 
 class NcclUidLink:
-    """Rank 0 of an NCCL communicator built from a unique id (vLLM's rendezvous; GPU only)."""
+    """Rank 0 of an NCCL communicator built from a unique id (vLLM's rendezvous; GPU only).
+
+    A peer that dies mid-broadcast leaves the NCCL kernel spinning: each broadcast runs on a stream of
+    its own and is waited for up to ``timeout_s``; past that, or on any failure, the communicator is
+    aborted (:func:`abort_comm`) so the GPU and the trainer's streams are free again.
+    """
 
     kind = "nccl_uid"
 
-    def __init__(self, comm, device: torch.device, group_name: str) -> None:
+    def __init__(self, comm, device: torch.device, group_name: str, timeout_s: float = 300.0) -> None:
         self.comm = comm
         self.device = device
         self.group_name = group_name
+        self.timeout_s = timeout_s
+        self.stream = torch.cuda.Stream(device) if comm is not None else None
 
     @classmethod
     async def open(cls, adapters: Sequence[ServerAdapter], cfg: WeightSyncConfig, device, group_name: str):
@@ -186,21 +195,33 @@ class NcclUidLink:
             return _Comm(comm)
 
         handle = await _join_all(adapters, specs, local)
-        return cls(handle.comm, dev, group_name)  # type: ignore[attr-defined]
+        return cls(handle.comm, dev, group_name, cfg.timeout_s)  # type: ignore[attr-defined]
 
     def send(self, bucket: PackedBucket) -> None:
         import torch.cuda.nccl as nccl
 
+        if self.comm is None:
+            raise TransferError(f"group `{self.group_name}`: the communicator was torn down")
         torch.cuda.set_device(self.device)
-        nccl.broadcast([bucket.data], root=0, comms=[self.comm])
-        torch.cuda.synchronize(self.device)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the bucket was packed there
+        nccl.broadcast([bucket.data], root=0, streams=[self.stream], comms=[self.comm])
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        if not wait_done(done.query, self.timeout_s):
+            self.fail()
+            raise TransferError(
+                f"group `{self.group_name}`: a broadcast did not complete within {self.timeout_s:g} s "
+                "(a server died or stopped receiving); communicator aborted"
+            )
 
     def fail(self) -> None:
-        self.comm = None
+        comm, self.comm = self.comm, None
+        if comm is not None:
+            abort_comm(comm)
 
     async def close(self, adapters: Iterable[ServerAdapter]) -> None:
         await asyncio.gather(*(a.destroy_group(self.group_name) for a in adapters), return_exceptions=True)
-        self.comm = None
+        self.comm = None  # torch destroys a communicator when its last reference goes
 
 
 class _Comm:
@@ -208,7 +229,44 @@ class _Comm:
         self.comm = comm
 
     def close(self, _barrier: float = 0) -> None:
+        if self.comm is not None:
+            abort_comm(self.comm)  # a half-built link: its peers may never arrive
         self.comm = None
+
+
+def wait_done(query, timeout_s: float, clock=time.monotonic, sleep=time.sleep) -> bool:
+    """Poll ``query()`` until it is true (True) or ``timeout_s`` has passed (False); backs off to 10 ms."""
+    deadline, delay = clock() + timeout_s, 1e-4
+    while not query():
+        if clock() >= deadline:
+            return False
+        sleep(delay)
+        delay = min(delay * 2, 0.01)
+    return True
+
+
+_ABORTED: list = []  # communicators aborted here: torch's destructor must never destroy them again
+
+
+def abort_comm(comm) -> bool:
+    """``ncclCommAbort`` on a ``torch.cuda.nccl`` communicator: its kernels stop and its resources go.
+
+    torch exposes no abort, and its capsule's destructor calls ``ncclCommDestroy``, which would wait for
+    the kernel a dead peer never completes. So the communicator is aborted through the NCCL library
+    torch already loaded, and the capsule is kept alive for good so that destroy never runs on it.
+    Returns False (the communicator is then only dropped) where the library or the symbol is missing.
+    """
+    _ABORTED.append(comm)
+    try:
+        lib = ctypes.CDLL("libnccl.so.2")
+        get = ctypes.pythonapi.PyCapsule_GetPointer
+        get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+        handle = get(comm, b"torch.cuda.nccl.Communicator")
+        lib.ncclCommAbort.argtypes = [ctypes.c_void_p]
+        return lib.ncclCommAbort(handle) == 0
+    except (OSError, AttributeError, ValueError) as err:
+        log.warning("could not abort an NCCL communicator (%s); it is left to the process", err)
+        return False
 
 
 class NixlLink:

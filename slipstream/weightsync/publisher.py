@@ -46,6 +46,8 @@ from slipstream.weightsync.links import LINKS
 
 log = get_logger(__name__)
 
+LEAVE_TIMEOUT_S = 10.0  # how long a server gets to leave a failed link's group
+
 
 class PublishReport(msgspec.Struct, kw_only=True):
     """The outcome of one push: which servers now serve ``version`` and why the others do not."""
@@ -109,6 +111,7 @@ class WeightPublisher:
         self._link = None
         self._link_members: list[str] = []
         self._joins = 0
+        self._builds = 0
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="weight-publisher", daemon=True)
@@ -165,7 +168,12 @@ class WeightPublisher:
                 await self._push(members, version, source, report)
                 return report
         except TransferError as err:
-            self._after_failure(version, str(err), report)
+            await self._after_failure(version, str(err), report)
+        except (
+            Exception
+        ) as err:  # not the wire (a packing error, out of memory): servers recovered, then raise
+            await self._after_failure(version, f"{type(err).__name__}: {err}", report)
+            raise
         finally:
             await asyncio.to_thread(_drain, source)  # other trainer ranks run collectives inside it
         await self._probe(report)
@@ -181,7 +189,7 @@ class WeightPublisher:
                 report.failed = {u: r for u, r in report.failed.items() if u not in members}
                 await self._push(members, version, iter(self.snapshot.items()), report)
         except TransferError as err:
-            self._after_failure(version, str(err), report)
+            await self._after_failure(version, str(err), report)
             await self._probe(report)
         return report
 
@@ -196,7 +204,7 @@ class WeightPublisher:
             else:
                 stats = await self._send_buckets(adapters, link, source, version)
             await _all(adapters, lambda a: a.after(version))
-        except TransferError:
+        except BaseException:  # whatever failed, no server is left paused with its update session open
             await asyncio.gather(*(a.recover(version) for a in adapters), return_exceptions=True)
             raise
         report.ok = members
@@ -242,7 +250,11 @@ class WeightPublisher:
             return []
         link_cls = LINKS[self._adapter_cls.transport if self.cfg.backend != "nixl" else "nixl"]
         adapters = [self.servers[u] for u in members]
-        self._link = await link_cls.open(adapters, self.cfg, self.device, self.cfg.group_name)
+        # Every rebuild gets a fresh group name: a server that could not leave the old group (it was
+        # stuck in a broadcast when the link failed) must not refuse the new one for its name.
+        name = self.cfg.group_name if not self._builds else f"{self.cfg.group_name}-{self._builds}"
+        self._builds += 1
+        self._link = await link_cls.open(adapters, self.cfg, self.device, name)
         self._link_members = members
         return members
 
@@ -252,17 +264,22 @@ class WeightPublisher:
             self._link, self._link_members = None, []
             await link.close(members)
 
-    def _after_failure(self, version: int, reason: str, report: PublishReport) -> None:
+    async def _after_failure(self, version: int, reason: str, report: PublishReport) -> None:
+        """Tear the link down at once, then have its servers leave their side of it (bounded, best effort):
+        a server that keeps a group it was in can never join another of that name (SGLang)."""
         log.warning("weight push of version %d failed: %s", version, reason)
         for url in self._link_members or self._live():
             report.failed.setdefault(url, reason)
         report.ok = []
-        if self._link is not None:
-            try:
-                self._link.fail()
-            except Exception as err:
-                log.debug("tearing the link down: %s", err)
-            self._link, self._link_members = None, []
+        link, members = self._link, [self.servers[u] for u in self._link_members if u in self.servers]
+        self._link, self._link_members = None, []
+        if link is None:
+            return
+        try:
+            link.fail()
+        except Exception as err:
+            log.debug("tearing the link down: %s", err)
+        await _leave(members, link.group_name, min(LEAVE_TIMEOUT_S, self.cfg.timeout_s))
 
     async def _probe(self, report: PublishReport) -> None:
         alive = await asyncio.gather(*(self.servers[u].healthy() for u in self._live()))
@@ -295,7 +312,7 @@ class WeightPublisher:
             await self._push(urls, version, iter(self.snapshot.items()), report)
             await self._link.close(adapters)
         except TransferError as err:
-            self._after_failure(version, str(err), report)
+            await self._after_failure(version, str(err), report)
         finally:
             self._link, self._link_members = saved  # the next publish rebuilds it with the newcomers
         return report
@@ -312,6 +329,16 @@ async def _all(adapters: list[ServerAdapter], call: Callable) -> None:
     errors = [f"{a.url}: {r}" for a, r in zip(adapters, results, strict=True) if isinstance(r, BaseException)]
     if errors:
         raise TransferError("; ".join(errors))
+
+
+async def _leave(adapters: list[ServerAdapter], group_name: str, timeout_s: float) -> None:
+    async def one(adapter: ServerAdapter) -> None:
+        try:
+            await asyncio.wait_for(adapter.destroy_group(group_name), timeout_s)
+        except (TransferError, TimeoutError) as err:  # a dead server has nothing left to leave
+            log.debug("%s: leaving group %s: %s", adapter.url, group_name, err)
+
+    await asyncio.gather(*(one(a) for a in adapters))
 
 
 async def _abandon(link, calls: list[asyncio.Task], grace_s: float) -> None:

@@ -9,6 +9,8 @@ vLLM adapter's requests are checked on their own; the live test is in test_gpu.p
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import threading
 import time
 
@@ -25,8 +27,12 @@ from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.publisher import WeightPublisher
 
 
-def fake_sglang(port: int) -> None:
-    """SGLang's weight-update routes, recording every request; received tensors are kept by name."""
+def fake_sglang(port: int, die_on_update: int = 0) -> None:
+    """SGLang's weight-update routes, recording every request; received tensors are kept by name.
+
+    Like SGLang, a group stays registered under its name until it is destroyed (a second init of that
+    name fails in torch), and destroy leaves without a barrier. ``die_on_update=n`` exits the process on
+    the n-th update call."""
     import uvicorn
 
     from slipstream.weightsync.groups import open_group
@@ -42,6 +48,7 @@ def fake_sglang(port: int) -> None:
         return await call_next(request)
 
     ok = {"success": True, "message": "ok"}
+    updates = [0]
 
     @app.get("/server_info")
     def server_info():
@@ -58,6 +65,9 @@ def fake_sglang(port: int) -> None:
 
     @app.post("/update_weights_from_distributed")
     async def update(req: dict):
+        updates[0] += 1
+        if updates[0] == die_on_update:
+            os._exit(1)
         typed = [
             torch.empty(s, dtype=parse_dtype(d)) for d, s in zip(req["dtypes"], req["shapes"], strict=True)
         ]
@@ -72,7 +82,7 @@ def fake_sglang(port: int) -> None:
 
     @app.post("/destroy_weights_update_group")
     async def destroy(req: dict):
-        await asyncio.to_thread(groups.pop(req["group_name"]).close, 10)
+        await asyncio.to_thread(groups.pop(req["group_name"]).close, 0)
         return ok
 
     for path in ("/pause_generation", "/begin_weight_update", "/end_weight_update", "/continue_generation"):
@@ -233,6 +243,105 @@ def test_vllm_gets_init_pause_start_packed_updates_finish_resume(pause_mode, vll
         ("POST", "/resume", {}, b""),
         ("POST", "/shutdown_weight_transfer_engine", {}, {}),
     ]  # fmt: skip
+
+
+def test_vllm_recovery_closes_the_update_session_and_resumes_only_whole_weights():
+    fake = _Recorder()
+    cfg = WeightSyncConfig(bucket_mb=1, timeout_s=10, device="cpu", pause_mode="in_place")
+    metas = metas_of(mixed_tensors(3), 3, Layout.vllm(1 << 20))
+
+    async def drive():
+        async with httpx.AsyncClient() as http:
+            adapter = VLLMAdapter(f"http://127.0.0.1:{fake.port}", cfg, http)
+            await adapter.before(3)
+            await adapter.recover(3)  # failed before any byte: the weights are whole
+            await adapter.before(3)
+            await adapter.update(metas[0])
+            await adapter.recover(3)  # part of version 3 landed
+            await adapter.before(3)  # the retry from the publisher's kept copy
+            for meta in metas:
+                await adapter.update(meta)
+            await adapter.after(3)
+
+    try:
+        asyncio.run(drive())
+    finally:
+        fake.close()
+    calls = [(path, body) for _, path, _, body in fake.log if path != "/update_weights"]
+    pause, start = ("/pause", b""), ("/start_weight_update", {})
+    assert calls == [
+        pause, start, ("/finish_weight_update", {}), ("/resume", b""),
+        pause, start, ("/finish_weight_update", {}),  # session closed, kept paused: layers mix versions
+        pause, start, ("/finish_weight_update", {"weight_version": "3"}), ("/resume", b""),
+    ]  # fmt: skip
+
+
+def _received(url: str) -> dict:
+    return httpx.get(f"{url}/received").json()
+
+
+def _calls(url: str) -> list[tuple[str, dict | None]]:
+    return [
+        (path, json.loads(body) if body else None) for _, path, _, body in httpx.get(f"{url}/requests").json()
+    ]
+
+
+def test_sglang_servers_that_survive_a_failed_push_take_the_retry_and_the_next_version():
+    ports = [free_port(), free_port()]
+    procs = [spawn(fake_sglang, ports[0]), spawn(fake_sglang, ports[1], 2)]
+    live, doomed = (f"http://127.0.0.1:{p}" for p in ports)
+    cfg = WeightSyncConfig(bucket_mb=1, timeout_s=10, device="cpu")
+    try:
+        wait_up(live), wait_up(doomed)
+        pub = WeightPublisher(cfg, [live, doomed], "sglang")
+        try:
+            report = pub.publish(7, iter(mixed_tensors(7)))
+            assert report.retried and report.ok == [live] and doomed in report.failed
+            assert _received(live) == digest(mixed_tensors(7))
+            assert pub.publish(8, iter(mixed_tensors(8))).ok == [live]
+        finally:
+            pub.close()
+        assert _received(live) == digest(mixed_tensors(8))
+        calls = _calls(live)
+    finally:
+        for proc in procs:
+            proc.kill()
+    joined = [body["group_name"] for path, body in calls if path == "/init_weights_update_group"]
+    left = [body["group_name"] for path, body in calls if path == "/destroy_weights_update_group"]
+    assert len(joined) == 2 and len(set(joined)) == 2  # the retry's group (kept for push 8) has a fresh name
+    assert left[0] == joined[0]  # the survivor left the failed group at once
+    pauses = [path for path, _ in calls if path in ("/pause_generation", "/continue_generation")]
+    assert pauses == ["/pause_generation", "/continue_generation"] * 3  # never left paused
+
+
+def test_a_push_that_fails_off_the_wire_leaves_no_server_paused_and_raises():
+    port = free_port()
+    proc = spawn(fake_sglang, port)
+    url = f"http://127.0.0.1:{port}"
+
+    def breaks():
+        for i, item in enumerate(mixed_tensors(7)):
+            if i == 3:
+                raise RuntimeError("packing failed")
+            yield item
+
+    try:
+        wait_up(url)
+        pub = WeightPublisher(WeightSyncConfig(bucket_mb=1, timeout_s=10, device="cpu"), [url], "sglang")
+        try:
+            with pytest.raises(RuntimeError, match="packing failed"):
+                pub.publish(7, breaks())
+            assert pub.publish(8, iter(mixed_tensors(8))).ok == [url]
+        finally:
+            pub.close()
+        assert _received(url) == digest(mixed_tensors(8))
+        calls = [path for path, _ in _calls(url)]
+    finally:
+        proc.kill()
+    first = calls[: calls.index("/continue_generation") + 1]
+    assert first[2:4] == ["/pause_generation", "/begin_weight_update"]
+    assert first[-2:] == ["/end_weight_update", "/continue_generation"]  # the session was closed, resumed
+    assert calls.count("/pause_generation") == calls.count("/continue_generation") == 2
 
 
 def test_unsupported_combinations_are_refused_by_name():
