@@ -295,6 +295,11 @@ class VLLMAdapter(ServerAdapter):
 
     transport = "nccl_uid"
 
+    def __init__(self, url: str, cfg: WeightSyncConfig, http: httpx.AsyncClient) -> None:
+        super().__init__(url, cfg, http)
+        self._session = False  # between a successful /start_weight_update and its /finish_weight_update
+        self._loading = False  # an /update_weights of this session was sent: the layers may mix versions
+
     def layout(self) -> Layout | None:
         return None if self.per_tensor else Layout.vllm(self.cfg.bucket_mb << 20)
 
@@ -320,11 +325,6 @@ class VLLMAdapter(ServerAdapter):
 
     async def destroy_group(self, group_name: str) -> None:
         await self.call("POST", "/shutdown_weight_transfer_engine", json={})
-
-    def __init__(self, url: str, cfg: WeightSyncConfig, http: httpx.AsyncClient) -> None:
-        super().__init__(url, cfg, http)
-        self._session = False  # between a successful /start_weight_update and its /finish_weight_update
-        self._loading = False  # an /update_weights of this session was sent: the layers may mix versions
 
     async def before(self, version: int) -> None:
         params = {"mode": VLLM_PAUSE[self.cfg.pause_mode]}
