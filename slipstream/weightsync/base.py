@@ -20,6 +20,7 @@ Backends (``weightsync.backend``), one module each, looked up in :data:`ENGINES`
   * ``torch_dist``: a torch.distributed group (gloo on CPU, NCCL on GPU), bucketed and double-buffered;
   * ``naive``: the same group, one tensor at a time: the baseline the bucketed path is measured against;
   * ``nixl``: NIXL (UCX) reads from the sender's registered buffers, DRAM or GPU memory.
+  * ``ipc``: one host: receivers copy out of buffers the sender shares (POSIX shared memory, CUDA IPC).
 To add one: write ``weightsync/<name>.py`` with a :class:`CheckpointEngine` subclass decorated with
 ``@register_engine("<name>")``, add the module to :data:`_MODULES` and the name to the config's
 ``backend`` choices.
@@ -162,6 +163,7 @@ _MODULES = {
     "torch_dist": "slipstream.weightsync.torch_dist",
     "naive": "slipstream.weightsync.naive",
     "nixl": "slipstream.weightsync.nixl_engine",
+    "ipc": "slipstream.weightsync.ipc_engine",
 }
 
 

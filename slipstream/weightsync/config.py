@@ -10,9 +10,11 @@ from slipstream.config_base import ConfigStruct
 
 
 class WeightSyncConfig(ConfigStruct):
-    # Transport: `torch_dist` (gloo on CPU, NCCL on GPU), `nixl` (UCX; DRAM or GPU memory), or `naive`
-    # (one broadcast per tensor; the baseline).
-    backend: Literal["torch_dist", "nixl", "naive"] = "torch_dist"
+    # Transport: `torch_dist` (gloo on CPU, NCCL on GPU), `nixl` (UCX; DRAM or GPU memory), `ipc` (one host:
+    # shared memory, or CUDA IPC on one GPU; embedded servers), `naive` (one broadcast per tensor; the
+    # baseline), or `auto`: `ipc` when every embedded server reports the trainer's host and, for a GPU
+    # trainer, the same physical GPU (NCCL cannot join two processes on one GPU), else `torch_dist`.
+    backend: Literal["auto", "torch_dist", "ipc", "nixl", "naive"] = "torch_dist"
     # Bucket size in MiB; tensors larger than a bucket are split into chunks. The sender holds two
     # buckets (one being packed while the other is on the wire); receivers keep one staging copy of the
     # model.

@@ -101,6 +101,11 @@ class Rendezvous(msgspec.Struct, kw_only=True, omit_defaults=True):
     agent_metadata: bytes = b""
     mem_type: str = ""
     buffers: list[tuple[int, int, int]] = []
+    # ipc: where this side runs (host identity; ``cpu`` or ``cuda:<device UUID>``), and on the sender the
+    # path of its control socket (in ``address``) and the secret a receiver proves itself with.
+    host: str = ""
+    device: str = ""
+    secret: str = ""
 
 
 class InitInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -211,3 +216,41 @@ class NixlNotice(msgspec.Struct, kw_only=True, omit_defaults=True):
     meta: BucketMeta | None = None
     ok: bool = True
     error: str = ""
+
+
+class IpcBuffer(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One transfer buffer an ``ipc`` sender shares: host memory travels as a file descriptor beside the
+    message (only ``nbytes`` here); GPU memory as the fields of torch's ``UntypedStorage._share_cuda_()``."""
+
+    nbytes: int
+    device: int = -1
+    handle: bytes = b""
+    offset: int = 0
+    ref_counter_handle: bytes = b""
+    ref_counter_offset: int = 0
+    event_handle: bytes | None = None
+    event_sync_required: bool = False
+
+
+class IpcMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A message on an ``ipc`` engine's control socket (length-prefixed msgpack).
+
+    kind ``hello`` (receiver → sender: ``secret``, ``name``), ``buffers`` (sender → receiver: the shared
+    buffers, ``device`` says which memory), ``ready`` (receiver mapped them, or ``ok=False`` and ``error``),
+    ``bucket`` (bucket ``meta`` of push ``push`` waits in buffer ``slot``), ``ack`` (receiver → sender:
+    bucket ``index`` of push ``push`` was copied out, or failed), ``abort`` (drop push ``push``), ``bye``
+    (the sender closes the connection on purpose; an end of stream without it means the sender died).
+    """
+
+    kind: str
+    push: int = 0
+    version: int = 0
+    index: int = 0
+    slot: int = 0
+    meta: BucketMeta | None = None
+    ok: bool = True
+    error: str = ""
+    name: str = ""
+    secret: str = ""
+    device: str = ""
+    buffers: list[IpcBuffer] = []
