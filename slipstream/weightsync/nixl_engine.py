@@ -69,6 +69,7 @@ class NixlEngine(CheckpointEngine):
         self._registered: list = []
         self._peers: list[str] = []
         self._sender_buffers: list[tuple[int, int, int]] = []
+        self._sender_mem_type = "DRAM"  # where the sender's buffers live: the remote side of every READ
         self._inbox: list[tuple[str, NixlNotice]] = []
         self._prepared = False
         self.pool: BufferPool | None = None
@@ -118,6 +119,7 @@ class NixlEngine(CheckpointEngine):
             if len(info.peers) != 1 or not info.peers[0].buffers:
                 raise ValueError("a NIXL receiver needs exactly one sender peer with its buffer addresses")
             self._sender_buffers = [tuple(b) for b in info.peers[0].buffers]
+            self._sender_mem_type = info.peers[0].mem_type or "DRAM"
         self._inbox.clear()
 
     def finalize(self) -> None:
@@ -191,7 +193,7 @@ class NixlEngine(CheckpointEngine):
         try:
             while True:
                 t0 = time.perf_counter()
-                bucket = await asyncio.to_thread(next, packer, None)
+                bucket = await asyncio.to_thread(self._pack_next, packer)
                 stats.pack_s += time.perf_counter() - t0
                 if bucket is None:
                     break
@@ -221,6 +223,14 @@ class NixlEngine(CheckpointEngine):
         stats.tensors, stats.bytes = packer.tensors, packer.bytes
         stats.seconds = time.perf_counter() - start
         return stats
+
+    def _pack_next(self, packer: BucketPacker):
+        """The next bucket, its bytes in place: copies into GPU memory are asynchronous, and a receiver
+        told about a bucket reads it at once, so the packing stream is synchronised before any notice."""
+        bucket = next(packer, None)
+        if bucket is not None and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return bucket
 
     def _notify_all(self, notice: NixlNotice, quiet: bool = False) -> None:
         for peer in self._peers:
@@ -326,7 +336,7 @@ class NixlEngine(CheckpointEngine):
 
     def _start_read(self, sender: str, dest: torch.Tensor, addr: int, dev: int, nbytes: int):
         local = self.agent.get_xfer_descs([(dest.data_ptr(), nbytes, self.dev_id)], self.mem_type)
-        remote = self.agent.get_xfer_descs([(addr, nbytes, dev)], self.mem_type)
+        remote = self.agent.get_xfer_descs([(addr, nbytes, dev)], self._sender_mem_type)
         return self.agent.initialize_xfer("READ", local, remote, sender)
 
     def _ack(self, sender: str, notice: NixlNotice, error: str) -> None:
