@@ -70,13 +70,15 @@ def hf_generate_wave(
     eos |= {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos))
     width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     kwargs = dict(do_sample=True, temperature=sampling.temperature, top_k=0, top_p=1.0, pad_token_id=pad)
     with torch.no_grad():
         model.generate(ids[:1, :], attention_mask=mask[:1, :], max_new_tokens=4, **kwargs)  # warm-up
         start = time.perf_counter()
         out = model.generate(ids, attention_mask=mask, max_new_tokens=sampling.max_new_tokens, **kwargs)
+        if out.is_cuda:
+            torch.cuda.synchronize(out.device)
         seconds = time.perf_counter() - start
     tokens = 0
     for row in out[:, width:].tolist():
@@ -91,7 +93,8 @@ def logprob_max_abs_err(model, prompts, outs, temperature: float) -> float:
         for prompt, out in zip(prompts, outs, strict=True):
             if not out.output_ids:
                 continue
-            logits = model(torch.tensor([prompt + out.output_ids])).logits[0].float()[len(prompt) - 1 : -1]
+            ids = torch.tensor([prompt + out.output_ids], device=model.device)
+            logits = model(ids).logits[0].float().cpu()[len(prompt) - 1 : -1]
             ref = torch.log_softmax(logits / temperature, -1).gather(
                 1, torch.tensor(out.output_ids)[:, None]
             )[:, 0]
@@ -100,7 +103,14 @@ def logprob_max_abs_err(model, prompts, outs, temperature: float) -> float:
 
 
 def run_bench(
-    model_name: str, max_new_tokens: int, concurrencies: list[int], threads: int, log, repeats: int = 1
+    model_name: str,
+    max_new_tokens: int,
+    concurrencies: list[int],
+    threads: int,
+    log,
+    repeats: int = 1,
+    device: str = "cpu",
+    dtype: str = "float32",
 ) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -112,16 +122,20 @@ def run_bench(
     tokenizer = AutoTokenizer.from_pretrained(path)
     prompts = make_prompts(tokenizer, max(concurrencies))
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0)
-    engine_cfg = EmbeddedServerConfig(num_threads=threads, max_model_len=1024, kv_cache_tokens=65536, seed=0)
+    engine_cfg = EmbeddedServerConfig(
+        num_threads=threads, max_model_len=1024, kv_cache_tokens=65536, seed=0, device=device, dtype=dtype
+    )
     results: dict = {
         "model": model_name,
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "dtype": dtype,
         "max_new_tokens": max_new_tokens,
         "threads": threads,
         "repeats": repeats,
     }
     results["load_avg_1m_start"] = round(os.getloadavg()[0], 2)
     fidelity_outs = None
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
     log(f"starting the embedded server ({path})")
     with launch_server("embedded", path, cfg=RolloutConfig(embedded=engine_cfg)) as server:
         server.wait_healthy(600)
@@ -170,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--repeats", type=int, default=1, help="runs per side and concurrency; the best counts"
     )
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where both sides run")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--json", action="store_true", help="print only the JSON summary on stdout")
     ns = parser.parse_args(argv)
     # A plain SIGTERM would skip the `with` blocks and leave the server process running.
@@ -178,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"[bench rollout] {msg}", file=sys.stderr if ns.json else sys.stdout, flush=True)
 
-    summary = run_bench(ns.model, ns.max_new_tokens, ns.concurrency, ns.threads, log, ns.repeats)
+    summary = run_bench(
+        ns.model, ns.max_new_tokens, ns.concurrency, ns.threads, log, ns.repeats, ns.device, ns.dtype
+    )
     print(json.dumps(summary))
     return 0

@@ -39,6 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=2, help="timed steps per mode (after one warm-up step)")
     p.add_argument("--threads", type=int, default=0, help="torch threads; 0 keeps torch's default")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the trainer runs")
     p.add_argument("--json", action="store_true", help="end with one JSON line of results")
     return p
 
@@ -67,7 +68,7 @@ def _config(model_path: str, args: argparse.Namespace, packed: bool):
         None,
         [
             f"model.path={model_path}",
-            "trainer.device=cpu",
+            f"trainer.device={args.device}",
             f"trainer.micro_batch_tokens={args.micro_batch_tokens}",
             f"trainer.pack_sequences={str(packed).lower()}",
             f"run.seed={args.seed}",
@@ -103,8 +104,11 @@ def _make_runner(cfg, batch):
     def step() -> int:
         out = engine.forward_backward_batch(batch, loss)
         engine.optimizer_step()
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)  # the step is timed to its last kernel
         return out.num_micro_batches
 
+    step.flops = engine.model_flops  # type: ignore[attr-defined]
     return step
 
 
@@ -136,6 +140,7 @@ def run(args: argparse.Namespace) -> dict:
             m: _make_runner(_config(model_path, args, m == "packed"), batch) for m in ("packed", "padded")
         }
         results = _time_modes(runners, args.steps)
+        flops = runners["packed"].flops(lengths)
         for mode, (sec, micro) in results.items():
             print(
                 f"{mode:>6}: {sec:7.3f} s/step, {micro:3d} micro-batches, {real / sec:9.1f} real tok/s",
@@ -160,7 +165,24 @@ def run(args: argparse.Namespace) -> dict:
         "micro_batch_tokens": args.micro_batch_tokens,
         "model": args.model or "tiny-llama-256x4",
         "threads": torch.get_num_threads(),
+        "device": _device_name(args.device),
+        **_mfu(flops, results["packed"][0], args.device),
     }
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device == "cuda" else "cpu"
+
+
+def _mfu(flops: float, seconds: float, device: str) -> dict:
+    """Model FLOP utilisation of the packed mode on a GPU whose peak is known (trainer.peak_tflops table)."""
+    if device != "cuda":
+        return {}
+    from slipstream.trainer.trainer import _lookup_peak_tflops
+
+    peak = _lookup_peak_tflops(torch.cuda.get_device_name())
+    achieved = flops / seconds / 1e12
+    return {"tflops": round(achieved, 1), "mfu": round(achieved / peak, 4) if peak else None}
 
 
 def main(argv: list[str] | None = None) -> int:
