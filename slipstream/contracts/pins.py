@@ -1,0 +1,37 @@
+"""The upstream releases Slipstream is written against: one table, read by the contract checker, the
+docs (``docs/contracts.md``, checked by a test) and the ``pyproject.toml`` extras (checked by a test).
+
+Each pin names the distribution on the package registry, its exact version, and the top-level
+packages of its wheel whose Python sources the checker reads. ``nixl`` on the registry is a small
+meta package that picks a CUDA-specific build at import time; its Python API lives in the build
+(``nixl_cu12``), which is pinned to the same version.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Pin:
+    dist: str  # the name on the package registry
+    version: str
+    packages: tuple[str, ...]  # top-level packages of the wheel that are kept in the cache
+    extra: str  # the pyproject extra that installs it
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.dist}=={self.version}"
+
+    @property
+    def key(self) -> str:
+        return f"{self.dist}-{self.version}"
+
+
+PINS: dict[str, Pin] = {
+    "vllm": Pin("vllm", "0.33.0", ("vllm",), extra="vllm"),
+    "sglang": Pin("sglang", "0.5.23", ("sglang",), extra="sglang"),
+    "nixl": Pin("nixl", "1.5.1", ("nixl",), extra="nixl"),
+    "nixl-cu12": Pin("nixl-cu12", "1.5.1", ("nixl_cu12",), extra="nixl"),
+    "megatron-core": Pin("megatron-core", "0.16.1", ("megatron",), extra="megatron"),
+}
