@@ -1,6 +1,9 @@
 # Two entry points, each doing all of its own set-up on a fresh machine:
 #   make quickstart   trains SmolLM2-135M-Instruct fully asynchronously on this machine's CPU
 #   make test         runs the test suite (everything but the `gpu` tests)
+#   make contracts    checks our HTTP requests, launch flags and NIXL/megatron calls against the pinned
+#                     upstream releases (docs/contracts.md); `make test` runs those checks once their
+#                     cache (.cache/contracts, or $SLIPSTREAM_CONTRACTS_CACHE) is warm
 # TORCH names the torch requirement: the CPU build by default; a GPU cluster passes its own.
 
 VENV ?= .venv
@@ -9,7 +12,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: setup test quickstart lint clean
+.PHONY: setup test contracts quickstart lint clean
 
 setup: $(VENV)/.installed
 
@@ -22,6 +25,10 @@ $(VENV)/.installed: pyproject.toml
 
 test: setup
 	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
+
+contracts: setup
+	$(PY) -m slipstream.contracts fetch
+	SLIPSTREAM_CONTRACTS_FETCH=1 $(PY) -m pytest -m contracts tests/contracts $(PYTEST_ARGS)
 
 quickstart: setup
 	$(VENV)/bin/slipstream train configs/quickstart.yaml

@@ -72,18 +72,20 @@ def _flatten_union(ann: ast.expr) -> list[ast.expr]:
 
 
 def _union(tree, value, options, rel, path, depth, whole) -> Errors:
+    """Fits if any option fits. Otherwise the errors of the one option whose shape fits (an object against
+    one model among ``X | None``), or a single error naming the whole union."""
     flat = [x for o in options for x in _flatten_union(o)]
-    best: Errors | None = None
+    shaped: list[Errors] = []
     for opt in flat:
         errs = check_value(tree, value, opt, rel, path, depth + 1)
         if not errs:
             return []
-        if best is None or len(errs) < len(best):
-            best = errs
-    scalar = not isinstance(value, (dict, list))
-    if scalar or best is None:
-        return [(path, f"{_json_type(value)} {value!r} does not fit `{ast.unparse(whole)}`")]
-    return best
+        if all(p != path for p, _ in errs):
+            shaped.append(errs)
+    if len(shaped) == 1:
+        return shaped[0]
+    text = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+    return [(path, f"{_json_type(value)} {text} does not fit `{ast.unparse(whole)}`")]
 
 
 def _subscript(tree, value, ann: ast.Subscript, rel, path, depth) -> Errors:

@@ -1,0 +1,497 @@
+"""The contract checker itself, offline: fabricated upstream sources that break what we send must be reported,
+naming the field, the endpoint (or flag, or API) and the upstream file."""
+
+from __future__ import annotations
+
+import textwrap
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from slipstream.contracts import cache
+from slipstream.contracts.flags import LaunchSpec, check_launch, flag_index, parse_argv
+from slipstream.contracts.http import check_http
+from slipstream.contracts.ours import HttpCall, LaunchArgv, record_http_calls, record_launch_argv
+from slipstream.contracts.pins import PINS, Pin
+from slipstream.contracts.pyapi import check_python_api
+from slipstream.contracts.upstream import SourceTree
+
+REPO = Path(__file__).resolve().parents[2]
+
+VLLM_ROUTES = """
+from typing import Annotated, Any, Literal
+from fastapi import APIRouter, Body, Query, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+PauseMode = Literal["abort", "wait", "keep"]
+router = APIRouter()
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class CompletionRequest(OpenAIBaseModel):
+    prompt: list[int] | list[list[int]] | str | None = None
+    max_tokens: int | None = 16
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    logprobs: int | None = None
+    stop_token_ids: list[int] | None = Field(default_factory=list)
+    return_token_ids: bool | None = False
+    request_id: str = Field(default_factory=lambda: "x")
+    stream: bool | None = False
+    session_id: str | None = None
+    # no return_weight_versions: the field this test expects to be reported
+
+
+@router.post("/v1/completions")
+async def create_completion(request: CompletionRequest, raw_request: Request):
+    ...
+
+
+@router.post("/pause")
+async def pause(raw_request: Request, mode: Annotated[PauseMode, Query()] = "abort",
+                clear_cache: Annotated[bool, Query()] = True):
+    ...
+
+
+@router.post("/abort_requests")
+async def abort_requests(raw_request: Request):
+    body = await raw_request.json()
+    ids = body.get("request_ids")
+
+
+@router.post("/finish_weight_update")
+async def finish(raw_request: Request, weight_version: Annotated[str | None, Body(embed=True)] = None):
+    ...
+
+
+@router.post("/init_weight_transfer_engine")
+async def init(raw_request: Request, init_info: Annotated[dict[str, Any], Body(embed=True)]):
+    ...
+"""
+
+NCCL_INFO = """
+from dataclasses import dataclass, field
+
+
+@dataclass(kw_only=True)
+class NCCLWeightTransferInitInfo:
+    rank_offset: int
+    world_size: int
+    packed: bool = False
+"""
+
+SGLANG_IO = """
+from dataclasses import dataclass
+from typing import Dict, List, Literal, Optional, Union
+
+
+@dataclass
+class GenerateReqInput:
+    input_ids: Optional[Union[List[List[int]], List[int]]] = None
+    sampling_params: Optional[Union[List[Dict], Dict]] = None
+    return_logprob: Optional[Union[List[bool], bool]] = None
+    rid: Optional[Union[List[str], str]] = None
+    stream: bool = False
+
+
+@dataclass
+class PauseGenerationReqInput:
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+"""
+
+SGLANG_SERVER = """
+from typing import Annotated
+from fastapi import Body, FastAPI, Request
+from sglang.srt.managers.io_struct import GenerateReqInput, PauseGenerationReqInput
+
+app = FastAPI()
+
+
+@app.api_route("/generate", methods=["POST", "PUT"])
+async def generate_request(obj: GenerateReqInput, request: Request):
+    ...
+
+
+@app.post("/pause_generation")
+async def pause_generation(obj: Annotated[PauseGenerationReqInput, Body()], request: Request):
+    ...
+"""
+
+SGLANG_SAMPLING = """
+class SamplingParams:
+    def __init__(self, max_new_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0,
+                 top_k: int = -1, stop_token_ids=None) -> None:
+        self.max_new_tokens = max_new_tokens
+"""
+
+SGLANG_SCHEMA = """
+class GenerateRequest:
+    @classmethod
+    def from_json_value(cls, value):
+        if "text" in value and "input_ids" in value:
+            raise ValueError("text and input_ids are exclusive")
+        return cls()
+"""
+
+
+def _write(root: Path, files: dict[str, str]) -> SourceTree:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return SourceTree([root])
+
+
+@pytest.fixture()
+def fake_trees(tmp_path):
+    vllm = _write(
+        tmp_path / "vllm",
+        {
+            "vllm/__init__.py": "",
+            "vllm/entrypoints/__init__.py": "",
+            "vllm/entrypoints/api.py": VLLM_ROUTES,
+            "vllm/distributed/weight_transfer/nccl_common.py": NCCL_INFO,
+        },
+    )
+    sglang = _write(
+        tmp_path / "sglang",
+        {
+            "sglang/__init__.py": "",
+            "sglang/srt/managers/io_struct.py": SGLANG_IO,
+            "sglang/srt/entrypoints/http_server.py": SGLANG_SERVER,
+            "sglang/srt/sampling/sampling_params.py": SGLANG_SAMPLING,
+            "sglang/api/v1/api_types.py": SGLANG_SCHEMA,
+        },
+    )
+    return {"vllm": vllm, "sglang": sglang}
+
+
+def _only(problems, field: str):
+    found = [p for p in problems if p.field == field]
+    assert found, f"`{field}` not reported; got:\n" + "\n".join(map(str, problems))
+    return found[0]
+
+
+# ------------------------------------------------------------------------------------------- HTTP
+def test_a_field_our_client_sends_that_upstream_lacks_is_reported(fake_trees):
+    calls = [c for c in record_http_calls() if c.kind == "vllm" and c.path == "/v1/completions"]
+    assert calls, "the vLLM client sent no /v1/completions request"
+    p = _only(check_http(fake_trees, calls), "return_weight_versions")
+    assert p.where == "vllm POST /v1/completions"
+    assert p.upstream == "vllm/entrypoints/api.py"
+    assert "CompletionRequest" in p.message and "ignores them" in p.message  # extra="allow" drops it silently
+    assert "VLLMClient" in p.origin
+    assert "return_weight_versions" in str(p) and "vllm/entrypoints/api.py" in str(p)
+
+
+def test_a_misspelt_key_in_our_body_is_reported(fake_trees):
+    body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 4}, "reutrn_logprob": True, "rid": "r"}
+    problems = check_http(fake_trees, [HttpCall("sglang", "POST", "/generate", {}, body, "test")])
+    p = _only(problems, "reutrn_logprob")
+    assert (p.where, p.upstream) == ("sglang POST /generate", "sglang/srt/managers/io_struct.py")
+    assert "GenerateReqInput" in p.message
+    assert len(problems) == 1
+
+
+def test_values_outside_upstream_types_are_reported(fake_trees):
+    calls = [
+        HttpCall("vllm", "POST", "/pause", {"mode": "freeze", "clear_cache": "true"}, None, "t"),
+        HttpCall("vllm", "POST", "/finish_weight_update", {}, {"weight_version": 7}, "t"),
+        HttpCall("sglang", "POST", "/pause_generation", {}, {"mode": "keep"}, "t"),
+        HttpCall("sglang", "POST", "/generate", {}, {"input_ids": ["a"], "return_logprob": True}, "t"),
+        HttpCall("sglang", "POST", "/generate", {}, {"input_ids": [1], "text": "a"}, "t"),
+    ]
+    problems = check_http(fake_trees, calls)
+    assert "freeze" in _only(problems, "mode").message
+    assert "str | None" in _only(problems, "weight_version").message
+    assert any(p.field == "mode" and p.where == "sglang POST /pause_generation" for p in problems)
+    assert _only(problems, "input_ids").upstream == "sglang/srt/managers/io_struct.py"
+    assert not any(p.field == "clear_cache" for p in problems)
+    schema = [p for p in problems if "own schema check" in p.message]
+    assert schema and schema[0].upstream == "sglang/api/v1/api_types.py" and "exclusive" in schema[0].message
+
+
+def test_nested_dicts_are_checked_against_the_class_that_parses_them(fake_trees):
+    calls = [
+        HttpCall(
+            "sglang", "POST", "/generate", {}, {"input_ids": [1], "sampling_params": {"max_tokens": 3}}, "t"
+        ),
+        HttpCall(
+            "vllm",
+            "POST",
+            "/init_weight_transfer_engine",
+            {},
+            {"init_info": {"rank_ofset": 1, "world_size": 2}},
+            "t",
+        ),
+    ]
+    problems = check_http(fake_trees, calls)
+    p = _only(problems, "sampling_params.max_tokens")
+    assert p.upstream == "sglang/srt/sampling/sampling_params.py"
+    p = _only(problems, "init_info.rank_ofset")
+    assert (p.where, p.upstream) == (
+        "vllm POST /init_weight_transfer_engine",
+        "vllm/distributed/weight_transfer/nccl_common.py",
+    )
+    assert "required" in _only(problems, "init_info.rank_offset").message
+
+
+def test_raw_json_handlers_missing_routes_and_wrong_methods(fake_trees):
+    calls = [
+        HttpCall("vllm", "POST", "/abort_requests", {}, {"request_ids": [], "abort_all": True}, "t"),
+        HttpCall("vllm", "POST", "/start_weight_update", {}, {}, "t"),
+        HttpCall("vllm", "GET", "/pause", {}, None, "t"),
+    ]
+    problems = check_http(fake_trees, calls)
+    assert "request_ids" in _only(problems, "abort_all").message
+    missing = [p for p in problems if p.where == "vllm POST /start_weight_update"]
+    assert missing and "no such route" in missing[0].message
+    wrong = [p for p in problems if p.where == "vllm GET /pause"]
+    assert wrong and "only POST" in wrong[0].message
+
+
+# ---------------------------------------------------------------------------------------- launch
+PARSER = """
+import argparse
+from dataclasses import dataclass
+from typing import Literal
+
+LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
+
+
+@dataclass
+class EngineArgs:
+    logprobs_mode: LogprobsMode = "raw_logprobs"
+    tensor_parallel_size: int = 1
+
+
+def add_cli_args(parser):
+    parser.add_argument("--logprobs-mode")
+    parser.add_argument("--tensor-parallel-size", "-tp")
+"""
+
+
+def test_unknown_launch_flags_and_bad_values_are_reported(tmp_path):
+    tree = _write(
+        tmp_path, {"vllm/args.py": PARSER, "vllm/serve.py": "", "vllm/envs.py": "VLLM_SERVER_DEV_MODE = 1"}
+    )
+    spec = LaunchSpec(
+        entry="vllm/serve.py",
+        parsers=("vllm/args.py",),
+        value_classes=(("EngineArgs", "vllm/args.py"),),
+        env_files=("vllm/envs.py",),
+        skip=3,
+    )
+    argv = [
+        "vllm",
+        "serve",
+        "m",
+        "--logprobs-mode",
+        "processed",
+        "--tensor-parallel-size=2",
+        "--max-modle-len=8",
+    ]
+    la = LaunchArgv("vllm", "configs/x.yaml", argv, {"VLLM_SERVER_DEVMODE": "1"})
+    import slipstream.contracts.flags as flags
+
+    original = flags.LAUNCH["vllm"]
+    flags.LAUNCH["vllm"] = spec
+    try:
+        problems = check_launch({"vllm": tree}, [la])
+    finally:
+        flags.LAUNCH["vllm"] = original
+    p = _only(problems, "--max-modle-len")
+    assert (p.where, p.upstream, p.origin) == ("vllm launch", "vllm/args.py", "configs/x.yaml")
+    assert "processed" in _only(problems, "--logprobs-mode").message
+    assert _only(problems, "VLLM_SERVER_DEVMODE").upstream == "vllm/envs.py"
+    assert not any(p.field == "--tensor-parallel-size" for p in problems)
+    assert flag_index(tree, spec)[0].flags["--tensor-parallel-size"] == "vllm/args.py"
+
+
+def test_parse_argv_forms():
+    argv = ["x", "--a", "1", "--b=2", "--flag", "--c", "{}"]
+    assert parse_argv(argv, 1) == [("--a", "1"), ("--b", "2"), ("--flag", None), ("--c", "{}")]
+
+
+def test_launcher_commands_are_recorded_from_the_real_launcher():
+    argvs = record_launch_argv()
+    vllm = next(a for a in argvs if a.kind == "vllm")
+    assert "--logprobs-mode" in vllm.argv and vllm.env.get("VLLM_SERVER_DEV_MODE") == "1"
+    assert any(a.source.startswith("configs/") for a in argvs)
+
+
+# ------------------------------------------------------------------------------------ Python API
+MCORE_CONFIG = """
+from dataclasses import dataclass
+
+
+@dataclass
+class TransformerConfig:
+    num_layers: int = 0
+    hidden_size: int = 0
+
+
+class DistributedDataParallel:
+    def __init__(self, config, module):
+        self.module = module
+
+    def finish_grad_sync(self):
+        pass
+"""
+
+OURS_MCORE = """
+from megatron.core.transformer import TransformerConfig, DistributedDataParallel
+from megatron.core.gone import Thing
+from megatron.core import parallel_state as ps
+
+
+def build():
+    cfg = TransformerConfig(num_layers=2, hidden_sizee=8)
+    model = DistributedDataParallel(config=cfg, module=None)
+    model.finish_grad_sync()
+    model.start_grad_sync()
+    ps.get_rank_of_nothing()
+    return model
+"""
+
+
+def test_megatron_api_use_that_upstream_lacks_is_reported(tmp_path):
+    tree = _write(
+        tmp_path / "up",
+        {
+            "megatron/core/__init__.py": "",
+            "megatron/core/transformer/__init__.py": "from .config import TransformerConfig, DistributedDataParallel\n",
+            "megatron/core/transformer/config.py": MCORE_CONFIG,
+            "megatron/core/parallel_state.py": "def get_data_parallel_rank():\n    return 0\n",
+        },
+    )
+    ours = tmp_path / "ours" / "engine.py"
+    ours.parent.mkdir()
+    ours.write_text(textwrap.dedent(OURS_MCORE))
+    problems, checked = check_python_api(tree, "megatron", files=[ours], repo=tmp_path)
+    p = _only(problems, "TransformerConfig")
+    assert "hidden_sizee" in p.message and p.upstream == "megatron/core/transformer/config.py"
+    assert p.origin == "ours/engine.py:8" and p.where == "megatron API"
+    assert _only(problems, "megatron.core.gone").message == "module is gone upstream"
+    assert (
+        _only(problems, "DistributedDataParallel.start_grad_sync").upstream
+        == "megatron/core/transformer/config.py"
+    )
+    assert _only(problems, "ps.get_rank_of_nothing").upstream == "megatron/core/parallel_state.py"
+    assert not any(p.field == "DistributedDataParallel.finish_grad_sync" for p in problems)
+    assert checked >= 6
+
+
+NIXL_API = """
+class nixl_agent_config:
+    def __init__(self, enable_prog_thread: bool = True, backends: list[str] = ["UCX"]):
+        pass
+
+
+class nixl_agent:
+    def __init__(self, agent_name: str, nixl_conf=None):
+        pass
+
+    def transfer(self, handle, notif_msg: bytes = b"") -> str:
+        return "DONE"
+"""
+
+OURS_NIXL = """
+def _new_agent(name):
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    return nixl_agent(name, nixl_agent_config(backend=["UCX"]))
+
+
+class Engine:
+    def start(self):
+        self.agent = _new_agent("a")
+        self.agent.transfer(1, b"", 3)
+        self.agent.check_xfer_state(1)
+"""
+
+
+def test_nixl_calls_that_upstream_lacks_are_reported(tmp_path):
+    stub = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from nixl_cu12._api import nixl_agent, nixl_agent_config\n"
+    tree = _write(
+        tmp_path / "up",
+        {
+            "nixl/__init__.py": "",
+            "nixl/_api.py": stub,
+            "nixl_cu12/__init__.py": "",
+            "nixl_cu12/_api.py": NIXL_API,
+        },
+    )
+    ours = tmp_path / "nixl_engine.py"
+    ours.write_text(textwrap.dedent(OURS_NIXL))
+    problems, _ = check_python_api(tree, "nixl", files=[ours], repo=tmp_path)
+    assert "`backend`" in _only(problems, "nixl_agent_config").message
+    assert "positional" in _only(problems, "nixl_agent.transfer").message
+    assert _only(problems, "nixl_agent.check_xfer_state").upstream == "nixl_cu12/_api.py"
+    assert len(problems) == 3
+
+
+# ------------------------------------------------------------------------------- our side, pins
+def test_recorder_drives_every_client_and_adapter_without_errors():
+    errors: list[str] = []
+    calls = record_http_calls(errors)
+    assert not errors, errors
+    seen = {(c.kind, c.method, c.path) for c in calls}
+    for expected in [
+        ("sglang", "POST", "/generate"),
+        ("sglang", "POST", "/update_weights_from_distributed"),
+        ("vllm", "POST", "/v1/completions"),
+        ("vllm", "POST", "/inference/v1/generate"),
+        ("vllm", "POST", "/update_weights"),
+        ("vllm", "POST", "/pause"),
+    ]:
+        assert expected in seen
+
+
+def test_pins_match_the_pyproject_extras_and_the_docs():
+    from packaging.requirements import Requirement
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    docs = (REPO / "docs" / "contracts.md").read_text()
+    for pin in PINS.values():
+        reqs = [Requirement(r) for r in extras[pin.extra]]
+        named = [r for r in reqs if r.name == pin.dist]
+        if named:
+            assert named[0].specifier.contains(pin.version), f"{pin.requirement} vs pyproject {named[0]}"
+        assert f"`{pin.dist}` | {pin.version}" in docs, f"docs/contracts.md does not list {pin.requirement}"
+
+
+def test_cache_unpacks_only_python_sources_and_needs_the_marker(tmp_path):
+    pin = Pin("demo", "1.0", ("demo",), extra="demo")
+    wheel = tmp_path / "demo-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("demo/__init__.py", "X = 1\n")
+        zf.writestr("demo/lib.so", b"\0")
+        zf.writestr("other/__init__.py", "")
+    dest = tmp_path / "cache" / pin.key
+    cache._unpack(wheel, pin, dest)
+    assert (dest / "demo/__init__.py").exists()
+    assert not (dest / "demo/lib.so").exists() and not (dest / "other").exists()
+    assert not wheel.exists()
+    assert not cache.is_warm([pin], tmp_path / "cache")
+
+
+def test_fetch_failure_is_a_fetch_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
+    with pytest.raises(cache.FetchError, match="slipstream-no-such-dist==0.0.1"):
+        cache.ensure(Pin("slipstream-no-such-dist", "0.0.1", ("x",), extra="x"), tmp_path / "cache")
+    assert not any((tmp_path / "cache").glob("slipstream-no-such-dist*"))
+
+
+def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path))
+    assert cache.cache_dir() == tmp_path
+    monkeypatch.delenv(cache.CACHE_ENV)
+    assert cache.cache_dir() == REPO / ".cache" / "contracts"
