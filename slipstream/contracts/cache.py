@@ -22,7 +22,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from slipstream.contracts.pins import PINS, Pin
+from slipstream.contracts.pins import PINS, WHEEL_TARGET, Pin
 
 CACHE_ENV = "SLIPSTREAM_CONTRACTS_CACHE"
 _MARKER = ".complete"
@@ -74,19 +74,8 @@ def ensure_all(root: Path | None = None) -> dict[str, Path]:
 
 
 def _download(pin: Pin, into: Path) -> Path:
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--only-binary=:all:",
-        "--disable-pip-version-check",
-        "-q",
-        "-d",
-        str(into),
-        pin.requirement,
-    ]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", *WHEEL_TARGET]
+    cmd += ["--disable-pip-version-check", "-q", "-d", str(into), pin.requirement]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     except (OSError, subprocess.TimeoutExpired) as err:

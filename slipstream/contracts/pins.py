@@ -5,6 +5,9 @@ Each pin names the distribution on the package registry, its exact version, and 
 packages of its wheel whose Python sources the checker reads. ``nixl`` on the registry is a small
 meta package that picks a CUDA-specific build at import time; its Python API lives in the build
 (``nixl_cu12``), which is pinned to the same version.
+
+Wheels are fetched for one reference platform (:data:`WHEEL_TARGET`: CPython 3.11 on x86-64 Linux,
+where the servers run), whatever machine runs the check, so every machine reads the same files.
 """
 
 from __future__ import annotations
@@ -35,3 +38,10 @@ PINS: dict[str, Pin] = {
     "nixl-cu12": Pin("nixl-cu12", "1.5.1", ("nixl_cu12",), extra="nixl"),
     "megatron-core": Pin("megatron-core", "0.16.1", ("megatron",), extra="megatron"),
 }
+
+# pip download options that select the reference platform's wheels (see the module docstring).
+WHEEL_TARGET: tuple[str, ...] = (
+    "--python-version", "3.11", "--implementation", "cp",
+    "--platform", "manylinux_2_34_x86_64", "--platform", "manylinux_2_28_x86_64",
+    "--platform", "manylinux_2_24_x86_64",
+)  # fmt: skip
