@@ -3,10 +3,11 @@
 # (see its docstring for the checks) and writes docs/gpu/results.json.
 #
 # On a GPU machine with Python, torch and transformers but no package registry, bring the rest as wheels
-# fetched beforehand with scripts/gpu_wheels.sh (into .whl/, .whl_nixl/, .whl_ray/); every folder found here
-# is installed into $SLIPSTREAM_GPU_SITE (default /tmp/site) before the checks run. Ray's wheel travels in
-# parts, possibly over two calls on the same machine: parts found in .whl_ray/ are kept in /tmp/slipstream-ray
-# and Ray is installed once all of them have arrived. `--stage` installs and keeps parts, then stops.
+# fetched beforehand with scripts/gpu_wheels.sh (into .whl/, .whl_nixl/, .whl_ray_1/, .whl_ray_2/; how they
+# travel is in its header); every folder found here is installed into $SLIPSTREAM_GPU_SITE (default
+# /tmp/site) before the checks run. Ray's wheel travels in parts over several calls on the same machine:
+# parts found in .whl_ray*/ are kept in /tmp/slipstream-ray and Ray is installed once all have arrived.
+# `--stage` installs what it was given and keeps the parts, then stops.
 #
 #   bash scripts/gpu_check.sh                      # every check
 #   bash scripts/gpu_check.sh --only env,gpu_tests # some
@@ -23,9 +24,9 @@ install() {  # DIR|FILE...: wheels into $SITE, no index, no dependencies (every 
 for dir in .whl .whl_nixl; do
   if compgen -G "$dir/*.whl" >/dev/null; then install "$dir"/*.whl || exit 1; fi
 done
-if [ -f .whl_ray/WHEEL ]; then
-  mkdir -p "$PARTS" && cp .whl_ray/WHEEL .whl_ray/ray.part.* "$PARTS"/ 2>/dev/null
-fi
+for dir in .whl_ray*; do
+  if [ -f "$dir/WHEEL" ]; then mkdir -p "$PARTS" && cp "$dir"/WHEEL "$dir"/ray.part.* "$PARTS"/; fi
+done
 if [ -f "$PARTS/WHEEL" ]; then
   read -r wheel count < "$PARTS/WHEEL"
   if [ "$(ls "$PARTS"/ray.part.* 2>/dev/null | wc -l)" -eq "$count" ]; then
