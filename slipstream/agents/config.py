@@ -41,7 +41,14 @@ class AgentConfig(ConfigStruct):
     max_total_tokens: Annotated[int, msgspec.Meta(ge=1)] = 4096
     # Tool output beyond this many characters is truncated.
     max_tool_output_chars: Annotated[int, msgspec.Meta(ge=1)] = 2048
-    # Python sandbox limits.
+    # Python sandbox limits. The `python` tool runs each call behind a kernel boundary (new user, pid,
+    # mount, network, IPC and UTS namespaces; uid 65534 without capabilities; a read-only file system
+    # but /tmp; seccomp; no environment; agents/tools/sandbox.py). It needs user namespaces and
+    # libseccomp; where they are missing, building the tool fails with what to enable.
     sandbox_cpu_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
     sandbox_wall_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
     sandbox_memory_mb: Annotated[int, msgspec.Meta(ge=16)] = 512
+    # UNSAFE: run the python tool's code with the limits above but no boundary (it can read and write
+    # whatever the run's user can, reach the network, signal its processes). Only for trusted code on
+    # a machine without user namespaces; never for a policy's code.
+    sandbox_unsafe_no_isolation: bool = False

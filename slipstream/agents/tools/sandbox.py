@@ -1,29 +1,33 @@
-"""Run model-written Python in a separate, limited process: no network, bounded CPU, memory, time, output.
+"""Run model-written Python behind a kernel-enforced boundary, with bounded CPU, memory, time and output.
 
-The code a policy writes during RL is adversarial by accident: infinite loops, huge allocations, endless
-printing, and now and then ``import os; os.system(...)``. Each call runs in a fresh interpreter
-(``python -I``, started with asyncio so the event loop never blocks) inside its own temporary directory,
-through a small launcher that, before the code runs, applies in order:
+Agentic RL runs code a policy wrote, by the million; some of it is hostile by accident or by search
+(``os.system``, ctypes, ``/proc/<pid>/root``, ``nsenter``, ``setsid`` children, fork bombs). So each call
+runs in a fresh interpreter inside namespaces, built by ``sandbox_launcher.py`` (its docstring has the
+process tree), and the program runs with:
 
-1. **namespaces**, where the process may create them (root, or a kernel that lets users do so): a new
-   network namespace (``unshare(CLONE_NEWNET)``: only a loopback that is down, so nothing is reachable)
-   and a private mount table in which every mount is read-only except the code's own directory (so code
-   running as root cannot change the machine's files);
-2. **limits**: ``RLIMIT_CPU`` (SIGXCPU ends it), ``RLIMIT_AS`` (allocations fail with MemoryError),
-   ``RLIMIT_FSIZE``, no core files;
-3. **audit hook** (``sys.addaudithook``, which cannot be removed once added): creating a socket, starting
-   a process (``subprocess``, ``os.system``, ``os.exec*``, ``fork``) and loading native libraries with
-   ``ctypes`` raise PermissionError. This is the network barrier where namespaces are not permitted;
-4. **user**: when started as root, and the interpreter is readable by ``nobody``, the code runs as
-   ``nobody`` so it cannot write outside its directory.
+- **its own user, pid, mount, network, IPC, UTS and cgroup namespaces**: it sees only its own processes
+  (so it can neither signal nor enter a host process), has only a loopback that is down (no network at
+  all) and cannot reach host IPC objects;
+- **uid and gid 65534 with no capabilities and no_new_privs**: host uid 65534 when the caller is root;
+  setuid files and file capabilities grant nothing;
+- **a read-only file system** of system directories and the Python prefixes only; no ``/root``,
+  ``/home``, project or host ``/etc`` files (a synthetic ``passwd``); ``/tmp`` is its working directory
+  and the one writable place, a tmpfs of ``scratch_mb``;
+- **a seccomp filter** refusing namespace, mount, tracing, keyring, eBPF, io_uring and module system
+  calls, other architectures' system calls and every socket family but ``AF_UNIX``;
+- **an environment of constants** (``PATH``, ``HOME``, ``LANG``, thread counts): no host variable;
+- **limits**: ``RLIMIT_CPU`` (SIGXCPU ends it), ``RLIMIT_AS`` (MemoryError), ``RLIMIT_FSIZE``,
+  ``RLIMIT_NPROC``, no core files; the parent enforces wall time and output size.
 
-The parent enforces wall time (the whole process group is killed) and output size (merged stdout and
-stderr are read incrementally; past the cap the process is killed and the output truncated).
-:func:`isolation_report` says which layers this machine permits.
+On time-out (or too much output) the whole process tree is killed: the pid namespace's init is killed,
+which makes the kernel kill every process in it, and :func:`run_python` returns only once the launcher,
+which outlives all of them, has exited. A program that ends normally leaves nothing behind either.
 
-What this is not: a security boundary against a determined attacker (the audit hook is in-process and a
-determined C extension could get around it; where namespaces are available they are the real barrier).
-Use a container or VM sandbox (gVisor, Firecracker) in front of untrusted production workloads.
+Fail closed: where the boundary cannot be built (no user namespaces, a masked ``/proc``, no libseccomp,
+not Linux) nothing runs and :class:`SandboxUnavailable` says what is missing and how to enable it.
+:func:`sandbox_problem` asks once per process; the python tool asks at construction, so a run stops
+at start rather than feeding the model errors. ``unsafe_no_isolation=True`` (config
+``agent.sandbox_unsafe_no_isolation``, off by default) runs only the limits, for trusted code only.
 
 Worked example::
 
@@ -35,11 +39,14 @@ Worked example::
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
+import functools
+import json
 import os
 import signal
-import stat
+import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -47,58 +54,21 @@ import msgspec
 
 from slipstream.agents.tools.base import truncate_middle
 
-# The launcher runs inside the child, before the user's code; argv: cpu_s memory_bytes fsize_bytes user.
-_LAUNCHER = r"""
-import ctypes, os, resource, sys
-cpu_s, mem, fsize, drop_user = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
-netns = readonly = False
-try:
-    libc = ctypes.CDLL(None, use_errno=True)
-    netns = libc.unshare(0x40000000) == 0  # CLONE_NEWNET
-    if libc.unshare(0x00020000) == 0:  # CLONE_NEWNS: a private mount table
-        MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 32, 4096, 16384, 1 << 18
-        here = os.getcwd()
-        ok = libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) == 0
-        ok = ok and libc.mount(here.encode(), here.encode(), None, MS_BIND, None) == 0
-        with open("/proc/self/mountinfo", "rb") as f:
-            points = [line.split()[4].decode("unicode_escape").encode("latin-1") for line in f]
-        for point in points:
-            if ok and point != here.encode():
-                ok = libc.mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY, None) == 0
-        readonly = ok
-        os.chdir(here)  # enter the writable bind mount (the old cwd is the directory beneath it)
-    del libc
-except Exception:
-    pass
-resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
-resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-if drop_user:
-    os.setgroups([])
-    os.setgid(65534)
-    os.setuid(65534)
-_BLOCKED = frozenset({
-    "socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo", "socket.sendto",
-    "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
-    "pty.spawn", "ctypes.dlopen", "ctypes.dlsym", "sys.addaudithook",
-})
-def _hook(event, args):
-    if event in _BLOCKED:
-        raise PermissionError(f"sandbox: {event} is not allowed")
-sys.addaudithook(_hook)
-if os.environ.get("SLIPSTREAM_SANDBOX_REPORT"):
-    print(f"netns={int(netns)} readonly={int(readonly)} user={os.getuid()}")
-del ctypes, resource, cpu_s, mem, fsize, drop_user, netns, readonly, _hook
-sys.argv = ["main.py"]
-with open("main.py", encoding="utf-8") as _f:
-    _code = compile(_f.read(), "main.py", "exec")
-del _f
-exec(_code, {"__name__": "__main__", "__builtins__": __builtins__})
-"""
-
+LAUNCHER = Path(__file__).with_name("sandbox_launcher.py")
 # Bytes read from the child before it is killed for printing too much (the tool shows fewer characters).
 OUTPUT_HARD_CAP = 1 << 20
+# How long a stopped sandbox may take to tear down before its process group is SIGKILLed.
+STOP_GRACE_S = 10.0
+MAX_USER_NAMESPACES = Path("/proc/sys/user/max_user_namespaces")
+UNPRIVILEGED_USERNS_CLONE = Path("/proc/sys/kernel/unprivileged_userns_clone")
+OPT_OUT = (
+    "The python tool never runs code without its boundary; for trusted code only, "
+    "agent.sandbox_unsafe_no_isolation=true turns it off."
+)
+
+
+class SandboxUnavailable(RuntimeError):
+    """The sandbox's isolation cannot be had on this machine; the message says what is missing."""
 
 
 class SandboxLimits(msgspec.Struct, kw_only=True, frozen=True):
@@ -107,8 +77,12 @@ class SandboxLimits(msgspec.Struct, kw_only=True, frozen=True):
     memory_mb: int = 512
     # Output (stdout and stderr merged) beyond this many characters is cut in the middle, with a note.
     max_output_chars: int = 2048
-    # Largest file the code may write in its directory.
+    # Largest file the code may write.
     max_file_mb: int = 16
+    # Size of the writable /tmp (a tmpfs, so it is memory).
+    scratch_mb: int = 64
+    # Processes (and threads) the program may have at once, the sandbox's init included.
+    max_processes: int = 64
 
 
 class SandboxResult(msgspec.Struct, kw_only=True):
@@ -120,29 +94,19 @@ class SandboxResult(msgspec.Struct, kw_only=True):
     truncated: bool = False
 
 
-def _readable_by_others(path: Path) -> bool:
-    """Whether user ``nobody`` could read ``path`` (every ancestor searchable, the path itself readable)."""
-    try:
-        parts = [path, *path.parents]
-        if not all(p.stat().st_mode & stat.S_IXOTH for p in parts if p.is_dir()):
-            return False
-        return bool(path.stat().st_mode & stat.S_IROTH)
-    except OSError:
-        return False
+def _spec(limits: SandboxLimits, report_fd: int, isolate: bool) -> str:
+    return json.dumps({
+        "report_fd": report_fd, "parent": os.getpid(), "isolate": isolate,
+        "cpu_s": max(1, int(round(limits.cpu_s))), "memory_bytes": limits.memory_mb << 20,
+        "file_bytes": limits.max_file_mb << 20, "scratch_bytes": limits.scratch_mb << 20,
+        "processes": limits.max_processes,
+    })  # fmt: skip
 
 
-def _should_drop_user() -> bool:
-    if os.geteuid() != 0:
-        return False
-    stdlib = Path(os.__file__).resolve().parent
-    return _readable_by_others(Path(sys.executable).resolve()) and _readable_by_others(stdlib)
-
-
-def _child_env(workdir: str) -> dict[str, str]:
+def _child_env() -> dict[str, str]:
+    """The program's whole environment: constants only (the launcher sets HOME and TMPDIR)."""
     return {
-        "PATH": "/usr/bin:/bin",
-        "HOME": workdir,
-        "TMPDIR": workdir,
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
         "LANG": "C.UTF-8",
         "OMP_NUM_THREADS": "1",
         "OPENBLAS_NUM_THREADS": "1",
@@ -150,30 +114,117 @@ def _child_env(workdir: str) -> dict[str, str]:
     }
 
 
-async def run_python(code: str, limits: SandboxLimits, *, report: bool = False) -> SandboxResult:
-    """Run ``code`` in the sandbox and return its (truncated) output and how it ended. Never raises for
-    anything the code does."""
-    drop_user = _should_drop_user()
-    with tempfile.TemporaryDirectory(prefix="slipstream-sandbox-") as workdir:
-        Path(workdir, "main.py").write_text(code, encoding="utf-8")
-        if drop_user:
-            os.chown(workdir, 65534, 65534)
-            os.chown(Path(workdir, "main.py"), 65534, 65534)
-        env = _child_env(workdir)
-        if report:
-            env["SLIPSTREAM_SANDBOX_REPORT"] = "1"
-        cpu = max(1, int(round(limits.cpu_s)))
-        start = time.monotonic()
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-I", "-c", _LAUNCHER, str(cpu), str(limits.memory_mb << 20),
-            str(limits.max_file_mb << 20), "1" if drop_user else "0",
-            cwd=workdir, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+def host_problem() -> str | None:
+    """What this host lacks for the boundary, as far as can be told without starting it (cheap)."""
+    if not sys.platform.startswith("linux"):
+        return f"the sandbox needs Linux namespaces; this is {sys.platform}"
+    if _sysctl(MAX_USER_NAMESPACES) == 0:
+        return "user namespaces are disabled (user.max_user_namespaces = 0): sysctl -w user.max_user_namespaces=15000"
+    if os.geteuid() != 0 and _sysctl(UNPRIVILEGED_USERNS_CLONE) == 0:
+        return (
+            "unprivileged user namespaces are disabled (kernel.unprivileged_userns_clone = 0): "
+            "sysctl -w kernel.unprivileged_userns_clone=1"
+        )
+    try:
+        ctypes.CDLL("libseccomp.so.2")
+    except OSError:
+        return "libseccomp (libseccomp.so.2) is not installed: apt-get install libseccomp2 (or dnf install libseccomp)"
+    return None
+
+
+def _sysctl(path: Path) -> int | None:
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+@functools.cache
+def sandbox_problem() -> str | None:
+    """None when the boundary can be built here, else what is missing and how to enable it. Starts one
+    empty sandbox the first time (tens of milliseconds), then answers from memory."""
+    problem = host_problem()
+    if problem is not None:
+        return problem
+    read_fd, write_fd = os.pipe()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-I", str(LAUNCHER), _spec(SandboxLimits(), write_fd, True)],
+            input=b"", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_child_env(),
+            pass_fds=(write_fd,), start_new_session=True, timeout=60,
         )  # fmt: skip
+    finally:
+        os.close(write_fd)
+    report = _read_report(read_fd)
+    if "error" in report:
+        return report["error"]
+    if report.get("exit") != 0:
+        return f"an empty program failed in the sandbox (status {proc.returncode}): {proc.stdout.decode()[-2000:]}"
+    return None
+
+
+def require_sandbox() -> None:
+    """Raise :class:`SandboxUnavailable` unless the boundary can be built on this machine."""
+    problem = sandbox_problem()
+    if problem is not None:
+        raise SandboxUnavailable(f"python tool sandbox unavailable: {problem}. {OPT_OUT}")
+
+
+async def run_python(code: str, limits: SandboxLimits, *, unsafe_no_isolation: bool = False) -> SandboxResult:
+    """Run ``code`` in the sandbox and return its (truncated) output and how it ended. Never raises for
+    anything the code does; raises :class:`SandboxUnavailable` when the boundary cannot be built.
+    ``unsafe_no_isolation`` runs the code with the limits only: for trusted code, never a model's."""
+    if not unsafe_no_isolation and (problem := host_problem()) is not None:
+        raise SandboxUnavailable(f"python tool sandbox unavailable: {problem}. {OPT_OUT}")
+    read_fd, write_fd = os.pipe()
+    try:
+        start = time.monotonic()
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-I", str(LAUNCHER), _spec(limits, write_fd, not unsafe_no_isolation),
+                env=_child_env(), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT, start_new_session=True, pass_fds=(write_fd,),
+            )  # fmt: skip
+        finally:
+            os.close(write_fd)
+        await _send_code(proc, code)
         data, reason = await _collect(proc, limits.wall_s)
         returncode = await _reap(proc)
         wall = time.monotonic() - start
+        report = _read_report(read_fd)
+    finally:
+        os.close(read_fd)
+    if "error" in report:
+        raise SandboxUnavailable(f"python tool sandbox unavailable: {report['error']}. {OPT_OUT}")
+    if reason is None and not report:
+        raise SandboxUnavailable(
+            f"the sandbox ended without reporting the program's status (launcher exit {returncode}): "
+            f"{data.decode(errors='replace')[-2000:]}"
+        )
+    if report:
+        returncode = -report["signal"] if "signal" in report else report["exit"]
+    else:  # stopped by us: the program was SIGKILLed with its namespace
+        returncode = -signal.SIGKILL
     return _result(data, reason, returncode, wall, limits)
+
+
+async def _send_code(proc: asyncio.subprocess.Process, code: str) -> None:
+    assert proc.stdin is not None
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # it died at start: reported below
+        proc.stdin.write(code.encode("utf-8", errors="surrogatepass"))
+        await proc.stdin.drain()
+        proc.stdin.close()
+
+
+def _read_report(fd: int) -> dict:
+    """The launcher's one JSON line, if any (every writer has exited or is being killed: never block)."""
+    os.set_blocking(fd, False)
+    chunks = []
+    with contextlib.suppress(BlockingIOError):
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+    lines = b"".join(chunks).splitlines()
+    return json.loads(lines[0]) if lines else {}
 
 
 async def _collect(proc: asyncio.subprocess.Process, wall_s: float) -> tuple[bytes, str | None]:
@@ -185,32 +236,36 @@ async def _collect(proc: asyncio.subprocess.Process, wall_s: float) -> tuple[byt
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            _kill_group(proc)
+            _stop(proc)
             return b"".join(chunks), "timeout"
         try:
             chunk = await asyncio.wait_for(proc.stdout.read(65536), remaining)
         except TimeoutError:
-            _kill_group(proc)
+            _stop(proc)
             return b"".join(chunks), "timeout"
         if not chunk:
             return b"".join(chunks), None
         chunks.append(chunk)
         size += len(chunk)
         if size > OUTPUT_HARD_CAP:
-            _kill_group(proc)
+            _stop(proc)
             return b"".join(chunks), "output_limit"
 
 
+def _stop(proc: asyncio.subprocess.Process) -> None:
+    """Ask the launcher to tear the sandbox down: it has the keeper kill the pid namespace's init."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGTERM)
+
+
 def _kill_group(proc: asyncio.subprocess.Process) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)  # the rest follows by parent-death signals
 
 
 async def _reap(proc: asyncio.subprocess.Process) -> int | None:
-    """Wait for the (possibly killed) child. asyncio reports the exit only once its pipe is closed, so
-    whatever a killed child left in the pipe is read and discarded first."""
+    """Wait for the (possibly stopped) launcher, which exits after everything below it. asyncio reports
+    the exit only once its pipe is closed, so whatever is left in the pipe is read and discarded."""
 
     async def drain_and_wait() -> int:
         assert proc.stdout is not None
@@ -219,7 +274,7 @@ async def _reap(proc: asyncio.subprocess.Process) -> int | None:
         return await proc.wait()
 
     try:
-        return await asyncio.wait_for(drain_and_wait(), 10.0)
+        return await asyncio.wait_for(drain_and_wait(), STOP_GRACE_S)
     except TimeoutError:
         _kill_group(proc)
         return None
@@ -241,15 +296,3 @@ def _result(
         else:
             reason = "error"
     return SandboxResult(output=text, status=reason, returncode=returncode, wall_s=wall, truncated=truncated)
-
-
-async def isolation_report() -> dict[str, bool]:
-    """Which isolation layers this machine permits: ``netns``, ``readonly`` (file system) and ``nobody``
-    (the audit hook and the limits always apply)."""
-    result = await run_python("", SandboxLimits(), report=True)
-    fields = dict(part.split("=") for part in result.output.split() if "=" in part)
-    return {
-        "netns": fields.get("netns") == "1",
-        "readonly": fields.get("readonly") == "1",
-        "nobody": fields.get("user") == "65534",
-    }
