@@ -106,6 +106,8 @@ class PolicyLoss:
             "entropy": token_mean(outputs["entropy"]),
             "kept_frac": token_mean((weight > 0).float()),
         }
+        if out.clipped_lower is not None:
+            metrics["pg_clipfrac_lower"] = token_mean(out.clipped_lower)
         total = pg
         if self.kl is not None:
             ref = mb["ref_logprobs"].float() if "ref_logprobs" in mb.keys() else behav

@@ -168,6 +168,7 @@ def test_ppo_clip_asymmetric_and_dual_clip():
     inp.clip_c = 3.0
     out = POLICY_LOSSES.get("ppo_clip")(inp)
     assert out.loss.tolist() == pytest.approx([-1.28, -0.5, 1.1, 3.0], rel=1e-5)
+    assert out.clipped_lower.tolist() == [0.0, 0.0, 0.0, 1.0]  # verl's pg_clipfrac_lower counts the last
     # gradient flows only through unclipped tokens
     out.loss.sum().backward()
     assert inp.logp.grad.tolist() == pytest.approx([0.0, -0.5, 1.1, 0.0], rel=1e-5)
@@ -180,7 +181,7 @@ def test_gspo_sequence_ratio():
     )
     out = POLICY_LOSSES.get("gspo")(inp)
     s0 = math.exp(0.05)
-    assert out.agg_mode == "seq-mean-token-mean"
+    assert out.agg_mode is None  # the configured loss_agg_mode applies, as verl's GSPO
     assert out.loss[:2].tolist() == pytest.approx([-min(s0, 1.01)] * 2, rel=1e-5)
     assert out.loss[2].item() == pytest.approx(2.0 * math.exp(0.3), rel=1e-5)  # A<0: max(2r, 2*1.01)
 
@@ -238,8 +239,25 @@ def test_kl_estimators_hand_computed():
     assert KL_ESTIMATORS.get("k1")(logp, ref).item() == pytest.approx(d)
     assert KL_ESTIMATORS.get("k2")(logp, ref).item() == pytest.approx(0.5 * d * d)
     assert KL_ESTIMATORS.get("k3")(logp, ref).item() == pytest.approx(0.5 - 1 + d)
-    for name in ("k1", "k2", "k3"):
+    assert KL_ESTIMATORS.get("abs")(ref, logp).item() == pytest.approx(d)
+    for name in ("k1", "k2", "k3", "abs", "k1+", "k3+"):
         assert KL_ESTIMATORS.get(name)(ref, ref).item() == 0.0
+
+
+@pytest.mark.parametrize("name,base", [("k1+", "k1"), ("k3+", "k3")])
+def test_straight_through_kl_has_its_estimators_value_and_k2s_gradient(name, base):
+    ref = torch.tensor([math.log(0.25), math.log(0.6)])
+    logp = torch.tensor([math.log(0.5), math.log(0.3)], requires_grad=True)
+    value = KL_ESTIMATORS.get(name)(logp, ref)
+    assert value.tolist() == pytest.approx(KL_ESTIMATORS.get(base)(logp, ref).tolist())
+    value.sum().backward()
+    assert logp.grad.tolist() == pytest.approx((logp - ref).detach().tolist())  # d(k2)/d(logp)
+
+
+def test_the_dual_clip_is_on_by_default_at_verls_value():
+    from slipstream.trainer.config import AlgorithmConfig
+
+    assert AlgorithmConfig().clip_c == 3.0
 
 
 def test_entropy_from_logits():
@@ -300,3 +318,30 @@ def test_fully_masked_batch_aggregates_to_zero():
     for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
         out = aggregate(values, mask, segment_ids(cu), 2, mode, global_tokens=tokens, global_seqs=seqs)
         assert out.item() == 0.0
+
+
+def test_policy_loss_reports_the_dual_clip_fraction_and_a_straight_through_kl():
+    from tensordict import TensorDict
+
+    from slipstream.trainer.config import AlgorithmConfig
+    from slipstream.trainer.loss import GlobalCounts, PolicyLoss
+
+    ratios = torch.tensor([1.5, 0.5, 1.1, 5.0])
+    mb = TensorDict(
+        {
+            "loss_mask": torch.ones(4, dtype=torch.bool),
+            "old_logprobs": torch.zeros(4),
+            "advantages": torch.tensor([1.0, 1.0, -1.0, -1.0]),
+            "ref_logprobs": torch.full((4,), -0.1),
+            "cu_seqlens": torch.tensor([0, 4], dtype=torch.int32),
+        },
+        batch_size=[],
+    )
+    outputs = {"logprobs": ratios.log(), "entropy": torch.zeros(4)}
+    algo = AlgorithmConfig(kl_type="k3+", kl_coef=0.1)
+    _, metrics = PolicyLoss(algo, GlobalCounts(4, 1, 1.0))(outputs, mb)
+    assert metrics["pg_clipfrac_lower"].item() == pytest.approx(0.25)  # the A<0, r=5 token
+    expected_kl = KL_ESTIMATORS.get("k3")(ratios.log(), mb["ref_logprobs"]).mean()
+    assert metrics["kl"].item() == pytest.approx(expected_kl.item(), rel=1e-5)
+    _, metrics = PolicyLoss(AlgorithmConfig(clip_c=None), GlobalCounts(4, 1, 1.0))(outputs, mb)
+    assert "pg_clipfrac_lower" not in metrics

@@ -46,6 +46,7 @@ class PolicyLossOutput:
     clipped: torch.Tensor  # float [T] 1 where the clip was active (for the clip-fraction metric)
     weight: torch.Tensor | None = None  # float [T] extra per-token weight/mask the loss applies (decoupled)
     agg_mode: str | None = None  # an aggregation the loss requires, overriding the configured one
+    clipped_lower: torch.Tensor | None = None  # float [T] 1 where the dual clip bound the loss (A < 0)
 
 
 POLICY_LOSSES: Registry = Registry("policy loss", "trainer.algorithm.policy_loss")
@@ -57,16 +58,19 @@ def log_ratio(inp: PolicyLossInputs) -> torch.Tensor:
 
 def clipped_surrogate(
     ratio: torch.Tensor, adv: torch.Tensor, clip_low: float, clip_high: float, clip_c: float | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO's pessimistic clipped surrogate with optional dual clip; returns (loss [T], clipped [T])."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """PPO's pessimistic clipped surrogate with optional dual clip; returns (loss [T], clipped [T],
+    dual-clipped [T] or None: where A < 0 and the dual bound replaced the loss, verl's pg_clipfrac_lower)."""
     loss1 = -adv * ratio
     loss2 = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     loss = torch.maximum(loss1, loss2)
     clipped = (loss2 > loss1).float()
+    lower = None
     if clip_c is not None:
         loss3 = -adv * clip_c
+        lower = ((loss > loss3) & (adv < 0)).float()
         loss = torch.where(adv < 0, torch.minimum(loss, loss3), loss)
-    return loss, clipped
+    return loss, clipped, lower
 
 
 from slipstream.trainer.algos.losses import cispo, decoupled_ppo, gspo, ppo_clip  # noqa: E402,F401

@@ -33,9 +33,9 @@ def decoupled_ppo(inp: PolicyLossInputs) -> PolicyLossOutput:
             "policy_loss `decoupled_ppo` needs behaviour logprobs and recomputed proximal logprobs"
         )
     ratio = torch.exp(log_ratio(inp))
-    loss, clipped = clipped_surrogate(ratio, inp.advantages, inp.clip_low, inp.clip_high, inp.clip_c)
+    loss, clipped, lower = clipped_surrogate(ratio, inp.advantages, inp.clip_low, inp.clip_high, inp.clip_c)
     behav_log_w = torch.clamp(inp.old_logp - inp.behav_logp, -LOG_RATIO_BOUND, LOG_RATIO_BOUND).detach()
     weight = torch.exp(behav_log_w)
     if inp.behav_cap is not None:
         weight = torch.where(weight <= inp.behav_cap, weight, torch.zeros_like(weight))
-    return PolicyLossOutput(loss * weight, clipped, weight=weight)
+    return PolicyLossOutput(loss * weight, clipped, weight=weight, clipped_lower=lower)

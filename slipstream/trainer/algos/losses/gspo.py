@@ -6,7 +6,8 @@ Zheng et al., "Group Sequence Policy Optimization" (arXiv 2507.18071), Eqs. 5-7,
     s_i,t    = sg[s_i] * pi_theta(y_i,t) / sg[pi_theta(y_i,t)]                 (same value, token gradient)
     L_i,t    = max(-A * s_i,t, -A * clip(s_i,t, 1 - clip_low, 1 + clip_high))
 
-aggregated with ``seq-mean-token-mean`` whatever the configured mode (as verl). The paper's clip ranges
+aggregated with the configured ``loss_agg_mode``, as verl does (the paper's form is ``seq-mean-token-mean``:
+set it in a GSPO config). The paper's clip ranges
 are tiny (3e-4 / 4e-4) because s_i is a geometric mean; set ``clip_low``/``clip_high`` accordingly.
 """
 
@@ -28,6 +29,4 @@ def gspo(inp: PolicyLossInputs) -> PolicyLossOutput:
     ratio = torch.exp(torch.clamp(log_s, max=10.0))
     loss1 = -inp.advantages * ratio
     loss2 = -inp.advantages * torch.clamp(ratio, 1.0 - inp.clip_low, 1.0 + inp.clip_high)
-    return PolicyLossOutput(
-        torch.maximum(loss1, loss2), (loss2 > loss1).float(), agg_mode="seq-mean-token-mean"
-    )
+    return PolicyLossOutput(torch.maximum(loss1, loss2), (loss2 > loss1).float())

@@ -26,5 +26,5 @@ from slipstream.trainer.algos.losses import (
 @POLICY_LOSSES.register("ppo_clip")
 def ppo_clip(inp: PolicyLossInputs) -> PolicyLossOutput:
     ratio = torch.exp(log_ratio(inp))
-    loss, clipped = clipped_surrogate(ratio, inp.advantages, inp.clip_low, inp.clip_high, inp.clip_c)
-    return PolicyLossOutput(loss, clipped)
+    loss, clipped, lower = clipped_surrogate(ratio, inp.advantages, inp.clip_low, inp.clip_high, inp.clip_c)
+    return PolicyLossOutput(loss, clipped, clipped_lower=lower)
