@@ -23,11 +23,13 @@ class AlgorithmConfig(ConfigStruct):
     ] = "token-mean"
     clip_low: Annotated[float, msgspec.Meta(ge=0)] = 0.2
     clip_high: Annotated[float, msgspec.Meta(ge=0)] = 0.28
-    # Dual-clip constant (> 1); null disables dual clip.
-    clip_c: float | None = None
-    # KL penalty (k1, k2, k3 = low-variance; null = off) against the batch's `ref_logprobs` when a producer
-    # supplies them, else against the behaviour logprobs (a penalty on drifting from the sampling policy).
-    kl_type: Literal["k1", "k2", "k3"] | None = None
+    # Dual-clip constant (> 1) bounding the loss of negative-advantage tokens (ppo_clip, decoupled_ppo);
+    # 3.0 as verl's clip_ratio_c; null disables dual clip.
+    clip_c: float | None = 3.0
+    # KL penalty (k1, k2, k3 = low-variance, abs; k1+ / k3+ = that value with k2's gradient, straight
+    # through; null = off) against the batch's `ref_logprobs` when a producer supplies them, else against
+    # the behaviour logprobs (a penalty on drifting from the sampling policy).
+    kl_type: Literal["k1", "k2", "k3", "abs", "k1+", "k3+"] | None = None
     kl_coef: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     entropy_coef: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     # Truncated importance sampling between the behaviour (rollout) policy and the trained policy:
