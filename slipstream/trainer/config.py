@@ -109,3 +109,6 @@ class TrainerConfig(ConfigStruct):
     # Megatron parallelism (ignored by fsdp).
     tensor_parallel: Annotated[int, msgspec.Meta(ge=1)] = 1
     pipeline_parallel: Annotated[int, msgspec.Meta(ge=1)] = 1
+    # Megatron layer implementation: auto (Transformer Engine when it is installed, else megatron-core's
+    # local spec: plain torch modules, padded attention), te or local.
+    megatron_layer_spec: Literal["auto", "te", "local"] = "auto"

@@ -1,16 +1,28 @@
 """Megatron-core engine (GPU only): tensor + pipeline parallel training of HF Llama/Qwen2 models.
 
-Written against megatron-core >= 0.16 (``pip install megatron-core`` with Transformer Engine for packed
-THD attention). The model is ``GPTModel`` built from the HF config; HF weights are loaded by converting
+Written against megatron-core 0.16.1 (``pip install 'slipstream[megatron]'``). The model is ``GPTModel``
+built from the HF config (RoPE mapped by ``megatron_setup.py``); HF weights are loaded by converting
 each rank's TP/PP shard (``megatron_convert.py``, unit-tested on CPU), and ``get_per_tensor_param`` turns
 the shards back into full HF tensors one at a time: all-gather over the TP group, broadcast from the owning
 pipeline stage over the PP group, so every rank of the world yields the same (name, tensor) sequence.
 
 Data parallelism is Megatron's ``DistributedDataParallel`` + distributed optimizer over the DP group;
 ``dp_rank``/``dp_size`` tell the trainer how to shard batches (TP and PP peers of one replica see the same
-shard). Packed micro-batches use ``PackedSeqParams(qkv_format="thd")`` with the sample boundaries; with
-pipeline parallelism every micro-batch is padded to the same token count (a trailing padding sample),
-because stages exchange fixed-shape activations.
+shard). Gradients are finalised by megatron-core's ``finalize_model_grads`` before each optimizer step: DP
+reduction, layer-norm grads across TP under sequence parallelism, tied embedding grads between the first
+and last pipeline stages (whose copy of a tied embedding is loaded from the same HF tensor).
+
+Two layer implementations (``trainer.megatron_layer_spec``): with Transformer Engine, micro-batches are
+packed rows with ``PackedSeqParams(qkv_format="thd")`` and the sample boundaries; with megatron-core's local
+spec (no Transformer Engine) a micro-batch is a padded [samples, longest] batch under a causal mask, since
+its attention takes no sample boundaries (and megatron's RoPE numbers positions 0.. along a row, which is
+right for one sample per row). With pipeline parallelism every micro-batch has one shape (padding), because
+stages exchange fixed-shape activations.
+
+Device: GPUs (bf16 compute with ``trainer.mixed_precision``, fp32 otherwise). ``trainer.device=cpu`` builds
+the model on the CPU in fp32 with dropout off (megatron's CUDA RNG tracker is replaced by its no-op one);
+megatron-core 0.16.1 still allocates some buffers on ``"cuda"`` by name (schedules, optimizer), so a CPU run
+needs those redirected, as ``tests/trainer/megatron_cpu.py`` does for the tests.
 
 Loss scaling: Megatron's schedules divide each micro-batch loss by the number of micro-batches and DDP
 averages gradients over the DP group, while our loss is each micro-batch's share of the global mean
@@ -42,6 +54,7 @@ from slipstream.trainer.engine.megatron_convert import (
     stage_rules,
     unshard,
 )
+from slipstream.trainer.engine.megatron_setup import layer_spec, layer_spec_kind, rope_kwargs
 
 if TYPE_CHECKING:
     from slipstream.config import Config
@@ -60,26 +73,36 @@ class MegatronEngine(ModelEngine):
         self.model = self.optimizer = self.scheduler = None
         self.spec: ArchSpec | None = None
         self.te = True
+        want = self.tcfg.device
+        on_gpu = want == "cuda" or (want == "auto" and torch.cuda.is_available())
+        self._device = torch.device("cuda") if on_gpu else torch.device("cpu")
+        self._dtype = torch.bfloat16 if on_gpu and self.tcfg.mixed_precision else torch.float32
 
     # ---------------------------------------------------------------- setup
     def initialize(self) -> None:
-        if not torch.cuda.is_available():
-            raise RuntimeError("the Megatron engine needs CUDA GPUs (trainer.engine=megatron)")
         from megatron.core import parallel_state as ps
         from megatron.core import tensor_parallel
         from transformers import AutoConfig
 
+        if self._device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("trainer.device=cuda but no CUDA GPU is visible")
         if not dist.is_initialized():
-            raise RuntimeError("initialise torch.distributed (nccl) before MegatronEngine.initialize()")
+            raise RuntimeError("initialise torch.distributed before MegatronEngine.initialize()")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        torch.cuda.set_device(self.rank % torch.cuda.device_count())
         tp, pp = self.tcfg.tensor_parallel, self.tcfg.pipeline_parallel
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-        tensor_parallel.model_parallel_cuda_manual_seed(self.cfg.run.seed)
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self.rank % torch.cuda.device_count())
+            self._device = torch.device("cuda", torch.cuda.current_device())
+            tensor_parallel.model_parallel_cuda_manual_seed(self.cfg.run.seed)
+        else:  # dropout is off, so no RNG fork draws anything: megatron's no-op tracker stands in
+            torch.manual_seed(self.cfg.run.seed)
+            tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
         hf_config = AutoConfig.from_pretrained(
             self.cfg.model.path, trust_remote_code=self.cfg.model.trust_remote_code
         )
         self.spec = ArchSpec.from_hf_config(hf_config)
+        self.te = layer_spec_kind(self.tcfg.megatron_layer_spec) == "te"
         self.model = self._build_model(hf_config)
         self._load_hf_weights()
         self._build_optimizer()
@@ -90,15 +113,8 @@ class MegatronEngine(ModelEngine):
         from megatron.core.models.gpt import GPTModel
         from megatron.core.transformer import TransformerConfig
 
-        try:
-            from megatron.core.models.gpt.gpt_layer_specs import (
-                get_gpt_layer_with_transformer_engine_spec as spec_fn,
-            )
-        except ImportError:  # no Transformer Engine: local spec (padded attention only)
-            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec as spec_fn
-
-            self.te = False
-        s = self.spec
+        s, dtype = self.spec, self._dtype
+        rope = rope_kwargs(hf_config)  # before building anything: refuses a rope it cannot reproduce
         config = TransformerConfig(
             num_layers=s.num_layers,
             hidden_size=s.hidden,
@@ -112,9 +128,10 @@ class MegatronEngine(ModelEngine):
             activation_func=torch.nn.functional.silu,
             add_bias_linear=False,
             add_qkv_bias=s.qkv_bias,
-            bf16=True,
-            params_dtype=torch.bfloat16,
-            pipeline_dtype=torch.bfloat16,
+            bf16=dtype == torch.bfloat16,
+            params_dtype=dtype,
+            pipeline_dtype=dtype,
+            use_cpu_initialization=self._device.type == "cpu",
             tensor_model_parallel_size=self.tcfg.tensor_parallel,
             pipeline_model_parallel_size=self.tcfg.pipeline_parallel,
             sequence_parallel=self.tcfg.tensor_parallel > 1,
@@ -126,15 +143,14 @@ class MegatronEngine(ModelEngine):
         )
         model = GPTModel(
             config=config,
-            transformer_layer_spec=spec_fn(),
+            transformer_layer_spec=layer_spec("te" if self.te else "local"),
             vocab_size=s.vocab_size,
             max_sequence_length=hf_config.max_position_embeddings,
             pre_process=ps.is_pipeline_first_stage(),
             post_process=ps.is_pipeline_last_stage(),
             share_embeddings_and_output_weights=s.tied,
-            position_embedding_type="rope",
-            rotary_base=int(getattr(hf_config, "rope_theta", 10000)),
-        ).cuda()
+            **rope,
+        ).to(self._device)
         ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
         return DistributedDataParallel(config=config, ddp_config=ddp, module=model)
 
@@ -157,6 +173,9 @@ class MegatronEngine(ModelEngine):
             pp_size=ps.get_pipeline_model_parallel_world_size(),
             te=self.te,
         )
+        unloaded = [n for n, _ in self.model.module.named_parameters() if n not in shard]
+        if unloaded:  # a parameter left at its random init would train silently wrong
+            raise RuntimeError(f"HF checkpoint conversion left these parameters unloaded: {unloaded}")
         own = self.model.module.state_dict()
         with torch.no_grad():
             for name, tensor in shard.items():
@@ -173,7 +192,7 @@ class MegatronEngine(ModelEngine):
             adam_beta1=t.betas[0],
             adam_beta2=t.betas[1],
             clip_grad=t.grad_clip,
-            bf16=True,
+            bf16=self._dtype == torch.bfloat16,
             use_distributed_optimizer=True,
         )
         self.optimizer = get_megatron_optimizer(ocfg, [self.model])
@@ -203,7 +222,7 @@ class MegatronEngine(ModelEngine):
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cuda", torch.cuda.current_device())
+        return self._device
 
     # ---------------------------------------------------------------- forward / backward
     def forward_backward_batch(
@@ -214,28 +233,28 @@ class MegatronEngine(ModelEngine):
 
         lengths = sample_lengths(data)
         plan = split_by_token_budget(lengths, self.tcfg.micro_batch_tokens)
-        steps = _max_over(len(plan), self.dp_group)
+        steps = _max_over(len(plan), self.dp_group, self.device)
         mbs = [
             select_samples(data, p) if i < len(plan) else truncate_to_one_token(data)
             for i, p in enumerate(plan + [plan[0]] * (steps - len(plan)))
         ]
         real = [i < len(plan) for i in range(steps)]
-        seq_len = self._padded_len(max(int(mb["input_ids"].numel()) for mb in mbs))
+        seq_len, rows = self._shape(mbs)
         sums: dict[str, torch.Tensor] = {}
         pieces: list[torch.Tensor] = []
         scale = steps * self.dp_size
         it = iter(zip(mbs, real, strict=True))
+        with_entropy = bool(getattr(loss_fn, "needs_entropy", 0))
 
         def forward_step(_iter, model):
             mb, is_real = next(it)
             mb = mb.to(self.device)
-            ids, pos, cu, n_real = self._pack(mb, seq_len)
-            out = model(ids, pos, None, packed_seq_params=self._packed_params(cu))
+            ids, pos, mask, packed, unpack = self._model_inputs(mb, seq_len, rows)
+            out = model(ids, pos, mask, packed_seq_params=packed)
 
             def loss_func(logits):
-                outputs = self._token_outputs(
-                    logits, ids, cu, n_real, bool(getattr(loss_fn, "needs_entropy", 0))
-                )
+                flat = mb["input_ids"].long()
+                outputs = self._token_outputs(unpack(logits), flat, mb["cu_seqlens"], with_entropy)
                 if forward_only and is_real:
                     pieces.append(outputs["logprobs"].detach().float().cpu())
                 if loss_fn is None:
@@ -254,7 +273,7 @@ class MegatronEngine(ModelEngine):
             model=[self.model],
             num_microbatches=steps,
             seq_length=seq_len,
-            micro_batch_size=1,
+            micro_batch_size=rows or 1,
             forward_only=forward_only,
         )
         result = EngineOutput(num_micro_batches=steps, num_tokens=sum(lengths))
@@ -272,25 +291,43 @@ class MegatronEngine(ModelEngine):
             result.tokens = {"logprobs": local}
         return result
 
-    def _padded_len(self, n: int) -> int:
-        tp = self.tcfg.tensor_parallel
-        if self.tcfg.pipeline_parallel > 1:
-            n = max(n, self.tcfg.micro_batch_tokens)
-        return math.ceil(n / tp) * tp
+    def _shape(self, mbs: list[TensorDict]) -> tuple[int, int]:
+        """(sequence length, rows) of the model input; rows 0 = one packed row (THD).
 
-    def _pack(self, mb: TensorDict, seq_len: int):
-        ids, pos, cu = mb["input_ids"].long(), mb["position_ids"].long(), mb["cu_seqlens"].int()
-        n_real = ids.numel()
-        pad = (
-            seq_len
-            if self.tcfg.pipeline_parallel > 1
-            else math.ceil(n_real / self.tcfg.tensor_parallel) * self.tcfg.tensor_parallel
-        ) - n_real
-        if pad:
-            ids = torch.cat([ids, ids.new_zeros(pad)])
-            pos = torch.cat([pos, torch.arange(pad, device=pos.device)])
-            cu = torch.cat([cu, cu.new_tensor([n_real + pad])])
-        return ids[None], pos[None], cu, n_real
+        Under pipeline parallelism every micro-batch gets the same shape; sequence parallelism splits the
+        sequence over TP ranks, so it is a multiple of the TP size."""
+        tp, pp = self.tcfg.tensor_parallel, self.tcfg.pipeline_parallel
+        if self.te:
+            n = max(int(mb["input_ids"].numel()) for mb in mbs)
+            if pp > 1:
+                n = max(n, self.tcfg.micro_batch_tokens)
+            return math.ceil(n / tp) * tp, 0
+        longest = max(max(sample_lengths(mb)) for mb in mbs)
+        rows = max(len(sample_lengths(mb)) for mb in mbs) if pp > 1 else 0
+        return math.ceil(longest / tp) * tp, rows
+
+    def _model_inputs(self, mb: TensorDict, seq_len: int, rows: int):
+        """(input_ids, position_ids, attention_mask, packed_seq_params, unpack) of one micro-batch, where
+        ``unpack(logits)`` gives the flat [tokens, vocab/tp] logits of its real tokens in packed order."""
+        ids, cu = mb["input_ids"].long(), mb["cu_seqlens"].long()
+        n_real, tp = ids.numel(), self.tcfg.tensor_parallel
+        if self.te:  # one packed row, sample boundaries for TE's THD attention
+            total = seq_len if self.tcfg.pipeline_parallel > 1 else math.ceil(n_real / tp) * tp
+            pos = mb["position_ids"].long()
+            if total > n_real:  # a trailing padding sample
+                ids = torch.cat([ids, ids.new_zeros(total - n_real)])
+                pos = torch.cat([pos, torch.arange(total - n_real, device=pos.device)])
+                cu = torch.cat([cu, cu.new_tensor([total])])
+            return ids[None], pos[None], None, self._packed_params(cu.int()), lambda lg: lg[0, :n_real]
+        # local spec: a padded [samples, seq_len] batch; causal masking keeps the padding out of real tokens
+        lengths = cu[1:] - cu[:-1]
+        seq_len = seq_len if self.tcfg.pipeline_parallel > 1 else math.ceil(int(lengths.max()) / tp) * tp
+        valid = torch.arange(seq_len, device=ids.device)[None] < lengths[:, None]
+        grid = ids.new_zeros(max(rows, len(lengths)), seq_len)
+        grid[: len(lengths)][valid] = ids
+        pos = torch.arange(seq_len, device=ids.device)[None].expand_as(grid)
+        mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=ids.device).triu(1)[None, None]
+        return grid, pos, mask, None, lambda lg: lg[: len(lengths)][valid]
 
     def _packed_params(self, cu: torch.Tensor):
         from megatron.core.packed_seq_params import PackedSeqParams
@@ -300,47 +337,56 @@ class MegatronEngine(ModelEngine):
             qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
         )
 
-    def _token_outputs(self, logits, ids, cu, n_real, with_entropy) -> dict[str, torch.Tensor]:
-        """Flat logprobs (and entropy) of the real tokens from vocab-parallel logits [1, T, V/tp]."""
+    def _token_outputs(self, logits, ids, cu, with_entropy) -> dict[str, torch.Tensor]:
+        """Flat logprobs (and entropy) of a micro-batch's tokens from flat vocab-parallel logits [T, V/tp]."""
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-        logits = logits.float().transpose(0, 1) if logits.shape[0] != 1 else logits.float()
-        logits = logits[0] / self.temperature  # [T, V/tp]
-        target = torch.roll(ids[0], -1)
-        logp_next = -vocab_parallel_cross_entropy(logits[None].transpose(0, 1), target[None].transpose(0, 1))[
-            :, 0
-        ]
-        logp = torch.cat([logp_next.new_zeros(1), logp_next[:-1]])[:n_real]
-        starts = cu[:-1][cu[:-1] < n_real].long()
+        logits = logits.float() / self.temperature
+        target = torch.roll(ids, -1)  # crosses into the next sample at each sample's end: zeroed below
+        logp_next = -vocab_parallel_cross_entropy(logits[:, None], target[:, None])[:, 0]
+        logp = torch.cat([logp_next.new_zeros(1), logp_next[:-1]])
+        starts = cu[:-1].long()
         out = {"logprobs": logp.index_fill(0, starts, 0.0)}
         if with_entropy:
             ent = _vocab_parallel_entropy(logits.detach(), ps.get_tensor_model_parallel_group())
-            out["entropy"] = torch.cat([ent.new_zeros(1), ent[:-1]])[:n_real].index_fill(0, starts, 0.0)
+            out["entropy"] = torch.cat([ent.new_zeros(1), ent[:-1]]).index_fill(0, starts, 0.0)
         return out
 
     def _reduce_metrics(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Metrics live on the last stage: summed over DP there, then shared along the pipeline, names
+        included (the other stages ran no loss_fn)."""
         from megatron.core import parallel_state as ps
 
         keys = sorted(sums)
-        vec = torch.stack([torch.as_tensor(sums[k], device=self.device) for k in keys]) if keys else None
-        # metrics live on the last stage: sum over DP there, then share along the pipeline
-        n = torch.tensor([len(keys)], device=self.device)
-        dist.broadcast(
-            n, ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
-        )
-        if vec is None:
-            vec = torch.zeros(int(n.item()), device=self.device)
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            box = [keys]
+            dist.broadcast_object_list(
+                box,
+                ps.get_pipeline_model_parallel_last_rank(),
+                group=ps.get_pipeline_model_parallel_group(),
+                device=self.device,
+            )
+            keys = box[0]
+        if not keys:
+            return {}
+        vec = torch.zeros(len(keys), device=self.device)
+        if ps.is_pipeline_last_stage():
+            vec = torch.stack([torch.as_tensor(sums[k], device=self.device).float() for k in keys])
         dist.all_reduce(vec, group=self.dp_group)
-        dist.broadcast(
-            vec, ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
-        )
-        names = keys or [f"m{i}" for i in range(int(n.item()))]
-        return dict(zip(names, vec.tolist(), strict=True))
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            dist.broadcast(
+                vec, ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+            )
+        return dict(zip(keys, vec.tolist(), strict=True))
 
     # ---------------------------------------------------------------- optimisation
     def optimizer_step(self) -> float:
-        self.model.finish_grad_sync()
+        from megatron.core.distributed import finalize_model_grads
+
+        # DP reduction, plus what finish_grad_sync alone misses: TP all-reduce of layer-norm grads under
+        # sequence parallelism and the tied embedding grads of the first and last pipeline stages
+        finalize_model_grads([self.model])
         ok, grad_norm, _ = self.optimizer.step()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -368,7 +414,7 @@ class MegatronEngine(ModelEngine):
                     pieces = [torch.empty_like(local) for _ in range(tp_size)]
                     dist.all_gather(pieces, local, group=tp_group)
                     full = unshard(pieces, rule.kind)
-                full = _broadcast_from_stage(full, stage, pp_group, self.device)
+                full = _broadcast_from_stage(full, stage, pp_group, self.device, self._dtype)
                 for name, tensor in mcore_to_hf(rule, full):
                     yield name, (tensor.to(dtype) if dtype is not None else tensor)
                 del full
@@ -390,6 +436,7 @@ class MegatronEngine(ModelEngine):
         dist_checkpointing.save(state, str(path / "mcore"))
         if self.rank == 0:
             torch.save({"scheduler_step": self.scheduler.step_count}, path / "engine_extra.pt")
+        torch.save(self._rng_state(), path / f"rng_rank{self.rank}.pt")
         dist.barrier()
 
     def load_checkpoint(self, path: str | Path) -> None:
@@ -405,7 +452,28 @@ class MegatronEngine(ModelEngine):
             torch.load(path / "engine_extra.pt", weights_only=True)["scheduler_step"]
         )
         self.scheduler.apply()
+        rng_file = path / f"rng_rank{self.rank}.pt"
+        if rng_file.is_file():
+            self._set_rng_state(torch.load(rng_file, weights_only=True))
         dist.barrier()
+
+    def _rng_state(self) -> dict[str, Any]:
+        """This rank's generators: torch CPU, CUDA, and megatron's tracked TP/expert CUDA states."""
+        from megatron.core import tensor_parallel
+
+        state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+        if self._device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state()
+            state["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
+        return state
+
+    def _set_rng_state(self, state: dict[str, Any]) -> None:
+        from megatron.core import tensor_parallel
+
+        torch.set_rng_state(state["cpu"])
+        if self._device.type == "cuda" and "cuda" in state:
+            torch.cuda.set_rng_state(state["cuda"])
+            tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
     def model_flops(self, lengths: list[int]) -> float:
         s = self.spec
@@ -435,14 +503,14 @@ class _LambdaSchedule:
         return self.apply()
 
 
-def _max_over(n: int, group: Any) -> int:
-    t = torch.tensor([n], device="cuda")
+def _max_over(n: int, group: Any, device: torch.device) -> int:
+    t = torch.tensor([n], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return int(t.item())
 
 
 def _broadcast_from_stage(
-    full: torch.Tensor | None, stage: int, group: Any, device: torch.device
+    full: torch.Tensor | None, stage: int, group: Any, device: torch.device, dtype: torch.dtype
 ) -> torch.Tensor:
     if dist.get_world_size(group) == 1:
         return full
@@ -453,7 +521,7 @@ def _broadcast_from_stage(
         meta[1 : 1 + full.dim()] = torch.tensor(full.shape, device=device)
     dist.broadcast(meta, src, group=group)
     shape = tuple(meta[1 : 1 + int(meta[0])].tolist())
-    buf = full.contiguous() if full is not None else torch.empty(shape, dtype=torch.bfloat16, device=device)
+    buf = full.contiguous() if full is not None else torch.empty(shape, dtype=dtype, device=device)
     dist.broadcast(buf, src, group=group)
     return buf
 

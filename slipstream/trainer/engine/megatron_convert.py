@@ -1,7 +1,7 @@
 """Weight conversion between Hugging Face Llama/Qwen2 checkpoints and Megatron-core ``GPTModel`` shards.
 
 Pure tensor code (no megatron import), so the name and shape maps are unit-tested on CPU. The Megatron
-layout (megatron-core >= 0.16, ``GPTModel`` with the Transformer-Engine layer spec; the local spec differs
+layout (megatron-core 0.16.1, ``GPTModel`` with the Transformer-Engine layer spec; the local spec differs
 only in where the two layer norms live, see ``te``):
 
 =====================================================  ============================================  =========
@@ -19,6 +19,7 @@ decoder.layers.i.pre_mlp_layernorm.weight                post_attention_layernor
 decoder.layers.i.mlp.linear_fc2.weight                   down_proj.weight                                dim 1
 decoder.final_layernorm.weight                           model.norm.weight (last stage)                  -
 output_layer.weight                                      lm_head.weight (last stage, untied)             dim 0
+output_layer.weight                                      model.embed_tokens.weight (tied, PP > 1: load)  dim 0
 =====================================================  ============================================  =========
 
 QKV interleave: for each of the ``num_kv_heads`` groups, Megatron stores that group's
@@ -203,6 +204,11 @@ def hf_to_mcore(
         sources = [hf[n] for n in rule.hf]
         full = rule.fuse(*sources) if rule.fuse else sources[0]
         out[rule.mcore] = shard(full, rule.kind, tp_rank, tp_size).contiguous()
+    if spec.tied and pp_size > 1 and pp_rank == pp_size - 1:
+        # Megatron keeps its own copy of a tied embedding on the last stage for the output layer (kept equal
+        # to the first stage's by the embedding-group grad all-reduce); it is loaded, never exported.
+        embed = hf["model.embed_tokens.weight"]
+        out["output_layer.weight"] = shard(embed, "vocab", tp_rank, tp_size).contiguous()
     return out
 
 

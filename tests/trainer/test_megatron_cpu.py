@@ -1,0 +1,114 @@
+"""Megatron-core engine on the CPU (megatron-core's local layer spec, TP=PP=1, fp32, a 1-rank gloo group):
+logprobs equal Hugging Face's on a tied Qwen2 with rope_theta 1e6, the exported weights are the checkpoint's,
+and training steps change the weights and lower the loss. megatron-core's own CUDA-by-name allocations are
+redirected to the CPU (``megatron_cpu.py``). Skipped when megatron-core is not installed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip(
+    "megatron.core", reason="megatron-core not installed (pip install 'slipstream[megatron]')"
+)
+
+VOCAB = 96
+
+
+def _tiny_qwen2(path: Path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def _hf_logprobs(model, batch) -> torch.Tensor:
+    out, cu = [], batch["cu_seqlens"].tolist()
+    with torch.no_grad():
+        for a, b in zip(cu[:-1], cu[1:], strict=True):
+            ids = batch["input_ids"][a:b]
+            logp = torch.log_softmax(model(ids[None]).logits[0].float(), dim=-1)
+            out.append(torch.cat([torch.zeros(1), logp[:-1].gather(1, ids[1:, None])[:, 0]]))
+    return torch.cat(out)
+
+
+@pytest.fixture
+def engine_on_cpu(tmp_path):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from slipstream.trainer.engine.megatron import MegatronEngine
+    from tests.trainer.conftest import trainer_config
+    from tests.trainer.megatron_cpu import cuda_on_cpu
+
+    hf_model = _tiny_qwen2(tmp_path / "qwen2")
+    cfg = trainer_config(
+        tmp_path / "qwen2",
+        "trainer.engine=megatron",
+        "trainer.megatron_layer_spec=local",
+        "trainer.lr=1e-2",
+        "trainer.micro_batch_tokens=12",
+    )
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with cuda_on_cpu():
+            engine = MegatronEngine(cfg)
+            engine.initialize()
+            yield engine, hf_model
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _nll(outputs, mb):
+    mask = mb["loss_mask"].float()
+    return -(outputs["logprobs"] * mask).sum() / 17.0, {"tokens": mask.sum() / 17.0}
+
+
+def test_megatron_cpu_logprobs_match_hf_and_training_moves_weights(engine_on_cpu):
+    from safetensors.torch import load_file
+
+    from slipstream.trainer.synthetic import make_packed_batch
+
+    engine, hf_model = engine_on_cpu
+    assert not engine.te
+    inv_freq = engine.model.module.rotary_pos_emb.inv_freq
+    assert inv_freq[1].item() == pytest.approx(1e6 ** (-2 / 8))  # head_dim 8, theta from rope_parameters
+    hf = load_file(str(next(Path(engine.cfg.model.path).glob("*.safetensors"))))
+    exported = dict(engine.get_per_tensor_param())
+    assert set(exported) == set(hf) - {"lm_head.weight"}
+    for name, tensor in exported.items():
+        assert torch.equal(tensor, hf[name]), name
+
+    # 7, 11 and 9 tokens under a 12-token budget: three micro-batches, padded rows of different lengths
+    batch = make_packed_batch([3, 5, 2], [4, 6, 7], vocab_size=VOCAB, seed=0)
+    out = engine.forward_backward_batch(batch, None, forward_only=True)
+    assert out.num_micro_batches == 3
+    torch.testing.assert_close(out.tokens["logprobs"], _hf_logprobs(hf_model, batch), atol=1e-5, rtol=1e-5)
+
+    losses = []
+    for _ in range(4):
+        result = engine.forward_backward_batch(batch, _nll)
+        assert result.metrics["tokens"] == pytest.approx(1.0)
+        losses.append(result.metrics["loss"])
+        grad_norm = engine.optimizer_step()
+        assert 0 < grad_norm < float("inf")
+    assert losses[-1] < losses[0]
+    after = dict(engine.get_per_tensor_param())
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(after[name], hf[name])
