@@ -296,6 +296,16 @@ def test_host_processes_cannot_be_killed(isolated):
             v.wait()
 
 
+def test_signalling_its_own_process_group_only_ends_the_program(isolated):
+    result = run("""
+        import os, signal
+        print('pgid is own session', os.getpgid(0) == os.getsid(0), flush=True)
+        os.kill(0, signal.SIGKILL)
+    """)
+    assert result.status == "killed" and result.returncode == -9
+    assert result.output == "pgid is own session True\n"
+
+
 def test_host_secrets_are_not_visible(isolated, host_dir, monkeypatch):
     secret = f"secret-{uuid.uuid4().hex}"
     monkeypatch.setenv("SLIPSTREAM_TEST_SECRET", secret)
@@ -418,6 +428,9 @@ def test_missing_libseccomp_fails_closed(monkeypatch, fresh_check):
         return real_cdll(name, *args, **kwargs)
 
     monkeypatch.setattr(sandbox.ctypes, "CDLL", cdll)
+    monkeypatch.setattr(
+        sandbox, "_sysctl", lambda path: 1000
+    )  # user namespaces allowed: libseccomp is what lacks
     with pytest.raises(SandboxUnavailable, match="libseccomp.*apt-get install libseccomp2"):
         asyncio.run(run_python("print('ran')", LIMITS))
 

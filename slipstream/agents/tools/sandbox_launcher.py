@@ -298,6 +298,8 @@ def _init(spec: dict, code: bytes, life_r: int) -> None:
     except Exception as err:
         fail(fd, f"cannot build the sandbox: {type(err).__name__}: {err}")
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # pid 1 ignores default-action signals from inside
+    # A session of its own: the launcher's process group is not the program's to signal (kill(0, ...)).
+    os.setsid()
     pid = os.fork()
     if pid == 0:
         _program(spec, code, "/tmp", new_main=False)
