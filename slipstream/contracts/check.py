@@ -12,6 +12,7 @@ from slipstream.contracts.ours import HttpCall, LaunchArgv, record_http_calls, r
 from slipstream.contracts.pins import PINS
 from slipstream.contracts.problems import Problem, dedupe
 from slipstream.contracts.pyapi import check_python_api
+from slipstream.contracts.responses import check_replies
 from slipstream.contracts.upstream import SourceTree
 
 
@@ -55,7 +56,8 @@ def _field_paths(value, prefix: str = "") -> set[str]:
 def count_http(calls: list[HttpCall]) -> dict[str, int]:
     endpoints = {(c.kind, c.method, c.path) for c in calls}
     fields = {(c.kind, c.path, f) for c in calls for f in _field_paths(c.body) | {f"?{k}" for k in c.params}}
-    return {"endpoints": len(endpoints), "request fields": len(fields)}
+    reads = {(c.kind, c.path, r) for c in calls for r in c.reads}
+    return {"endpoints": len(endpoints), "request fields": len(fields), "reply fields read": len(reads)}
 
 
 def count_flags(argvs: list[LaunchArgv]) -> int:
@@ -72,6 +74,7 @@ def run(source_trees: dict[str, SourceTree] | None = None) -> Report:
     calls = record_http_calls(errors)
     report.problems += [Problem("our side", "", f"recording failed: {e}") for e in errors]
     report.problems += check_http(t, calls)
+    report.problems += check_replies(t, calls)
     report.counts.update(count_http(calls))
     argvs = record_launch_argv()
     report.problems += check_launch(t, argvs)

@@ -3,7 +3,7 @@
 * HTTP: the clients (``rollouter/clients``) and the weight-sync adapters (``weightsync/adapters.py``)
   are driven through every call they offer, in every mode their configs allow, against an
   ``httpx.MockTransport`` that records each request (method, path, query, JSON body) and answers
-  with a small well-formed reply.
+  with a small well-formed reply whose reads are noted (which reply fields our parsers use).
 * Launch: ``rollouter.launch.launch_server`` builds its command for each recipe in ``configs/`` and
   for the default config, with ``subprocess.Popen`` replaced by a recorder (nothing is started).
 * Python APIs: :mod:`slipstream.contracts.pyapi` reads our modules' imports and calls with ``ast``.
@@ -37,6 +37,7 @@ class HttpCall:
     params: dict[str, str]
     body: Any  # parsed JSON, or None when no body was sent
     origin: str  # which of our calls sent it, e.g. "VLLMAdapter.before(pause_mode=abort)"
+    reads: set[str] = field(default_factory=set)  # reply fields our code read: "choices[].token_ids"
 
     @property
     def endpoint(self) -> str:
@@ -102,18 +103,55 @@ def _reply(request: httpx.Request) -> httpx.Response:
     return httpx.Response(200, json=body)
 
 
+class _ReadDict(dict):
+    """A reply object that notes every key our code reads (``[k]``, ``.get(k)``, ``k in``)."""
+
+    def __init__(self, data: dict, path: str, reads: set[str]) -> None:
+        super().__init__({k: _track(v, f"{path}{k}", reads) for k, v in data.items()})
+        self._path, self._reads = path, reads
+
+    def __getitem__(self, key):
+        self._reads.add(f"{self._path}{key}")
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self._reads.add(f"{self._path}{key}")
+        return super().get(key, default)
+
+    def __contains__(self, key) -> bool:
+        self._reads.add(f"{self._path}{key}")
+        return super().__contains__(key)
+
+
+def _track(value: Any, path: str, reads: set[str]) -> Any:
+    if isinstance(value, dict):
+        return _ReadDict(value, f"{path}." if path else "", reads)
+    if isinstance(value, list):
+        return [_track(v, f"{path}[]", reads) for v in value]
+    return value
+
+
 class _Recorder:
     def __init__(self) -> None:
         self.calls: list[HttpCall] = []
         self.kind = ""
         self.origin = ""
+        self._by_request: dict[int, HttpCall] = {}
 
     def handler(self, request: httpx.Request) -> httpx.Response:
         raw = request.content
         body = json.loads(raw) if raw else None
         params = dict(request.url.params.multi_items())
-        self.calls.append(HttpCall(self.kind, request.method, request.url.path, params, body, self.origin))
+        call = HttpCall(self.kind, request.method, request.url.path, params, body, self.origin)
+        self.calls.append(call)
+        self._by_request[id(request)] = call
         return _reply(request)
+
+    def tracking_json(self, response: httpx.Response, **kwargs) -> Any:
+        """``httpx.Response.json`` while recording: the reply, noting which of its fields are read."""
+        data = json.loads(response.content, **kwargs)
+        call = self._by_request.get(id(response.request))
+        return _track(data, "", call.reads) if call is not None else data
 
     def client(self, base_url: str = "http://upstream") -> httpx.AsyncClient:
         return httpx.AsyncClient(base_url=base_url, transport=httpx.MockTransport(self.handler))
@@ -233,7 +271,8 @@ def record_http_calls(errors: list[str] | None = None) -> list[HttpCall]:
         await _record_clients(rec, errs)
         await _record_adapters(rec, errs)
 
-    asyncio.run(main())
+    with mock.patch.object(httpx.Response, "json", lambda self, **kw: rec.tracking_json(self, **kw)):
+        asyncio.run(main())
     return rec.calls
 
 

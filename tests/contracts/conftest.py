@@ -37,3 +37,13 @@ def pinned_trees():
         except cache.FetchError as err:
             pytest.skip(f"contract cache is cold and the pinned releases cannot be fetched: {err}")
     return trees()
+
+
+@pytest.fixture(scope="session")
+def recorded():
+    """What our clients and adapters send (and read), recorded once: (calls, steps that failed)."""
+    from slipstream.contracts.ours import record_http_calls
+
+    errors: list[str] = []
+    calls = record_http_calls(errors)
+    return calls, errors

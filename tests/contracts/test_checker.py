@@ -13,9 +13,10 @@ import pytest
 from slipstream.contracts import cache
 from slipstream.contracts.flags import LaunchSpec, check_launch, flag_index, parse_argv
 from slipstream.contracts.http import check_http
-from slipstream.contracts.ours import HttpCall, LaunchArgv, record_http_calls, record_launch_argv
+from slipstream.contracts.ours import HttpCall, LaunchArgv, record_launch_argv
 from slipstream.contracts.pins import PINS, Pin
 from slipstream.contracts.pyapi import check_python_api
+from slipstream.contracts.responses import check_replies
 from slipstream.contracts.upstream import SourceTree
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,6 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 VLLM_ROUTES = """
 from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Body, Query, Request
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 PauseMode = Literal["abort", "wait", "keep"]
@@ -48,6 +50,19 @@ class CompletionRequest(OpenAIBaseModel):
     # no return_weight_versions: the field this test expects to be reported
 
 
+class CompletionResponseChoice(OpenAIBaseModel):
+    index: int = 0
+    token_ids: list[int] | None = None
+    logprobs: dict | None = None
+    finish_reason: str | None = None
+    # no weight_versions: a reply field our parser reads
+
+
+class CompletionResponse(OpenAIBaseModel):
+    choices: list[CompletionResponseChoice]
+    usage: dict | None = None
+
+
 @router.post("/v1/completions")
 async def create_completion(request: CompletionRequest, raw_request: Request):
     ...
@@ -63,6 +78,11 @@ async def pause(raw_request: Request, mode: Annotated[PauseMode, Query()] = "abo
 async def abort_requests(raw_request: Request):
     body = await raw_request.json()
     ids = body.get("request_ids")
+
+
+@router.get("/weight_info")
+async def weight_info(raw_request: Request):
+    return JSONResponse(content={"version": "1"})
 
 
 @router.post("/finish_weight_update")
@@ -179,8 +199,8 @@ def _only(problems, field: str):
 
 
 # ------------------------------------------------------------------------------------------- HTTP
-def test_a_field_our_client_sends_that_upstream_lacks_is_reported(fake_trees):
-    calls = [c for c in record_http_calls() if c.kind == "vllm" and c.path == "/v1/completions"]
+def test_a_field_our_client_sends_that_upstream_lacks_is_reported(fake_trees, recorded):
+    calls = [c for c in recorded[0] if c.kind == "vllm" and c.path == "/v1/completions"]
     assert calls, "the vLLM client sent no /v1/completions request"
     p = _only(check_http(fake_trees, calls), "return_weight_versions")
     assert p.where == "vllm POST /v1/completions"
@@ -254,6 +274,22 @@ def test_raw_json_handlers_missing_routes_and_wrong_methods(fake_trees):
     assert missing and "no such route" in missing[0].message
     wrong = [p for p in problems if p.where == "vllm GET /pause"]
     assert wrong and "only POST" in wrong[0].message
+
+
+def test_reply_fields_our_parsers_read_that_upstream_lacks_are_reported(fake_trees, recorded, monkeypatch):
+    import slipstream.contracts.responses as responses
+
+    monkeypatch.setitem(
+        responses.REPLIES, ("vllm", "/v1/completions"), ("CompletionResponse", "vllm/entrypoints/api.py")
+    )
+    calls = [c for c in recorded[0] if c.kind == "vllm" and c.path in ("/v1/completions", "/weight_info")]
+    problems = check_replies(fake_trees, calls)
+    p = _only(problems, "choices[].weight_versions")
+    assert (p.where, p.upstream) == ("vllm POST /v1/completions (reply)", "vllm/entrypoints/api.py")
+    assert "CompletionResponseChoice" in p.message and "VLLMClient" in p.origin
+    p = _only(problems, "weight_version")  # the handler's reply dict says "version"
+    assert p.where == "vllm GET /weight_info (reply)" and "appears nowhere upstream" in p.message
+    assert not any(p.field.startswith(("choices[].token_ids", "success")) for p in problems)
 
 
 # ---------------------------------------------------------------------------------------- launch
@@ -438,9 +474,8 @@ def test_nixl_calls_that_upstream_lacks_are_reported(tmp_path):
 
 
 # ------------------------------------------------------------------------------- our side, pins
-def test_recorder_drives_every_client_and_adapter_without_errors():
-    errors: list[str] = []
-    calls = record_http_calls(errors)
+def test_recorder_drives_every_client_and_adapter_without_errors(recorded):
+    calls, errors = recorded
     assert not errors, errors
     seen = {(c.kind, c.method, c.path) for c in calls}
     for expected in [

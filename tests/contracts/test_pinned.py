@@ -7,9 +7,10 @@ import pytest
 from slipstream.contracts.check import count_http
 from slipstream.contracts.flags import check_launch
 from slipstream.contracts.http import check_http
-from slipstream.contracts.ours import record_http_calls, record_launch_argv
+from slipstream.contracts.ours import record_launch_argv
 from slipstream.contracts.problems import dedupe
 from slipstream.contracts.pyapi import check_python_api
+from slipstream.contracts.responses import check_replies
 
 pytestmark = pytest.mark.contracts
 
@@ -19,16 +20,20 @@ def _report(problems) -> str:
 
 
 @pytest.fixture(scope="module")
-def calls():
-    errors: list[str] = []
-    recorded = record_http_calls(errors)
+def calls(recorded):
+    calls, errors = recorded
     assert not errors, errors
-    return recorded
+    return calls
 
 
 def test_http_requests_match_upstream_routes_and_models(pinned_trees, calls):
     assert count_http(calls)["endpoints"] >= 20
     problems = check_http(pinned_trees, calls)
+    assert not problems, _report(problems)
+
+
+def test_reply_fields_our_parsers_read_exist_upstream(pinned_trees, calls):
+    problems = check_replies(pinned_trees, calls)
     assert not problems, _report(problems)
 
 

@@ -85,8 +85,16 @@ def parse_completions_response(body: dict, *, rid: str, server: str, fallback_ve
         logprobs = choice["logprobs"]["token_logprobs"]
     except (KeyError, IndexError, TypeError) as err:
         raise ValueError(f"malformed /v1/completions response from {server}: missing {err}") from err
+    prompt_ids = choice.get("prompt_token_ids") or []  # return_token_ids puts them on the choice
     return _output(
-        choice, token_ids, logprobs, body, rid=rid, server=server, fallback_version=fallback_version
+        choice,
+        token_ids,
+        logprobs,
+        body,
+        prompt_ids,
+        rid=rid,
+        server=server,
+        fallback_version=fallback_version,
     )
 
 
@@ -97,16 +105,25 @@ def parse_generate_response(body: dict, *, rid: str, server: str, fallback_versi
         logprobs = [entry["logprob"] for entry in choice["logprobs"]["content"]]
     except (KeyError, IndexError, TypeError) as err:
         raise ValueError(f"malformed /inference/v1/generate response from {server}: missing {err}") from err
+    prompt_ids = body.get("prompt_token_ids") or []  # the generate reply carries them at the top level
     return _output(
-        choice, token_ids, logprobs, body, rid=rid, server=server, fallback_version=fallback_version
+        choice,
+        token_ids,
+        logprobs,
+        body,
+        prompt_ids,
+        rid=rid,
+        server=server,
+        fallback_version=fallback_version,
     )
 
 
-def _output(choice, token_ids, logprobs, body, *, rid, server, fallback_version) -> GenerateOutput:
+def _output(
+    choice, token_ids, logprobs, body, prompt_ids, *, rid, server, fallback_version
+) -> GenerateOutput:
     if len(logprobs) != len(token_ids) or any(lp is None for lp in logprobs):
         raise ValueError(f"response from {server} has {len(token_ids)} tokens but logprobs {logprobs[:4]}...")
     usage = body.get("usage") or {}
-    prompt_ids = body.get("prompt_token_ids") or choice.get("prompt_token_ids") or []
     return GenerateOutput(
         output_ids=token_ids,
         logprobs=[float(lp) for lp in logprobs],
