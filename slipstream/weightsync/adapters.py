@@ -239,8 +239,8 @@ class EmbeddedAdapter(SGLangAdapter):
 
     async def before(self, version: int) -> None:
         body: dict[str, Any] = {"weight_version": version}
-        if self.transport == "nixl":
-            body["stream"] = "nixl"
+        if self.transport in ("nixl", "ipc"):  # an ipc link sets "ipc" while it is open
+            body["stream"] = self.transport
         await self.call("POST", "/begin_weight_update", json=body)
 
     def update_body(self, meta: BucketMeta) -> dict:

@@ -7,7 +7,12 @@ For each tensor set and receiver count, interleaved over ``--reps`` repetitions 
     transport's physical limit here;
   * ``bucketed``: ``TorchDistEngine.send_weights`` (packing bucket *i+1* while bucket *i* is on the wire),
     receivers staging each version and then applying it to their own copy of the model;
-  * ``naive``: ``NaiveEngine.send_weights``: one tensor at a time, each waited for.
+  * ``naive``: ``NaiveEngine.send_weights``: one tensor at a time, each waited for;
+  * ``ipc``: ``IpcEngine.send_weights`` to the same receivers through shared memory (``--device cpu``:
+    POSIX shared memory; ``--device cuda``: CUDA IPC on one GPU, where NCCL cannot run and only ``ipc``
+    and ``memcpy`` are measured), against ``memcpy``: one copy of the set's bytes in this process, the
+    limit for an engine that moves every byte by copying (``ipc`` copies twice: packing, then the
+    receiver's copy out).
 
 Every timing runs from a barrier of all ranks to a barrier after the last byte landed; the figure is the
 median over repetitions, and ``of_raw``/``x_naive`` are medians of per-repetition ratios. ``pause_s`` is
@@ -19,6 +24,7 @@ config on the meta device (no weights), in bf16 (how a GPU serves it, 0.27 GB) a
 quickstart, 0.54 GB).
 
     slipstream bench weightsync --json
+    slipstream bench weightsync --device cuda --receivers 1 --json
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import torch
 from slipstream.weightsync.base import SendStats
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.groups import DistGroup
+from slipstream.weightsync.ipc_engine import IpcEngine
 from slipstream.weightsync.naive import NaiveEngine
 from slipstream.weightsync.torch_dist import TorchDistEngine
 from slipstream.weightsync.types import InitInfo, Rendezvous
@@ -68,9 +75,9 @@ def model_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
     return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
 
 
-def make_set(name: str, fill: float = 0.0) -> list[tuple[str, torch.Tensor]]:
+def make_set(name: str, fill: float = 0.0, device: str = "cpu") -> list[tuple[str, torch.Tensor]]:
     config, dtype = SMOKE_SETS[name] if name in SMOKE_SETS else (SMOLLM2_135M, SETS[name])
-    return [(n, torch.full(shape, fill, dtype=dtype)) for n, shape in model_shapes(config)]
+    return [(n, torch.full(shape, fill, dtype=dtype, device=device)) for n, shape in model_shapes(config)]
 
 
 def set_bytes(tensors: list[tuple[str, torch.Tensor]]) -> int:
@@ -78,9 +85,10 @@ def set_bytes(tensors: list[tuple[str, torch.Tensor]]) -> int:
 
 
 class Cmd(msgspec.Struct):
-    op: str  # setup | raw | sync | stop
+    op: str  # setup | raw | sync | ipc | stop
     set: str = ""
     nbytes: int = 0
+    device: str = "cpu"
 
 
 class Reply(msgspec.Struct):
@@ -101,8 +109,11 @@ def _receiver(conn, cfg_raw: bytes) -> None:
     torch.set_num_threads(1)
     cfg = msgspec.msgpack.decode(cfg_raw, type=WeightSyncConfig)
     engine = TorchDistEngine(cfg, is_sender=False, device="cpu")
-    conn.send_bytes(msgspec.msgpack.encode(engine.prepare()))
-    engine.init_process_group(msgspec.msgpack.decode(conn.recv_bytes(), type=InitInfo))
+    ipc = IpcEngine(cfg, is_sender=False, device=cfg.device)
+    conn.send_bytes(msgspec.msgpack.encode([engine.prepare(), ipc.prepare()]))
+    infos = msgspec.msgpack.decode(conn.recv_bytes(), type=list[InitInfo])
+    engine.init_process_group(infos[0])
+    ipc.init_process_group(infos[1])
     group = engine.group
     model: dict[str, torch.Tensor] = {}
     raw = torch.empty(0, dtype=torch.uint8)
@@ -112,15 +123,15 @@ def _receiver(conn, cfg_raw: bytes) -> None:
         if cmd.op == "stop":
             break
         if cmd.op == "setup":
-            model = dict(make_set(cmd.set))
+            model = dict(make_set(cmd.set, device=cmd.device))
             raw = torch.zeros(cmd.nbytes, dtype=torch.uint8)
         elif cmd.op == "raw":
             _barrier(group)
             group.broadcast(raw, cfg.timeout_s)
             _barrier(group)
-        elif cmd.op == "sync":
+        elif cmd.op in ("sync", "ipc"):
             _barrier(group)
-            stream = engine.receive_weights()
+            stream = (engine if cmd.op == "sync" else ipc).receive_weights()
             staged = asyncio.run(stream.collect())
             _barrier(group)
             start = time.perf_counter()
@@ -128,6 +139,7 @@ def _receiver(conn, cfg_raw: bytes) -> None:
                 model[name].copy_(tensor)
             reply = Reply(apply_s=time.perf_counter() - start, version=stream.version or 0)
         conn.send_bytes(msgspec.msgpack.encode(reply))
+    ipc.finalize()
     engine.finalize()
 
 
@@ -145,13 +157,18 @@ class Bench:
             proc.start()
             self.conns.append(mine)
             self.procs.append(proc)
-        self.engine = TorchDistEngine(cfg, is_sender=True, device="cpu")
+        self.engine = TorchDistEngine(cfg, is_sender=True, device="cpu")  # also the barrier's group
         self.naive = NaiveEngine(cfg, is_sender=True, device="cpu")
-        rdvs = [msgspec.msgpack.decode(c.recv_bytes(), type=Rendezvous) for c in self.conns]
-        mine_info, infos = TorchDistEngine.build_topology(self.engine.prepare(), rdvs, "bench")
-        for conn, info in zip(self.conns, infos, strict=True):
-            conn.send_bytes(msgspec.msgpack.encode(info))
+        self.ipc = IpcEngine(cfg, is_sender=True, device=cfg.device)
+        rdvs = [msgspec.msgpack.decode(c.recv_bytes(), type=list[Rendezvous]) for c in self.conns]
+        mine_info, infos = TorchDistEngine.build_topology(
+            self.engine.prepare(), [r[0] for r in rdvs], "bench"
+        )
+        ipc_info, ipc_infos = IpcEngine.build_topology(self.ipc.prepare(), [r[1] for r in rdvs], "bench")
+        for conn, info, other in zip(self.conns, infos, ipc_infos, strict=True):
+            conn.send_bytes(msgspec.msgpack.encode([info, other]))
         self.engine.init_process_group(mine_info)
+        self.ipc.init_process_group(ipc_info)
         # Same group and metadata channel, same receive path: only the sender differs.
         self.naive.group, self.naive.meta = self.engine.group, self.engine.meta
         self.version = 0
@@ -181,7 +198,7 @@ class Bench:
 
     def sync(self, engine, tensors) -> tuple[float, float, SendStats]:
         self.version += 1
-        self.command(Cmd(op="sync"))
+        self.command(Cmd(op="ipc" if engine is self.ipc else "sync"))
         group = self.engine.group
         _barrier(group)
         start = time.perf_counter()
@@ -193,47 +210,99 @@ class Bench:
 
     def close(self) -> None:
         self.command(Cmd(op="stop"))
+        self.ipc.finalize()
         self.engine.finalize()
         for proc in self.procs:
             proc.join(timeout=30)
 
 
+def memcpy_s(nbytes: int, device: str) -> float:
+    """One copy of ``nbytes`` between two buffers of this process (already faulted in)."""
+    src, dst = (
+        torch.ones(nbytes, dtype=torch.uint8, device=device),
+        torch.empty(nbytes, dtype=torch.uint8, device=device),
+    )
+    dst.copy_(src)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    dst.copy_(src)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
 def run_set(bench: Bench, set_name: str, reps: int) -> dict:
-    tensors = make_set(set_name, fill=1.0)
+    device = bench.cfg.device
+    gpu = device == "cuda"  # NCCL cannot put two ranks on one GPU: only ipc runs there
+    tensors = make_set(set_name, fill=1.0, device=device)
     nbytes = set_bytes(tensors)
-    bench.command(Cmd(op="setup", set=set_name, nbytes=nbytes))
+    bench.command(Cmd(op="setup", set=set_name, nbytes=nbytes, device=device))
     bench.replies()
     buf = torch.ones(nbytes, dtype=torch.uint8)
-    times: dict[str, list[float]] = {"raw": [], "bucketed": [], "naive": [], "pause": []}
+    names = ["ipc", "ipc_pause", "memcpy"] + ([] if gpu else ["raw", "bucketed", "naive", "pause"])
+    times: dict[str, list[float]] = {k: [] for k in names}
     for rep in range(reps + 1):  # repetition 0 warms buffers and staging up and is not counted
-        raw_s = bench.raw(buf)
-        bucketed_s, pause_s, _ = bench.sync(bench.engine, tensors)
-        naive_s, _, _ = bench.sync(bench.naive, tensors)
+        got = {"memcpy": memcpy_s(nbytes, device)}
+        got["ipc"], got["ipc_pause"], _ = bench.sync(bench.ipc, tensors)
+        if not gpu:
+            got["raw"] = bench.raw(buf)
+            got["bucketed"], got["pause"], _ = bench.sync(bench.engine, tensors)
+            got["naive"], _, _ = bench.sync(bench.naive, tensors)
         if rep:
-            times["raw"].append(raw_s)
-            times["bucketed"].append(bucketed_s)
-            times["naive"].append(naive_s)
-            times["pause"].append(pause_s)
+            for k in names:
+                times[k].append(got[k])
     med = {k: statistics.median(v) for k, v in times.items()}
-    gbps = {k: nbytes / med[k] / 1e9 for k in ("raw", "bucketed", "naive")}
-    # Ratios pair the measurements of one repetition (taken seconds apart), so that the load other
-    # processes put on a shared machine, which drifts over minutes, cancels out of them.
-    of_raw = statistics.median(r / b for r, b in zip(times["raw"], times["bucketed"], strict=True))
-    x_naive = statistics.median(n / b for n, b in zip(times["naive"], times["bucketed"], strict=True))
+
+    def ratio(a: str, b: str) -> float | None:
+        # Ratios pair the measurements of one repetition (taken seconds apart), so that the load other
+        # processes put on a shared machine, which drifts over minutes, cancels out of them.
+        if a not in times or b not in times:
+            return None
+        return round(statistics.median(x / y for x, y in zip(times[a], times[b], strict=True)), 3)
+
+    def gbps(k: str) -> float | None:
+        return round(nbytes / med[k] / 1e9, 3) if k in med else None
+
+    def secs(k: str) -> float | None:
+        return round(med[k], 4) if k in med else None
+
     return {
         "set": set_name,
+        "device": device,
         "tensors": len(tensors),
         "receivers": len(bench.conns),
         "bytes": nbytes,
         "bucket_mb": bench.cfg.bucket_mb,
-        "effective_gbps": round(gbps["bucketed"], 3),
-        "raw_gbps": round(gbps["raw"], 3),
-        "naive_gbps": round(gbps["naive"], 3),
-        "pause_s": round(med["pause"], 4),
-        "transfer_s": round(med["bucketed"], 4),
-        "of_raw": round(of_raw, 3),
-        "x_naive": round(x_naive, 2),
+        "effective_gbps": gbps("bucketed"),
+        "raw_gbps": gbps("raw"),
+        "naive_gbps": gbps("naive"),
+        "pause_s": secs("pause"),
+        "transfer_s": secs("bucketed"),
+        "of_raw": ratio("raw", "bucketed"),
+        "x_naive": ratio("naive", "bucketed"),
+        "ipc_gbps": gbps("ipc"),
+        "memcpy_gbps": gbps("memcpy"),
+        "ipc_pause_s": secs("ipc_pause"),
+        "ipc_transfer_s": secs("ipc"),
+        "ipc_of_memcpy": ratio("memcpy", "ipc"),
+        "ipc_x_bucketed": ratio("bucketed", "ipc"),
     }
+
+
+def _line(row: dict) -> str:
+    def fmt(key: str, spec: str) -> str:
+        return "-" if row[key] is None else format(row[key], spec)
+
+    return (
+        f"{row['set']:20s} {row['device']} receivers={row['receivers']} {row['bytes'] / 1e9:.2f} GB  "
+        f"bucketed {fmt('effective_gbps', '.2f')} GB/s  raw {fmt('raw_gbps', '.2f')}  "
+        f"naive {fmt('naive_gbps', '.2f')}  ({fmt('of_raw', '.0%')} of raw, {fmt('x_naive', '.1f')}x naive)  "
+        f"pause {fmt('pause_s', '.3f')} s / transfer {fmt('transfer_s', '.3f')} s  |  "
+        f"ipc {fmt('ipc_gbps', '.2f')} GB/s  memcpy {fmt('memcpy_gbps', '.2f')}  "
+        f"({fmt('ipc_of_memcpy', '.0%')} of memcpy, {fmt('ipc_x_bucketed', '.1f')}x bucketed)  "
+        f"pause {fmt('ipc_pause_s', '.3f')} s / transfer {fmt('ipc_transfer_s', '.3f')} s"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -244,13 +313,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sets", default=",".join(SETS), help=f"comma-separated, from {list(SETS)}")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--timeout-s", type=float, default=120.0)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the ipc buffers live")
     args = parser.parse_args(argv)
     sets = [s for s in args.sets.split(",") if s]
     unknown = [s for s in sets if s not in SETS and s not in SMOKE_SETS]
     if unknown:
         parser.error(f"unknown tensor set(s) {unknown}; known: {list(SETS)}")
     torch.set_num_threads(1)
-    cfg = WeightSyncConfig(bucket_mb=args.bucket_mb, timeout_s=args.timeout_s, device="cpu")
+    cfg = WeightSyncConfig(bucket_mb=args.bucket_mb, timeout_s=args.timeout_s, device=args.device)
     rows = []
     for receivers in [int(x) for x in args.receivers.split(",") if x]:
         bench = Bench(cfg, receivers)
@@ -258,14 +328,7 @@ def main(argv: list[str] | None = None) -> int:
             for set_name in sets:
                 row = run_set(bench, set_name, args.reps)
                 rows.append(row)
-                print(
-                    f"{set_name:20s} receivers={receivers} {row['bytes'] / 1e9:.2f} GB  "
-                    f"bucketed {row['effective_gbps']:.2f} GB/s  raw {row['raw_gbps']:.2f}  "
-                    f"naive {row['naive_gbps']:.2f}  ({row['of_raw']:.0%} of raw, {row['x_naive']:.1f}x naive)  "
-                    f"pause {row['pause_s']:.3f} s / transfer {row['transfer_s']:.3f} s",
-                    file=sys.stderr if args.json else sys.stdout,
-                    flush=True,
-                )
+                print(_line(row), file=sys.stderr if args.json else sys.stdout, flush=True)
         finally:
             bench.close()
     if args.json:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import traceback
 from dataclasses import dataclass, field
 
 import msgspec
@@ -108,6 +109,7 @@ class WeightReceiver:
         self._staging: dict[str, StagingArea] = {}
         self._lock = asyncio.Lock()
         self._nixl = None  # a receiving NixlEngine once /weightsync/nixl/prepare ran
+        self._ipc = None  # a receiving IpcEngine once /weightsync/ipc/prepare ran
         self.applied_versions = 0
         self.failed_versions = 0
         self.last_error = ""
@@ -162,8 +164,14 @@ class WeightReceiver:
             if self._nixl is None:
                 raise RequestError("stream `nixl` needs /weightsync/nixl/prepare and /connect first")
             session.stream_task = asyncio.create_task(self._receive_stream(session))
+        elif req.stream == "ipc":
+            if self._ipc is None:
+                raise RequestError("stream `ipc` needs /weightsync/ipc/prepare and /connect first")
+            self._ipc.min_version = self.target.weight_version  # refused at its first bucket
+            session.stream_task = asyncio.create_task(self._receive_stream(session, self._ipc))
+            session.stream_task.add_done_callback(lambda task: _stream_failed(self, session, task))
         elif req.stream is not None:
-            raise RequestError(f"unknown stream `{req.stream}` (expected `nixl` or none)")
+            raise RequestError(f"unknown stream `{req.stream}` (expected `nixl`, `ipc` or none)")
         return WeightUpdateResp(success=True, weight_version=session.version)
 
     async def update(self, req: UpdateWeightsFromDistributedReq) -> WeightUpdateResp:
@@ -265,6 +273,9 @@ class WeightReceiver:
         if self._nixl is not None:
             self._nixl.finalize()
             self._nixl = None
+        if self._ipc is not None:
+            self._ipc.finalize()
+            self._ipc = None
 
     # -- NIXL stream mode
 
@@ -282,9 +293,25 @@ class WeightReceiver:
         await asyncio.to_thread(self._nixl.init_process_group, info)
         return WeightUpdateResp(success=True, message=f"connected to {req.sender.agent_name}")
 
-    async def _receive_stream(self, session: _Session) -> None:
+    # -- IPC stream mode (one host; weightsync/ipc_engine.py)
+
+    async def ipc_prepare(self):
+        from slipstream.weightsync.ipc_engine import IpcEngine
+
+        if self._ipc is None:
+            self._ipc = IpcEngine(self.cfg, is_sender=False)
+        return await asyncio.to_thread(self._ipc.prepare)
+
+    async def ipc_connect(self, req: NixlStreamReq) -> WeightUpdateResp:
+        if self._ipc is None:
+            raise RequestError("call /weightsync/ipc/prepare first")
+        info = InitInfo(backend="ipc", rank=1, world_size=2, group_name=req.group_name, peers=[req.sender])
+        await asyncio.to_thread(self._ipc.init_process_group, info)
+        return WeightUpdateResp(success=True, message="connected to the ipc sender")
+
+    async def _receive_stream(self, session: _Session, engine=None) -> None:
         start = time.perf_counter()
-        stream = self._nixl.receive_weights()
+        stream = (engine or self._nixl).receive_weights()
         staged = await stream.collect()
         if session.version is not None and stream.version != session.version:
             raise TransferError(f"received version {stream.version}, expected {session.version}")
@@ -385,6 +412,14 @@ class WeightReceiver:
             await asyncio.to_thread(group.close, 0)
 
 
+def _stream_failed(receiver: WeightReceiver, session: _Session, task: asyncio.Task) -> None:
+    """Count a stream that failed when it failed (a dead trainer never calls /end_weight_update), and let
+    go of what it staged: the error's traceback holds the frames that hold the staged tensors."""
+    if not task.cancelled() and task.exception() is not None:
+        receiver._fail(session, f"stream: {task.exception()}")
+        traceback.clear_frames(task.exception().__traceback__)
+
+
 def _receive(group: DistGroup, meta: BucketMeta, dest: torch.Tensor, timeout_s: float) -> None:
     """Every segment of one bucket's payload, posted at once, landing in ``dest``."""
     works = [group.broadcast_async(dest[off : off + n]) for off, n in segments_of(meta)]
@@ -439,6 +474,8 @@ def _router(receiver: WeightReceiver) -> APIRouter:
     router.add_api_route("/weightsync/status", _status(receiver), methods=["GET"])
     endpoint("/weightsync/nixl/prepare", None, receiver.nixl_prepare)
     endpoint("/weightsync/nixl/connect", NixlStreamReq, receiver.nixl_connect)
+    endpoint("/weightsync/ipc/prepare", None, receiver.ipc_prepare)
+    endpoint("/weightsync/ipc/connect", NixlStreamReq, receiver.ipc_connect)
     router.weight_receiver = receiver  # type: ignore[attr-defined]
     return router
 

@@ -27,8 +27,8 @@ Control: one Unix stream socket per receiver, in a directory only its owner can 
 length-prefixed msgpack :class:`~slipstream.weightsync.types.IpcMessage`; a receiver proves itself with
 the secret of the sender's rendezvous. A reader thread per connection turns the socket into an inbox, so a
 peer that dies is seen at once (end of stream), not after a timeout: the sender fails the push and tells
-the other receivers to drop the version; a receiver drops the version, its mappings and its staging
-memory. Every other wait is bounded by ``timeout_s``. A receiver refuses a version older than
+the other receivers to drop the version; a receiver drops the version (its staging memory with it) and
+its mappings. Every other wait is bounded by ``timeout_s``. A receiver refuses a version older than
 ``min_version`` at its first bucket, so a stale push costs one bucket, not a model.
 
 Choosing it: ``weightsync.backend: auto`` picks ``ipc`` when every server reports the trainer's host and,
@@ -52,6 +52,7 @@ import struct
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -367,14 +368,16 @@ class IpcEngine(CheckpointEngine):
     Sender: ``prepare`` allocates the two shared buffers and listens; ``init_process_group`` accepts one
     connection per receiver and shares the buffers with it. Receiver: ``prepare`` reports where it runs;
     ``init_process_group`` connects and maps the sender's buffers. ``min_version`` (receiver) refuses older
-    versions. Staging memory is kept from one version to the next and dropped with any failed version.
+    versions. Staging memory is allocated per version and lives only as long as that version's tensors:
+    once the target copied them in, or the version failed, it is gone (a colocated server does not keep a
+    second copy of the model between versions).
     """
 
     def __init__(self, cfg, *, is_sender: bool, device: str | torch.device | None = None) -> None:
         super().__init__(cfg, is_sender=is_sender, device=device)
         self.memory: HostMemory | CudaMemory = CudaMemory() if self.device.type == "cuda" else HostMemory()
         self.pool: _SharedPool | None = None
-        self.staging: StagingArea | None = None if is_sender else StagingArea(self.device)
+        self._staged: list[weakref.ref] = []  # receiver: the buffers of the last version's staging
         self.min_version: int | None = None
         self._secret = secrets.token_hex(16) if is_sender else ""
         self._dir: str | None = None
@@ -442,6 +445,10 @@ class IpcEngine(CheckpointEngine):
     def finalize(self) -> None:
         self._close_conns()
         if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)  # wakes an accept() blocked in another thread
+            except OSError:
+                pass
             self._listener.close()
             self._listener = None
         if self._dir is not None:
@@ -449,8 +456,6 @@ class IpcEngine(CheckpointEngine):
             self._dir = None
         self._release_mappings()
         self.pool = None  # the shared buffers go with the last reference (a receiver's mapping included)
-        if not self.is_sender:
-            self.staging = StagingArea(self.device)
 
     # -- sender: connections
 
@@ -458,18 +463,22 @@ class IpcEngine(CheckpointEngine):
         if self.pool is None or self._listener is None:
             raise RuntimeError("call prepare() on the sender before init_process_group()")
         self._close_conns()
-        deadline = time.monotonic() + self.cfg.timeout_s
+        listener, deadline = self._listener, time.monotonic() + self.cfg.timeout_s
         conns: list[_Conn] = []
         try:
             while len(conns) < count:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TransferError(f"{len(conns)} of {count} receivers connected within {self.cfg.timeout_s:g} s")
-                self._listener.settimeout(left)
+                    raise TransferError(
+                        f"{len(conns)} of {count} receivers connected within {self.cfg.timeout_s:g} s"
+                    )
+                listener.settimeout(left)
                 try:
-                    sock, _ = self._listener.accept()
+                    sock, _ = listener.accept()
                 except TimeoutError:
                     continue
+                except OSError as err:  # finalize() closed the listener: the join was given up
+                    raise TransferError(f"the ipc sender stopped accepting receivers ({err})") from err
                 conn = self._welcome(sock, deadline)
                 if conn is not None:
                     conns.append(conn)
@@ -489,7 +498,9 @@ class IpcEngine(CheckpointEngine):
                 sock.close()
                 return None
             shared = [self.memory.share(buf) for buf in self.pool.buffers]
-            offer = IpcMessage(kind="buffers", device=device_identity(self.device), buffers=[d for d, _ in shared])
+            offer = IpcMessage(
+                kind="buffers", device=device_identity(self.device), buffers=[d for d, _ in shared]
+            )
             _send(sock, offer, [fd for _, fd in shared if fd is not None])
             ready, _ = _read(sock)
         except (OSError, msgspec.DecodeError) as err:
@@ -520,12 +531,16 @@ class IpcEngine(CheckpointEngine):
         push = self._push
         for conn in conns:
             conn.purge(lambda m: m.push < push)  # answers to pushes that were given up
-        packer = BucketPacker(named_tensors, version, Layout.slipstream(self.bucket_bytes), pool, self.cfg.timeout_s)
+        packer = BucketPacker(
+            named_tensors, version, Layout.slipstream(self.bucket_bytes), pool, self.cfg.timeout_s
+        )
         stats, start = SendStats(version=version), time.perf_counter()
 
         def begin(bucket):
             meta = bucket.meta
-            notice = IpcMessage(kind="bucket", push=push, version=version, index=meta.index, slot=bucket.slot, meta=meta)
+            notice = IpcMessage(
+                kind="bucket", push=push, version=version, index=meta.index, slot=bucket.slot, meta=meta
+            )
             try:
                 for conn in conns:
                     conn.send(notice)
@@ -534,7 +549,9 @@ class IpcEngine(CheckpointEngine):
             return asyncio.to_thread(self._await_acks, conns, push, meta.index)
 
         try:
-            await send_pipelined(self._published(packer), begin, lambda b: pool.release(b.slot), stats, depth=2)
+            await send_pipelined(
+                self._published(packer), begin, lambda b: pool.release(b.slot), stats, depth=2
+            )
         except Exception as err:
             await asyncio.to_thread(self._abort, conns, push, version)
             gone = [c.label for c in conns if c.closed is not None]
@@ -555,14 +572,12 @@ class IpcEngine(CheckpointEngine):
 
     def _await_acks(self, conns: list[_Conn], push: int, index: int) -> None:
         for conn in conns:
-            ack = conn.take(
-                lambda m: m.kind == "ack" and m.push == push and m.index == index,
+            conn.take(
+                lambda m: m.kind == "ack" and m.push == push and m.index == index and m.ok,
                 self.cfg.timeout_s,
                 f"acknowledgement of bucket {index}",
                 fail=lambda m: m.kind == "ack" and m.push == push and not m.ok,
             )
-            if not ack.ok:
-                raise TransferError(f"{conn.label} failed bucket {index} of version {ack.version}: {ack.error}")
 
     def _abort(self, conns: list[_Conn], push: int, version: int) -> None:
         for conn in conns:
@@ -584,7 +599,9 @@ class IpcEngine(CheckpointEngine):
         fds: list[int] = []
         try:
             sock.connect(sender.address)
-            _send(sock, IpcMessage(kind="hello", secret=sender.secret, name=f"rank {rank} (pid {os.getpid()})"))
+            _send(
+                sock, IpcMessage(kind="hello", secret=sender.secret, name=f"rank {rank} (pid {os.getpid()})")
+            )
             offer, fds = _read(sock, with_fds=True)
             if offer is None or offer.kind != "buffers":
                 raise TransferError("the sender refused this receiver or went away while it joined")
@@ -605,7 +622,7 @@ class IpcEngine(CheckpointEngine):
         finally:
             for fd in fds:
                 os.close(fd)
-        self._socket_path = sender.address
+        self._socket_path, self._push = sender.address, 0  # a new sender counts its pushes from 1
         self._conns = [_Conn(sock, "the sender", on_close=self._sender_gone)]
 
     def _map(self, offer: IpcMessage, fds: list[int]) -> None:
@@ -625,10 +642,9 @@ class IpcEngine(CheckpointEngine):
 
     def _sender_gone(self, bye: bool) -> None:
         """Runs on the reader thread when the sender's connection ends: let go of its buffers now; after
-        a death also of the staging memory and the socket directory it can no longer remove."""
+        a death also of the socket directory it can no longer remove."""
         self._release_mappings()
         if not bye:
-            self.staging = StagingArea(self.device)
             path = self._socket_path
             if path:
                 try:
@@ -644,12 +660,9 @@ class IpcEngine(CheckpointEngine):
 
     @property
     def staging_bytes(self) -> int:
-        """Receive memory the staging area holds (0 once a failed version dropped it)."""
-        staging = self.staging
-        if staging is None:
-            return 0
-        held = list(staging._buckets.values()) + list(staging._full.values())
-        return sum(t.numel() * t.element_size() for t in held)
+        """Staging memory of the last version still alive (0 once it was applied and let go, or failed)."""
+        alive = [ref() for ref in self._staged]
+        return sum(t.numel() * t.element_size() for t in alive if t is not None)
 
     # -- receiver: versions
 
@@ -659,7 +672,9 @@ class IpcEngine(CheckpointEngine):
     async def _receive(self, stream: WeightStream) -> AsyncIterator[tuple[str, torch.Tensor]]:
         if not self._conns or self.is_sender:
             raise TransferError("ipc: call prepare() and init_process_group() before receive_weights()")
-        conn, staging, settled = self._conns[0], self.staging, self._push
+        conn, settled = self._conns[0], self._push
+        self._staged = []
+        staging = StagingArea(self.device, on_alloc=lambda t: self._staged.append(weakref.ref(t)))
         conn.purge(lambda m: m.push <= settled)  # what is left of pushes already finished or dropped
         push, index, meta = None, 0, None
         try:
@@ -683,14 +698,19 @@ class IpcEngine(CheckpointEngine):
                     self._check_version(meta.version)
                     stream.version, stream.started = meta.version, time.perf_counter()
                     staging.begin(meta.version)
-                await asyncio.to_thread(self._copy_in, staging, msg)
+                try:
+                    await asyncio.to_thread(self._copy_in, staging, msg)
+                except BucketError as err:
+                    raise TransferError(f"bucket {meta.index} of version {meta.version}: {err}") from err
                 conn.send(IpcMessage(kind="ack", push=push, version=meta.version, index=meta.index))
                 stream.nbytes += meta.nbytes
                 for item in staging.commit(meta):
                     yield item
                 if meta.last:
                     if not staging.complete:
-                        raise TransferError(f"version {meta.version} ended with a tensor only partly received")
+                        raise TransferError(
+                            f"version {meta.version} ended with a tensor only partly received"
+                        )
                     return
                 index += 1
         except BaseException as err:
@@ -718,15 +738,17 @@ class IpcEngine(CheckpointEngine):
             self.memory.copied(dest.device)
 
     def _drop(self, conn: _Conn, push: int | None, index: int, meta, err: BaseException) -> None:
-        """A version that will not complete: tell a live sender (so it stops waiting) and free staging."""
+        """A version that will not complete: tell a live sender, so it stops waiting (its staging goes with
+        the stream)."""
         if push is not None and conn.closed is None and not isinstance(err, TransferAborted):
             why = str(err) or type(err).__name__
-            nack = IpcMessage(kind="ack", push=push, version=meta.version if meta else 0, index=index, ok=False, error=why)
+            nack = IpcMessage(
+                kind="ack", push=push, version=meta.version if meta else 0, index=index, ok=False, error=why
+            )
             try:
                 conn.send(nack)
             except TransferError as send_err:
                 log.debug("could not tell the sender: %s", send_err)
-        self.staging = StagingArea(self.device)
 
 
 async def _raise(err: BaseException) -> None:

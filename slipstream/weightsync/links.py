@@ -302,4 +302,97 @@ class NixlLink:
         await asyncio.to_thread(self.engine.finalize)
 
 
-LINKS = {"dist": DistLink, "nccl_uid": NcclUidLink, "nixl": NixlLink}
+class IpcLink:
+    """An ``ipc`` sender engine paired with the receiving engines of embedded servers on this host.
+
+    While the link is open its servers' adapters carry ``transport = "ipc"``, so each version travels
+    in-band (``/begin_weight_update {stream: "ipc"}``); closing or failing the link gives them back theirs.
+    """
+
+    kind = "ipc"
+
+    def __init__(self, engine, adapters: Sequence[ServerAdapter], group_name: str) -> None:
+        self.engine = engine
+        self.group_name = group_name
+        self._adapters = {id(a): (a, a.transport) for a in adapters}
+        for adapter in adapters:
+            adapter.transport = "ipc"  # type: ignore[misc]
+
+    @classmethod
+    async def open(cls, adapters: Sequence[ServerAdapter], cfg: WeightSyncConfig, device, group_name: str):
+        from slipstream.weightsync.ipc_engine import IpcEngine
+
+        engine = IpcEngine(cfg, is_sender=True, device=device)
+        try:
+            sender = await asyncio.to_thread(engine.prepare)
+            receivers = await _ipc_receivers(adapters)
+            sender_info, _ = IpcEngine.build_topology(sender, receivers, group_name)
+            body = {"sender": msgspec.to_builtins(sender), "group_name": group_name}
+            calls = [
+                asyncio.create_task(a.call("POST", "/weightsync/ipc/connect", json=body)) for a in adapters
+            ]
+            local = asyncio.create_task(asyncio.to_thread(engine.init_process_group, sender_info))
+            done, _ = await asyncio.wait([local, *calls], return_when=asyncio.FIRST_EXCEPTION)
+            if any(t.exception() is not None for t in done):
+                engine.finalize()  # wakes the sender's accept, so nobody waits for the timeout
+            results = await asyncio.gather(local, *calls, return_exceptions=True)
+            errors = [
+                f"{a.url}: {r}"
+                for a, r in zip(adapters, results[1:], strict=True)
+                if isinstance(r, BaseException)
+            ]
+            if isinstance(results[0], BaseException):
+                errors.insert(0, f"trainer side: {results[0]}")
+            if errors:
+                raise TransferError("could not build the ipc link: " + "; ".join(errors))
+        except BaseException:
+            engine.finalize()
+            raise
+        return cls(engine, adapters, group_name)
+
+    @staticmethod
+    async def colocated(adapters: Sequence[ServerAdapter], device) -> bool:
+        """Whether every server runs on this host and, for a GPU ``device``, on the same physical GPU."""
+        from slipstream.weightsync.ipc_engine import colocated, device_identity, host_identity
+
+        me = Rendezvous(backend="ipc", host=host_identity(), device=device_identity(torch.device(device)))
+        try:
+            receivers = await _ipc_receivers(adapters)
+        except (TransferError, msgspec.ValidationError) as err:
+            log.info("weightsync.backend auto: no ipc (%s)", err)
+            return False
+        return all(colocated(me, r) for r in receivers)
+
+    async def send_weights(self, named_tensors, version: int) -> SendStats:
+        return await self.engine.send_weights(named_tensors, version)
+
+    def fail(self) -> None:
+        self.engine.finalize()
+        self._give_back()
+
+    async def close(self, adapters: Iterable[ServerAdapter]) -> None:
+        await asyncio.to_thread(self.engine.finalize)
+        self._give_back()
+
+    def _give_back(self) -> None:
+        for adapter, transport in self._adapters.values():
+            adapter.transport = transport  # type: ignore[misc]
+
+
+async def _ipc_receivers(adapters: Sequence[ServerAdapter]) -> list[Rendezvous]:
+    bodies = await asyncio.gather(*(a.call("POST", "/weightsync/ipc/prepare") for a in adapters))
+    return [msgspec.convert(body, Rendezvous) for body in bodies]
+
+
+LINKS = {"dist": DistLink, "nccl_uid": NcclUidLink, "nixl": NixlLink, "ipc": IpcLink}
+
+
+async def choose_link(cfg: WeightSyncConfig, adapter_cls: type[ServerAdapter], adapters, device) -> type:
+    """The link for a push to ``adapters``: ``weightsync.backend``, where ``auto`` picks ``ipc`` for embedded
+    servers that all share this host (and this GPU, for a GPU sender) and their own transport otherwise."""
+    if cfg.backend in ("nixl", "ipc"):
+        return LINKS[cfg.backend]
+    if cfg.backend == "auto" and adapter_cls.kind == "embedded" and adapters:
+        if await IpcLink.colocated(adapters, device):
+            return IpcLink
+    return LINKS[adapter_cls.transport]

@@ -42,7 +42,7 @@ from slipstream.weightsync.base import SendStats, resolve_device, send_pipelined
 from slipstream.weightsync.buckets import BucketPacker, BufferPool, PackedBucket, per_tensor_buckets
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.errors import TransferError
-from slipstream.weightsync.links import LINKS
+from slipstream.weightsync.links import choose_link
 
 log = get_logger(__name__)
 
@@ -99,9 +99,9 @@ class WeightPublisher:
         self.cfg = cfg
         self.kind = server_kind
         self._adapter_cls = get_adapter_class(server_kind)
-        if cfg.backend == "nixl" and server_kind != "embedded":
+        if cfg.backend in ("nixl", "ipc") and server_kind != "embedded":
             raise ValueError(
-                f"weightsync.backend `nixl` works with embedded servers only, not `{server_kind}`"
+                f"weightsync.backend `{cfg.backend}` works with embedded servers only, not `{server_kind}`"
             )
         self.device = resolve_device(cfg)
         self.pool = BufferPool(self.device)
@@ -199,7 +199,7 @@ class WeightPublisher:
         start = time.perf_counter()
         try:
             await _all(adapters, lambda a: a.before(version))
-            if link.kind == "nixl":
+            if link.kind in ("nixl", "ipc"):
                 stats = await link.send_weights(source, version)
             else:
                 stats = await self._send_buckets(adapters, link, source, version)
@@ -248,8 +248,8 @@ class WeightPublisher:
         await self._drop_link()
         if not members:
             return []
-        link_cls = LINKS[self._adapter_cls.transport if self.cfg.backend != "nixl" else "nixl"]
         adapters = [self.servers[u] for u in members]
+        link_cls = await choose_link(self.cfg, self._adapter_cls, adapters, self.device)
         # Every rebuild gets a fresh group name: a server that could not leave the old group (it was
         # stuck in a broadcast when the link failed) must not refuse the new one for its name.
         name = self.cfg.group_name if not self._builds else f"{self.cfg.group_name}-{self._builds}"
@@ -304,7 +304,7 @@ class WeightPublisher:
         adapters = [self.servers[u] for u in urls]
         self._joins += 1
         name = f"{self.cfg.group_name}-join{self._joins}"
-        link_cls = LINKS[self._adapter_cls.transport if self.cfg.backend != "nixl" else "nixl"]
+        link_cls = await choose_link(self.cfg, self._adapter_cls, adapters, self.device)
         saved = self._link, self._link_members
         try:
             self._link = await link_cls.open(adapters, self.cfg, self.device, name)

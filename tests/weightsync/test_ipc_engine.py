@@ -76,7 +76,8 @@ class Cluster:
 def test_versions_arrive_bit_exact_with_mixed_dtypes_and_chunks_and_a_late_receiver_catches_up():
     cluster = Cluster(receivers=2)
     try:
-        for version in (1, 2):  # 1 MiB buckets: the 2.8 MB tensor travels in chunks; fp8, bf16, 0-d, odd sizes
+        # 1 MiB buckets: the 2.8 MB tensor travels in chunks; fp8, bf16, fp16, a 0-d tensor, odd sizes.
+        for version in (1, 2):
             replies = cluster.push(version)
             assert [(r["ok"], r["version"]) for r in replies] == [(True, version)] * 2, replies
             assert all(r["digest"] == digest(mixed_tensors(version)) for r in replies)
@@ -122,7 +123,9 @@ def test_a_receiver_killed_mid_sync_fails_the_push_at_once_and_the_sender_frees_
         survivor = recv(cluster.children[0].conn)
         cluster.children[1].proc.join(timeout=30)
         assert cluster.children[1].proc.exitcode == 1
-        assert not survivor["ok"] and survivor["version"] == 1 and survivor["digest"] == digest(mixed_tensors(1))
+        assert (
+            not survivor["ok"] and survivor["version"] == 1 and survivor["digest"] == digest(mixed_tensors(1))
+        )
         pool = cluster.engine.pool
         held = [pool.acquire(0, timeout=0), pool.acquire(0, timeout=0)]  # both buffers were given back
         assert sorted(held) == [0, 1]
