@@ -389,6 +389,22 @@ def test_no_process_outlives_a_normal_exit(isolated):
     assert wait_until(lambda: not processes_with(marker)), processes_with(marker)
 
 
+def test_no_process_outlives_a_cancelled_call(isolated):
+    marker = f"slipstream-test-{uuid.uuid4().hex}"
+    code = f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', 'import time; time.sleep(1000)', {marker!r}])\n"
+
+    async def main():
+        task = asyncio.create_task(run_python(code, SandboxLimits(wall_s=60.0)))
+        while not processes_with(marker) and not task.done():
+            await asyncio.sleep(0.02)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert wait_until(lambda: not processes_with(marker)), processes_with(marker)
+
+
 # --- failing closed ---------------------------------------------------------------------------------------
 
 

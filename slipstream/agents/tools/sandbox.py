@@ -187,9 +187,14 @@ async def run_python(code: str, limits: SandboxLimits, *, unsafe_no_isolation: b
             )  # fmt: skip
         finally:
             os.close(write_fd)
-        await _send_code(proc, code)
-        data, reason = await _collect(proc, limits.wall_s)
-        returncode = await _reap(proc)
+        try:
+            await _send_code(proc, code)
+            data, reason = await _collect(proc, limits.wall_s)
+            returncode = await _reap(proc)
+        except BaseException:  # cancelled mid-call (e.g. the caller's own time-out): stop it all the same
+            _stop(proc)
+            await _reap(proc)
+            raise
         wall = time.monotonic() - start
         report = _read_report(read_fd)
     finally:

@@ -318,9 +318,11 @@ def _closed(fd: int) -> bool:
 def _open_sources() -> list[tuple[str, int | str]]:
     """(path, O_PATH fd) for every host path bound into the sandbox, (path, target) for symlinks.
     Opened before the uid change: host root's own files (a Python under /root) stay reachable."""
-    prefixes = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.exec_prefix)}
     top = [f"/{name}" for name in TOP_DIRS]
-    paths = top + sorted(p for p in prefixes if not any(p == t or p.startswith(t + "/") for t in top))
+    paths = list(top)
+    for prefix in sorted({os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.exec_prefix)}):
+        if not any(prefix == p or prefix.startswith(p + "/") for p in paths):  # not inside one bound already
+            paths.append(prefix)
     paths += [f"/etc/{name}" for name in ETC_FILES] + [f"/dev/{name}" for name in DEVICES]
     sources: list[tuple[str, int | str]] = []
     for path in paths:
