@@ -25,7 +25,11 @@ def main(argv: list[str]) -> int:
     if cmd == "fetch":
         return 0
     from slipstream.contracts.check import run
+    from slipstream.utils.logging import get_logger
 
+    get_logger("slipstream").setLevel(
+        "ERROR"
+    )  # the recorder drives real code; its progress logs are noise here
     report = run()
     print(report.summary())
     return 0 if report.ok else 1
