@@ -15,6 +15,10 @@ ZeroMQ, weights trainer → servers over the checkpoint engine, requests rollout
   that the controller can add a restarted server to the publisher while a step waits for data.
 
 Each actor writes its log to ``<run_dir>/logs/<part>.log``.
+
+The controller's server token (one per run) reaches each server process through its environment
+(``$SLIPSTREAM_SERVER_TOKEN``, never its command line) and the rollouter and rank 0 as a call argument:
+their clients send it on every request, so they alone can pause, abort and push weights.
 """
 
 from __future__ import annotations
@@ -81,12 +85,15 @@ class ServerHost:
     """One inference server process. Lifecycle: ``start()`` → ``health()`` … → ``stop()``; ``start()``
     again restarts it (a new port, so a new URL)."""
 
-    def __init__(self, cfg: dict[str, Any], index: int, model_path: str, run_dir: str) -> None:
+    def __init__(
+        self, cfg: dict[str, Any], index: int, model_path: str, run_dir: str, token: str = ""
+    ) -> None:
         log_to_file(run_dir, f"server-{index}")
         wait_for_own_children()
         self.cfg = _config(cfg)
         self.index = index
         self.model_path = model_path
+        self.token = token
         self.log_path = Path(run_dir) / "logs" / f"{self.cfg.rollout.backend}-{index}.log"
         self.server = None
         self.url = ""
@@ -101,6 +108,10 @@ class ServerHost:
         threads = rollout.embedded.num_threads or os.cpu_count() or 1
         # Ray sets OMP_NUM_THREADS=1 in actors that reserve no CPU; the server gets its own count.
         env = {"OMP_NUM_THREADS": str(threads)}
+        if self.token:
+            from slipstream.utils.http_auth import TOKEN_ENV
+
+            env[TOKEN_ENV] = self.token
         for attempt in range(3):
             # The port is probed on the address the server binds (0.0.0.0 covers every interface), and
             # another process may still take it before the server binds: then a new port is tried.
@@ -192,8 +203,11 @@ class RolloutWorker:
         self.queue = None
         self._task: asyncio.Task | None = None
         self._reviver: asyncio.Task | None = None
+        self._token = ""
 
-    async def start(self, urls: list[str], queue_address: str, state: dict | None, version: int) -> None:
+    async def start(
+        self, urls: list[str], queue_address: str, state: dict | None, version: int, token: str = ""
+    ) -> None:
         from transformers import AutoTokenizer
 
         from slipstream.agents.data import PromptSource
@@ -206,7 +220,8 @@ class RolloutWorker:
             AutoTokenizer.from_pretrained, cfg.model.path, trust_remote_code=cfg.model.trust_remote_code
         )
         prompts = PromptSource.from_config(cfg.data, seed=cfg.run.seed)
-        self.balancer = balancer_from_config(cfg.rollout, urls)
+        self._token = token
+        self.balancer = balancer_from_config(cfg.rollout, urls, token)
         restarting = cfg.cluster.restart_servers and not cfg.rollout.server_urls
         patience = cfg.rollout.launch_timeout_s + 4 * cfg.cluster.health_interval_s if restarting else 0.0
         client = _WaitForServers(self.balancer, patience)
@@ -249,7 +264,8 @@ class RolloutWorker:
         from slipstream.rollouter.clients import make_client
 
         rollout = self.cfg.rollout
-        self.balancer.add(make_client(rollout.backend, url, timeout_s=rollout.request_timeout_s + 60.0))
+        client = make_client(rollout.backend, url, timeout_s=rollout.request_timeout_s + 60.0)
+        self.balancer.add(client.authorize(self._token))
 
     async def remove_server(self, url: str) -> None:
         client = self.balancer.remove(url)
@@ -433,8 +449,9 @@ class TrainerRank:
             log.info("rank %d resumed from %s at version %d", self.rank, resume_path, self.trainer.version)
         return self.trainer.version
 
-    def attach_servers(self, server_urls: list[str]) -> None:
-        """Rank 0: the publisher that pushes versions to ``server_urls`` (after ``setup``, once they serve)."""
+    def attach_servers(self, server_urls: list[str], token: str = "") -> None:
+        """Rank 0: the publisher that pushes versions to ``server_urls`` (after ``setup``, once they serve),
+        presenting the servers' ``token``."""
         import msgspec
 
         from slipstream.weightsync.publisher import WeightPublisher
@@ -444,7 +461,7 @@ class TrainerRank:
         ws = self.cfg.weightsync
         if ws.master_address in ("0.0.0.0", "", "::"):  # bind (and advertise) this node's address
             ws = msgspec.structs.replace(ws, master_address=_node_ip())
-        self.publisher = WeightPublisher(ws, server_urls, self.cfg.rollout.backend)
+        self.publisher = WeightPublisher(ws, server_urls, self.cfg.rollout.backend, token=token)
 
     def pid(self) -> int:
         return os.getpid()

@@ -30,6 +30,10 @@ answering). A dead part fails the run with a :class:`PartFailed` naming it, exce
   checkpoint and rolls the live queue back to that checkpoint's snapshot (groups trained since come back),
   while the rollouter and the servers keep running (see docs/architecture.md, "Pipeline").
 
+One random server token per run guards the servers' control and weight-update routes: the servers get it
+in their environment, the rollouter's clients and the weight publisher as an argument (for servers given by
+URL it is ``$SLIPSTREAM_SERVER_TOKEN`` of this process, the one they were started with).
+
 Every wait has a timeout (``cluster.*_timeout_s``); :meth:`Pipeline.shutdown` stops every process the run
 started, on success, on error and on Ctrl-C.
 
@@ -55,6 +59,7 @@ from slipstream.config import Config, ConfigError, to_dict
 from slipstream.pipeline import checkpoint as ckpt
 from slipstream.pipeline.actors import RolloutWorker, ServerHost, TrainerRank, wait_for_own_children
 from slipstream.pipeline.modes import check_config, check_data, make_missing_data, prepare_config
+from slipstream.utils.http_auth import env_token, new_token
 from slipstream.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -107,6 +112,8 @@ class Pipeline:
         self.queue_client = None
         self.hosts: list[Any] = []
         self.urls: list[str] = []
+        # Servers started by the run get a fresh token; servers given by URL the one they were started with.
+        self.server_token = env_token() if cfg.rollout.server_urls else (env_token() or new_token())
         self.ranks: list[Any] = []
         self.rollouter = None
         self.logger = None
@@ -172,7 +179,7 @@ class Pipeline:
         self.version = self._start_trainer(resume)
         if server_refs:
             self.urls = self._get(server_refs, self.cfg.cluster.start_timeout_s, "inference servers")
-        self._ranks_call("attach_servers", CALL_TIMEOUT_S, self.urls)
+        self._ranks_call("attach_servers", CALL_TIMEOUT_S, self.urls, self.server_token)
         if self.version > 0:
             self._push(self.version)  # fresh servers serve the model's initial weights as version 0
         self._start_rollouter(ckpt.read_rollouter_state(resume) if resume else None)
@@ -246,7 +253,13 @@ class Pipeline:
         return (
             ray.remote(ServerHost)
             .options(**opts)
-            .remote(to_dict(self.cfg), index, model_path or self.cfg.model.path, str(self.run_dir))
+            .remote(
+                to_dict(self.cfg),
+                index,
+                model_path or self.cfg.model.path,
+                str(self.run_dir),
+                self.server_token,
+            )
         )
 
     def _start_trainer(self, resume: Path | None) -> int:
@@ -278,7 +291,9 @@ class Pipeline:
         self.rollouter = cls.remote(to_dict(self.cfg), str(self.run_dir))
 
     def _start_rollouter(self, state: dict | None) -> None:
-        ref = self.rollouter.start.remote(self.urls, self.queue_address, state, self.published)
+        ref = self.rollouter.start.remote(
+            self.urls, self.queue_address, state, self.published, self.server_token
+        )
         self._get(ref, self.cfg.cluster.start_timeout_s, "rollouter")
         self._rollouter_started = True
 
@@ -443,7 +458,7 @@ class Pipeline:
             ray.kill(rank, no_restart=True)
         self.version = self._start_trainer(resume)
         live = [u for i, u in enumerate(self.urls) if i not in self._restarting]
-        self._ranks_call("attach_servers", CALL_TIMEOUT_S, live)
+        self._ranks_call("attach_servers", CALL_TIMEOUT_S, live, self.server_token)
         self._last_step_end = time.monotonic()
         log.info("trainer restarted at version %d (servers keep version %d)", self.version, self.published)
 

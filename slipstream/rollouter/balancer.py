@@ -251,13 +251,16 @@ class LoadBalancer:
                 raise result
 
 
-def balancer_from_config(cfg: RolloutConfig, urls: Sequence[str]) -> LoadBalancer:
-    """A balancer over the servers at ``urls`` with the clients and limits ``cfg`` names.
+def balancer_from_config(cfg: RolloutConfig, urls: Sequence[str], token: str = "") -> LoadBalancer:
+    """A balancer over the servers at ``urls`` with the clients and limits ``cfg`` names; every client
+    sends ``token`` (the servers' control token: aborts and pauses need it).
 
     The HTTP timeout of each client is a minute longer than ``cfg.request_timeout_s``, so the balancer's
     own timeout (abort there, retry elsewhere) is the one that fires.
     """
-    clients = [make_client(cfg.backend, url, timeout_s=cfg.request_timeout_s + 60.0) for url in urls]
+    clients = [
+        make_client(cfg.backend, url, timeout_s=cfg.request_timeout_s + 60.0).authorize(token) for url in urls
+    ]
     return LoadBalancer(
         clients,
         max_concurrent_per_server=cfg.max_concurrent_per_server,

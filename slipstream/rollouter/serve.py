@@ -5,6 +5,10 @@ launchers (launch.py) wait for exactly that. Every field of :class:`EmbeddedServ
 (``--max-model-len 2048``, ``--kv-cache-tokens 65536`` ...), generated from the struct so the two never
 drift apart. The server binds loopback unless ``--host`` says otherwise.
 
+Control and weight-update routes need the token in ``$SLIPSTREAM_SERVER_TOKEN`` (never a flag: the command
+line is visible to every user in ``ps``). Beyond loopback the server refuses to start without one; on
+loopback without one every route is open to local processes, and the server says so when it starts.
+
 Example::
 
     slipstream serve --model ~/.cache/slipstream/models/smollm2-135m-instruct --port 30000 --num-threads 2
@@ -20,6 +24,7 @@ import typing
 import msgspec
 
 from slipstream.rollouter.config import EmbeddedServerConfig
+from slipstream.utils.http_auth import TOKEN_ENV, check_bind, env_token
 from slipstream.utils.net import LOOPBACK
 
 
@@ -80,6 +85,18 @@ def main(argv: list[str] | None = None) -> int:
     except (msgspec.ValidationError, ValueError) as err:
         print(f"slipstream serve: invalid option: {err}", file=sys.stderr)
         return 2
+    token = env_token()
+    try:  # before loading anything: a refused bind fails at once
+        check_bind(ns.host, token)
+    except ValueError as err:
+        print(f"slipstream serve: {err}", file=sys.stderr)
+        return 2
+    if not token:
+        print(
+            f"slipstream serve: no ${TOKEN_ENV}: pause, abort and weight updates are open to every process "
+            "on this machine; set it to require a token",
+            file=sys.stderr,
+        )
     from slipstream.rollouter.models import resolve_model_path
 
     try:  # before the heavy imports, so a wrong path fails in a fraction of a second
@@ -96,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.num_threads > 0:
         torch.set_num_threads(cfg.num_threads)
     engine = EmbeddedEngine(model_path, cfg, weight_version=ns.weight_version)
-    app = build_app(engine)
+    app = build_app(engine, token=token, host=ns.host)
     print(f"slipstream serve: {model_path} on http://{ns.host}:{ns.port}", file=sys.stderr, flush=True)
     uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level, timeout_graceful_shutdown=5)
     return 0

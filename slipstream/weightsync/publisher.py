@@ -36,6 +36,7 @@ import httpx
 import msgspec
 import torch
 
+from slipstream.utils.http_auth import bearer_headers, env_token
 from slipstream.utils.logging import get_logger
 from slipstream.weightsync.adapters import ServerAdapter, get_adapter_class
 from slipstream.weightsync.base import SendStats, resolve_device, send_pipelined
@@ -95,8 +96,12 @@ class WeightPublisher:
     The public methods are synchronous and thread-safe; the work runs on a private event loop thread.
     """
 
-    def __init__(self, cfg: WeightSyncConfig, server_urls: list[str], server_kind: str) -> None:
+    def __init__(
+        self, cfg: WeightSyncConfig, server_urls: list[str], server_kind: str, *, token: str | None = None
+    ) -> None:
         self.cfg = cfg
+        # The servers' control token, sent on every call (None: $SLIPSTREAM_SERVER_TOKEN; "": none).
+        self._token = env_token() if token is None else token
         self.kind = server_kind
         self._adapter_cls = get_adapter_class(server_kind)
         if cfg.backend in ("nixl", "ipc") and server_kind != "embedded":
@@ -155,7 +160,7 @@ class WeightPublisher:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     async def _make_http(self) -> httpx.AsyncClient:
-        return httpx.AsyncClient(timeout=self.cfg.timeout_s)
+        return httpx.AsyncClient(timeout=self.cfg.timeout_s, headers=bearer_headers(self._token))
 
     async def _publish(self, version: int, named_tensors: Iterable) -> PublishReport:
         source: Iterable = self.snapshot.record(named_tensors, version) if self.snapshot else named_tensors

@@ -10,6 +10,10 @@ Errors: :class:`ServerUnavailable` when the server cannot be reached, the connec
 503 (the load balancer then moves the request to another replica), :class:`ServerError` when it answered
 with another error status (the message is the server's own).
 
+Control calls (abort, pause, resume) need the server's token when it has one (``$SLIPSTREAM_SERVER_TOKEN``
+on the server): :meth:`ServerClient.authorize` makes a client send it as ``Authorization: Bearer`` on every
+request; the rollouter's balancer does this with the run's token.
+
 Pause modes are named as in SGLang (``abort``, ``in_place``, ``retract``) plus vLLM's ``wait``; each
 client maps them to its server's names and raises ``ValueError`` for a mode its server lacks.
 """
@@ -22,6 +26,7 @@ from typing import Any, ClassVar
 import httpx
 
 from slipstream.agents.protocol import GenerateOutput, SamplingParams
+from slipstream.utils.http_auth import bearer_headers
 
 PAUSE_MODES = ("abort", "in_place", "retract", "wait")
 
@@ -108,6 +113,12 @@ class ServerClient(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.base_url!r})"
+
+    def authorize(self, token: str) -> ServerClient:
+        """Send ``token`` with every request from now on ("" sends none); returns this client."""
+        self._http.headers.pop("Authorization", None)
+        self._http.headers.update(bearer_headers(token))
+        return self
 
     async def _request(
         self,

@@ -16,6 +16,10 @@ The native routes use SGLang 0.5.23's paths, field names and response shapes, so
                            (a stall: requests in flight and no token for ``stall_timeout_s``)
 =========================  ==========================================================================
 
+Control needs a token: pause/continue, abort, the weight routes and every other route that changes the
+server's state answer 401/403 without ``Authorization: Bearer <token>`` when the server has one; generation,
+``/model_info`` and ``/health`` stay open on loopback (auth.py has the whole policy).
+
 Versions are strings on the wire, as SGLang sends them (``"3"``); clients turn them back into ints.
 Errors are ``{"error": {"message", "type", "code"}}`` with 400 for bad input, 413 for a body over
 ``max_request_bytes``, 503 when the engine is down. Request bodies are decoded with msgspec (schemas.py)
@@ -37,9 +41,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from slipstream.agents.protocol import SamplingParams
+from slipstream.rollouter.embedded.auth import TokenGate
 from slipstream.rollouter.embedded.engine import EmbeddedEngine, EngineUnavailable, RequestError, RequestState
 from slipstream.rollouter.embedded.schemas import AbortReq, ContinueReq, GenerateReqInput, PauseReq
+from slipstream.utils.http_auth import check_bind, env_token
 from slipstream.utils.logging import get_logger
+from slipstream.utils.net import LOOPBACK, is_loopback
 
 log = get_logger(__name__)
 
@@ -191,8 +198,15 @@ async def _stream_generate(
             engine.abort(state.rid, "client disconnected")
 
 
-def build_app(engine: EmbeddedEngine) -> FastAPI:
-    """The FastAPI app; the engine is started and stopped by the app's lifespan."""
+def build_app(engine: EmbeddedEngine, *, token: str | None = None, host: str = LOOPBACK) -> FastAPI:
+    """The FastAPI app; the engine is started and stopped by the app's lifespan.
+
+    ``token`` guards the control routes (None: ``$SLIPSTREAM_SERVER_TOKEN``; "" or unset: none, which only
+    a loopback ``host`` allows). ``host`` is the address the app will be served on: beyond loopback,
+    generation needs the token too, and a missing token is a ValueError.
+    """
+    token = env_token() if token is None else token
+    check_bind(host, token)
     from contextlib import asynccontextmanager
 
     from slipstream.rollouter.embedded.openai_api import build_openai_router
@@ -207,6 +221,7 @@ def build_app(engine: EmbeddedEngine) -> FastAPI:
 
     app = FastAPI(title="slipstream embedded inference server", lifespan=lifespan)
     app.state.engine = engine
+    app.add_middleware(TokenGate, token=token, open_reads=is_loopback(host))
     _install_error_handlers(app)
     _add_native_routes(app, engine)
     app.include_router(build_openai_router(engine))
