@@ -14,6 +14,9 @@ Two deviations, both about where sockets listen: rank 0's store listens on a soc
 ``master_address`` (loopback by default; torch's own store would listen on every interface), and gloo's
 data sockets are pinned to the loopback interface when the master address is loopback.
 
+Joining (rank > 0) gives up within ``timeout_s`` when nobody answers at the master's address: a dead
+port, or a listener that is not a store (see ``_wait_listening`` and ``_before``).
+
 Failure behaviour (measured on gloo, torch 2.13): a receiver that dies makes the sender's pending
 broadcast fail at once ("Connection closed by peer"); a sender that dies leaves receivers waiting until
 the group timeout. So every group gets ``timeout_s``, and after any failure it is closed without a barrier.
@@ -32,6 +35,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -185,7 +189,56 @@ def _store(
         except BaseException:
             os.close(fd)
             raise
-    return dist.TCPStore(address, port, world_size, False, timeout)
+    deadline = time.monotonic() + timeout.total_seconds()
+    _wait_listening(address, port, deadline)
+    remaining = timedelta(seconds=max(0.1, deadline - time.monotonic()))
+    return _before(
+        deadline, lambda: dist.TCPStore(address, port, world_size, False, remaining), address, port
+    )
+
+
+def _wait_listening(address: str, port: int, deadline: float) -> None:
+    """Return once ``address:port`` accepts a connection; TimeoutError at ``deadline``.
+
+    Why not leave it to TCPStore: its client tries for the whole timeout, then retries once more after a
+    back-off, so a dead master port held a 20 s init for 43 s. Probing ourselves keeps the deadline; by the
+    time the store connects, the port answers and its retry path is not taken.
+    """
+    pause = 0.05
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"nothing listens on {address}:{port} (the group's master)")
+        try:
+            socket.create_connection((address, port), timeout=min(left, 5.0)).close()
+            return
+        except OSError:
+            threading.Event().wait(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(2 * pause, 1.0)
+
+
+def _before(deadline: float, build, address: str, port: int):
+    """``build()`` in a helper thread, given up on at ``deadline``.
+
+    A listener that accepts but never speaks the store protocol leaves TCPStore's handshake waiting with no
+    timeout at all; the helper thread then stays blocked until that peer closes, but the caller is free.
+    """
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            result["store"] = build()
+        except BaseException as err:  # handed to the caller below
+            result["error"] = err
+
+    thread = threading.Thread(target=run, name="slipstream-store-connect", daemon=True)
+    thread.start()
+    thread.join(max(0.0, deadline - time.monotonic()))
+    if "error" in result:
+        raise result["error"]
+    if "store" not in result:
+        raise TimeoutError(f"{address}:{port} accepted a connection but did not answer as a TCPStore")
+    return result["store"]
 
 
 def _new_group(

@@ -18,6 +18,16 @@ discarded and reported in ``GET /weightsync/status``; the old version keeps serv
 cannot take part in (so that the sender's broadcast would never be matched) closes the group, which makes
 the sender fail at once instead of hanging.
 
+A version that fails (cut short, refused by ``apply_weights``, superseded, abandoned by its trainer) frees the
+memory it staged, whatever names it carried; a version older than the serving one is refused at
+``/begin_weight_update`` (or its first bucket) before anything is staged. Joining a group gives up within
+the request's ``timeout_s`` even when nothing listens at the master's address (groups.py), so a bad init
+holds the weight lock no longer than it said.
+
+These routes change what a server serves, so they must only be reachable with the server's token: the
+embedded server's app guards them (``slipstream/rollouter/embedded/auth.py``); an app that mounts this
+router elsewhere has to do the same.
+
 Extensions (ignored by nothing, since only our adapters send them): ``weight_version`` on begin/end,
 ``slipstream_bucket`` on updates (exact layout: aligned offsets, mixed dtypes, chunks), and the NIXL
 stream mode: ``POST /weightsync/nixl/prepare`` returns this side's NIXL rendezvous, ``/weightsync/nixl/
@@ -155,9 +165,13 @@ class WeightReceiver:
     # -- versions
 
     async def begin(self, req: BeginWeightUpdateReq) -> WeightUpdateResp:
+        version = parse_version(req.weight_version)
+        self._check_newer(version)
         if self.session is not None:
-            self._fail(self.session, "superseded by a new begin_weight_update before it ended")
-        session = _Session(version=parse_version(req.weight_version))
+            old = self.session
+            self._fail(old, "superseded by a new begin_weight_update before it ended")
+            self._end(old)
+        session = _Session(version=version)
         self.session = session
         self._watch(session)
         if req.stream == "nixl":
@@ -190,6 +204,7 @@ class WeightReceiver:
         except (RequestError, BucketError) as err:
             await self._close_group(req.group_name)
             self._fail(session, str(err))
+            self._release(session)  # the group is gone: nothing more can arrive for this version
             raise RequestError(str(err)) from err
         problem = self._check_specs(metas)
         start = time.perf_counter()
@@ -200,6 +215,7 @@ class WeightReceiver:
             except (TransferError, BucketError) as err:
                 await self._close_group(req.group_name)
                 self._fail(session, f"bucket {meta.index}: {err}")
+                self._release(session)
                 raise TransferError(self.last_error) from err
             session.staging.commit(meta)
             session.next_index = max(session.next_index, meta.index + 1)
@@ -215,13 +231,21 @@ class WeightReceiver:
         if session is None:
             raise RequestError("no weight update in progress (call /begin_weight_update first)")
         version = parse_version(req.weight_version)
+        try:
+            return await self._apply(session, version)
+        except Exception as err:
+            self._fail(session, str(err) or type(err).__name__)  # no-op when already failed
+            raise
+        finally:
+            self._end(session)  # applied or not, this version is over
+
+    async def _apply(self, session: _Session, version: int | None) -> WeightUpdateResp:
         if session.stream_task is not None:
             try:
                 await asyncio.wait_for(session.stream_task, self.wait_s)
             except (TransferError, TimeoutError) as err:
                 self._fail(session, f"stream: {err or 'timed out'}")
         if session.error is not None:
-            self.session = None
             raise TransferError(f"version {session.version} was discarded: {session.error}")
         if version is not None and session.version is not None and version != session.version:
             self._fail(session, f"end names version {version} but version {session.version} was staged")
@@ -242,7 +266,6 @@ class WeightReceiver:
         self.last_apply_s = time.perf_counter() - start
         self.last_receive_s = session.receive_s
         self.applied_versions += 1
-        self.session = None
         mb = session.staging.nbytes / 2**20
         msg = (
             f"applied version {version}: {len(staged)} tensors, {mb:.1f} MiB, apply {self.last_apply_s:.3f} s"
@@ -331,6 +354,7 @@ class WeightReceiver:
         if version is None:
             raise RequestError("no weight_version: give it on begin_weight_update or on each update")
         if session.version is None:
+            self._check_newer(version)
             session.version = version
         elif version != session.version:
             raise RequestError(f"update for version {version} while staging version {session.version}")
@@ -394,9 +418,29 @@ class WeightReceiver:
                 loop.call_later(self.wait_s - idle + 0.1, check)
                 return
             self._fail(session, f"no update for {idle:.0f} s: the trainer went away mid-version")
-            self.session = None
+            self._end(session)
 
         loop.call_later(self.wait_s + 0.1, check)
+
+    def _check_newer(self, version: int | None) -> None:
+        """Refuse a version older than the serving one before a byte of it is staged."""
+        serving = self.target.weight_version
+        if version is not None and version < serving:
+            raise RequestError(f"weight version {version} is older than the serving version {serving}")
+
+    def _end(self, session: _Session) -> None:
+        """``session`` is over: it is no longer current, and a failed one frees what it staged."""
+        if self.session is session:
+            self.session = None
+        if session.error is not None:
+            self._release(session)
+
+    def _release(self, session: _Session) -> None:
+        """Drop the staging memory of a failed version (the next version allocates afresh)."""
+        staging, session.staging = session.staging, None
+        for key, area in list(self._staging.items()):
+            if area is staging:
+                del self._staging[key]
 
     def _fail(self, session: _Session, reason: str) -> None:
         if session.error is None:
