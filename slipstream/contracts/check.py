@@ -20,6 +20,7 @@ from slipstream.contracts.upstream import SourceTree
 class Report:
     problems: list[Problem] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
+    unparsable: list[str] = field(default_factory=list)  # upstream files this Python could not parse
 
     @property
     def ok(self) -> bool:
@@ -28,6 +29,8 @@ class Report:
     def summary(self) -> str:
         counts = ", ".join(f"{v} {k}" for k, v in self.counts.items())
         head = f"contracts against {', '.join(p.requirement for p in PINS.values())}: checked {counts}"
+        if self.unparsable:
+            head += f" (read as empty, syntax too new for this Python: {', '.join(self.unparsable)})"
         if self.ok:
             return head + "; no problems"
         return head + f"; {len(self.problems)} problem(s):\n" + "\n".join(f"  {p}" for p in self.problems)
@@ -84,4 +87,5 @@ def run(source_trees: dict[str, SourceTree] | None = None) -> Report:
         report.problems += problems
         report.counts[f"{root} uses"] = checked
     report.problems = dedupe(report.problems)
+    report.unparsable = sorted(f for tree in t.values() for f in tree.unparsable)
     return report

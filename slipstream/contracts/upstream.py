@@ -102,6 +102,7 @@ class SourceTree:
     def __init__(self, roots: list[Path] | Path) -> None:
         self.roots = [Path(r) for r in (roots if isinstance(roots, list) else [roots])]
         self._modules: dict[str, _Module] = {}
+        self.unparsable: dict[str, str] = {}  # file -> syntax error (such files are read as empty)
 
     # ------------------------------------------------------------------ files
     @cached_property
@@ -126,7 +127,11 @@ class SourceTree:
     def module(self, rel: str) -> _Module:
         mod = self._modules.get(rel)
         if mod is None:
-            tree = ast.parse(self.text(rel), filename=rel)
+            try:
+                tree = ast.parse(self.text(rel), filename=rel)
+            except SyntaxError as err:  # syntax newer than this interpreter's: the file reads as empty
+                self.unparsable[rel] = str(err)
+                tree = ast.Module(body=[], type_ignores=[])
             mod = _Module(tree)
             package = rel[: -len("/__init__.py")] if rel.endswith("/__init__.py") else rel.rsplit("/", 1)[0]
             for node in tree.body:

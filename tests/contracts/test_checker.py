@@ -530,3 +530,9 @@ def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     assert cache.cache_dir() == tmp_path
     monkeypatch.delenv(cache.CACHE_ENV)
     assert cache.cache_dir() == REPO / ".cache" / "contracts"
+
+
+def test_an_unparsable_upstream_file_reads_as_empty_and_is_noted(tmp_path):
+    tree = _write(tmp_path, {"pkg/bad.py": "def f(:\n", "pkg/good.py": "class A:\n    pass\n"})
+    assert tree.find_class("A") is not None
+    assert tree.module("pkg/bad.py").defs == {} and "pkg/bad.py" in tree.unparsable
