@@ -42,7 +42,6 @@ import asyncio
 import contextlib
 import ctypes
 import functools
-import json
 import os
 import signal
 import subprocess
@@ -94,13 +93,15 @@ class SandboxResult(msgspec.Struct, kw_only=True):
     truncated: bool = False
 
 
-def _spec(limits: SandboxLimits, report_fd: int, isolate: bool) -> str:
-    return json.dumps({
-        "report_fd": report_fd, "parent": os.getpid(), "isolate": isolate,
+def _spec(limits: SandboxLimits, report_fd: int, isolate: bool) -> list[str]:
+    """The launcher's arguments (``key=value``, all integers)."""
+    values = {
+        "report_fd": report_fd, "parent": os.getpid(), "isolate": int(isolate),
         "cpu_s": max(1, int(round(limits.cpu_s))), "memory_bytes": limits.memory_mb << 20,
         "file_bytes": limits.max_file_mb << 20, "scratch_bytes": limits.scratch_mb << 20,
         "processes": limits.max_processes,
-    })  # fmt: skip
+    }  # fmt: skip
+    return [f"{key}={value}" for key, value in values.items()]
 
 
 def _child_env() -> dict[str, str]:
@@ -149,7 +150,7 @@ def sandbox_problem() -> str | None:
     read_fd, write_fd = os.pipe()
     try:
         proc = subprocess.run(
-            [sys.executable, "-I", str(LAUNCHER), _spec(SandboxLimits(), write_fd, True)],
+            [sys.executable, "-I", str(LAUNCHER), *_spec(SandboxLimits(), write_fd, True)],
             input=b"", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_child_env(),
             pass_fds=(write_fd,), start_new_session=True, timeout=60,
         )  # fmt: skip
@@ -158,7 +159,7 @@ def sandbox_problem() -> str | None:
     report = _read_report(read_fd)
     if "error" in report:
         return report["error"]
-    if report.get("exit") != 0:
+    if report.get("exit") != "0":
         return f"an empty program failed in the sandbox (status {proc.returncode}): {proc.stdout.decode()[-2000:]}"
     return None
 
@@ -181,7 +182,7 @@ async def run_python(code: str, limits: SandboxLimits, *, unsafe_no_isolation: b
         start = time.monotonic()
         try:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-I", str(LAUNCHER), _spec(limits, write_fd, not unsafe_no_isolation),
+                sys.executable, "-I", str(LAUNCHER), *_spec(limits, write_fd, not unsafe_no_isolation),
                 env=_child_env(), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT, start_new_session=True, pass_fds=(write_fd,),
             )  # fmt: skip
@@ -207,7 +208,7 @@ async def run_python(code: str, limits: SandboxLimits, *, unsafe_no_isolation: b
             f"{data.decode(errors='replace')[-2000:]}"
         )
     if report:
-        returncode = -report["signal"] if "signal" in report else report["exit"]
+        returncode = -int(report["signal"]) if "signal" in report else int(report["exit"])
     else:  # stopped by us: the program was SIGKILLed with its namespace
         returncode = -signal.SIGKILL
     return _result(data, reason, returncode, wall, limits)
@@ -221,15 +222,19 @@ async def _send_code(proc: asyncio.subprocess.Process, code: str) -> None:
         proc.stdin.close()
 
 
-def _read_report(fd: int) -> dict:
-    """The launcher's one JSON line, if any (every writer has exited or is being killed: never block)."""
+def _read_report(fd: int) -> dict[str, str]:
+    """The launcher's one line as ``{kind: value}``, if any (every writer has exited or is being killed:
+    never block)."""
     os.set_blocking(fd, False)
     chunks = []
     with contextlib.suppress(BlockingIOError):
         while chunk := os.read(fd, 65536):
             chunks.append(chunk)
-    lines = b"".join(chunks).splitlines()
-    return json.loads(lines[0]) if lines else {}
+    lines = b"".join(chunks).decode(errors="replace").splitlines()
+    if not lines:
+        return {}
+    kind, _, value = lines[0].partition(" ")
+    return {kind: value}
 
 
 async def _collect(proc: asyncio.subprocess.Process, wall_s: float) -> tuple[bytes, str | None]:

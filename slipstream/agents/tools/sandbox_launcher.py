@@ -1,10 +1,10 @@
 """The python tool's sandbox, child side: builds the boundary, then runs the model's code inside it.
 
-``sandbox.py`` starts this file as ``python -I sandbox_launcher.py SPEC`` with the code on stdin, the
-program's output on stdout/stderr and one more pipe, the *report* fd, on which exactly one JSON line comes
-back: ``{"exit": n}``, ``{"signal": s}`` or ``{"error": "..."}`` (the boundary could not be built; nothing
-ran). The program never holds the report fd, so it cannot forge a report. Standard library only: this
-file starts once per call.
+``sandbox.py`` starts this file as ``python -I sandbox_launcher.py key=value...`` (integers: the limits,
+``report_fd``, ``parent``, ``isolate``) with the code on stdin, the program's output on stdout/stderr and
+one more pipe, the *report* fd, on which exactly one line comes back: ``exit N``, ``signal N`` or
+``error MESSAGE`` (the boundary could not be built; nothing ran). The program never holds the report fd,
+so it cannot forge a report. It starts once per call, so it imports only small standard modules.
 
 Process tree; each level waits for the one below it::
 
@@ -40,15 +40,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
-import json
 import os
-import platform
 import resource
 import select
-import shutil
 import signal
 import sys
-import tempfile
 import types
 
 SANDBOX_ID = 65534  # uid and gid of the program inside the user namespace ("nobody")
@@ -103,13 +99,14 @@ def _mount(src: str | None, target: str, fstype: str | None, flags: int, data: s
     _call(libc.mount(enc[0], enc[1], enc[2], ctypes.c_ulong(flags), enc[3]), f"mount {target}")
 
 
-def report(fd: int, message: dict) -> None:
-    os.write(fd, json.dumps(message).encode() + b"\n")
+def report(fd: int, kind: str, value: object) -> None:
+    """One report line: ``exit N``, ``signal N`` or ``error MESSAGE`` (one line)."""
+    os.write(fd, f"{kind} {value}".replace("\n", " ").encode() + b"\n")
 
 
 def fail(fd: int, message: str) -> None:
     """Report a setup failure and end this process (and so, by the parent-death signals, those below)."""
-    report(fd, {"error": message})
+    report(fd, "error", message)
     os._exit(EXIT_SETUP)
 
 
@@ -117,7 +114,7 @@ def fail(fd: int, message: str) -> None:
 
 
 def main() -> None:
-    spec = json.loads(sys.argv[1])
+    spec = {key: int(value) for key, value in (arg.split("=") for arg in sys.argv[1:])}
     fd = spec["report_fd"]
     _die_with(spec["parent"])
     code = sys.stdin.buffer.read()
@@ -192,6 +189,9 @@ def _write_id_maps(pid: int) -> None:
 
 def _run_unisolated(spec: dict, code: bytes) -> None:
     """UNSAFE opt-out for trusted code: only the limits and a temporary directory, no boundary."""
+    import shutil
+    import tempfile
+
     workdir = tempfile.mkdtemp(prefix="slipstream-sandbox-")
     _hold_sigterm()
     pid = os.fork()
@@ -208,9 +208,9 @@ def _run_unisolated(spec: dict, code: bytes) -> None:
 
 def _report_status(fd: int, status: int) -> None:
     if os.WIFSIGNALED(status):
-        report(fd, {"signal": os.WTERMSIG(status)})
+        report(fd, "signal", os.WTERMSIG(status))
     else:
-        report(fd, {"exit": os.waitstatus_to_exitcode(status)})
+        report(fd, "exit", os.waitstatus_to_exitcode(status))
 
 
 # --- keeper ---------------------------------------------------------------------------------------------
@@ -379,9 +379,10 @@ def _build_root(sources: list[tuple[str, int | str]], spec: dict, code: bytes) -
 
 def _pivot_into(root: str) -> None:
     """Make ``root`` the root of this mount namespace and detach the host's tree beneath it."""
-    number = PIVOT_ROOT.get(platform.machine())
+    machine = os.uname().machine
+    number = PIVOT_ROOT.get(machine)
     if number is None:
-        raise SetupError(f"unsupported architecture {platform.machine()} (known: {', '.join(PIVOT_ROOT)})")
+        raise SetupError(f"unsupported architecture {machine} (known: {', '.join(PIVOT_ROOT)})")
     os.chdir(root)
     _call(libc.syscall(number, b".", b"."), "pivot_root")
     _call(libc.umount2(b".", MNT_DETACH), "umount the host's root")
