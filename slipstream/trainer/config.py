@@ -86,7 +86,19 @@ class TrainerConfig(ConfigStruct):
     # Learning-rate schedule after warmup: constant, or cosine decay to min_lr_ratio * lr over run.total_steps.
     lr_schedule: Literal["constant", "cosine"] = "constant"
     min_lr_ratio: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0
+    # Recompute each decoder layer's activations in backward instead of keeping them (HF's switch; the recipes
+    # turn it on for long responses). Off by default: on small CPU runs memory is not the limit.
     activation_checkpointing: bool = False
+    # Tokens whose full-vocabulary logits exist at once while computing logprobs and entropy
+    # (trainer/logprobs.py): the output layer runs chunk by chunk and backward recomputes each chunk, so a
+    # 32K-token micro-batch never holds [32K, vocab] fp32 logits. 0 = the plain path (all of a micro-batch's
+    # logits at once); models whose output layer is not a plain linear map always take the plain path.
+    logits_chunk_tokens: Annotated[int, msgspec.Meta(ge=0)] = 4096
+    # Ulysses sequence parallelism (trainer/seqpar.py, fsdp only): each group of this many consecutive ranks
+    # trains on the same samples, splitting every packed micro-batch's tokens between them (attention
+    # exchanges heads for tokens with all-to-all). Needs pack_sequences and attention heads (and KV heads, or
+    # a divisor of this) divisible by it. 1 = off.
+    sequence_parallel_size: Annotated[int, msgspec.Meta(ge=1)] = 1
     # Pack samples end to end (no padding; position ids restart per sample). False pads every micro-batch
     # to the longest sample of the batch: the baseline `slipstream bench train` measures against.
     pack_sequences: bool = True

@@ -44,6 +44,7 @@ from slipstream.trainer.batching import (
     truncate_to_one_token,
 )
 from slipstream.trainer.engine.base import EngineOutput, LossFn, ModelEngine
+from slipstream.trainer.logprobs import LogprobHead, install_logprob_head
 from slipstream.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -81,6 +82,7 @@ class FSDPEngine(ModelEngine):
         self._device = torch.device("cpu")
         self._num_params = 0
         self._arch: tuple[int, int] = (0, 0)  # (layers, hidden) for attention FLOPs
+        self._head: LogprobHead | None = None  # chunked logprobs inside the forward (None: plain logits)
 
     # ---------------------------------------------------------------- setup
     def initialize(self) -> None:
@@ -128,6 +130,14 @@ class FSDPEngine(ModelEngine):
         else:
             model = AutoModelForCausalLM.from_pretrained(self.model_path, **kwargs)
         model.config.use_cache = False
+        if not self.value_head and self.tcfg.logits_chunk_tokens > 0:
+            # before sharding, so FSDP sees the same parameter (tied or not) under the same name
+            self._head = install_logprob_head(model, self.tcfg.logits_chunk_tokens, self.temperature)
+            if self._head is None:
+                log.info(
+                    "%s: output layer is not a plain linear map; logprobs use full logits",
+                    type(model).__name__,
+                )
         if self.tcfg.activation_checkpointing:
             # HF's own switch keeps parameter names (torch's checkpoint_wrapper would rename them).
             if hasattr(model, "activation_checkpointing_enable"):
@@ -216,33 +226,59 @@ class FSDPEngine(ModelEngine):
         """Run the model on one micro-batch; return flat per-token outputs aligned with ``mb``'s tokens.
 
         ``entropy``: None (not computed), "metric" (computed without gradient) or "grad" (differentiable).
+        Row j of the model's per-token results scores token j + 1; outputs are shifted to align with the
+        tokens and zeroed at each sample's first token (nothing predicts it).
         """
         ids, pos, cu = mb["input_ids"].long(), mb["position_ids"].long(), mb["cu_seqlens"].long()
-        if pad_to:
-            logits = self._forward_padded(ids, cu, pad_to)
-        else:
-            # cu_seq_lens_q reaches every attention layer: flash-attention and sdpa_varlen use it as varlen
-            # boundaries; other kernels ignore it and rely on the restarting position ids.
-            logits = self.model(
-                input_ids=ids[None], position_ids=pos[None], use_cache=False, **self._varlen_kwargs(cu)
-            ).logits[0]
         starts = cu[:-1]
         if self.value_head:
+            logits = self._run_model(ids, pos, cu, pad_to)
             values = torch.cat([logits.new_zeros(1), logits[:-1, 0].float()])
             values[starts] = 0.0
             return {"values": values}
-        logits = logits.float() / self.temperature
-        logp_next = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[1:, None])[:, 0]
-        logp = torch.cat([logp_next.new_zeros(1), logp_next])
-        logp = logp.index_fill(0, starts, 0.0)
-        out = {"logprobs": logp}
-        if entropy is not None:
-            from slipstream.trainer.algos.kl import entropy_from_logits
-
-            source = logits[:-1] if entropy == "grad" else logits[:-1].detach()
-            ent = torch.cat([logits.new_zeros(1), entropy_from_logits(source)])
-            out["entropy"] = ent.index_fill(0, starts, 0.0)
+        if self._head is not None:
+            logp_next, ent_next = self._head_forward(ids, pos, cu, pad_to, entropy)
+        else:
+            logp_next, ent_next = self._full_logits_forward(ids, pos, cu, pad_to, entropy)
+        out = {"logprobs": _align_next(logp_next, starts)}
+        if ent_next is not None:
+            out["entropy"] = _align_next(ent_next, starts)
         return out
+
+    def _head_forward(self, ids, pos, cu, pad_to, entropy):  # noqa: ANN001, ANN202
+        """Logprobs (and entropy) of tokens 1.. computed chunk by chunk inside the model's forward."""
+        src = None
+        if pad_to:
+            _, attn, _ = _padded_grid(ids, cu, pad_to)
+            src = attn.flatten().nonzero()[:-1, 0]  # flat grid rows of every real token but the last
+        with self._head.request(targets=ids[1:], src=src, entropy=entropy):
+            return self._run_model(ids, pos, cu, pad_to, raw=True)
+
+    def _full_logits_forward(self, ids, pos, cu, pad_to, entropy):  # noqa: ANN001, ANN202
+        """The plain path: every token's full-vocabulary fp32 logits at once."""
+        logits = self._run_model(ids, pos, cu, pad_to)
+        logits = logits.float() / self.temperature
+        logp = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[1:, None])[:, 0]
+        if entropy is None:
+            return logp, None
+        from slipstream.trainer.algos.kl import entropy_from_logits
+
+        source = logits[:-1] if entropy == "grad" else logits[:-1].detach()
+        return logp, entropy_from_logits(source)
+
+    def _run_model(self, ids, pos, cu, pad_to: int, raw: bool = False):  # noqa: ANN001, ANN201
+        """The model on the packed row (or, with ``pad_to``, the padded grid). Returns what its output layer
+        gives: with ``raw`` as is, else as flat per-token rows aligned with ``ids``."""
+        if pad_to:
+            grid, attn, gpos = _padded_grid(ids, cu, pad_to)
+            out = self.model(input_ids=grid, attention_mask=attn.long(), position_ids=gpos, use_cache=False)
+            return out.logits if raw else out.logits[attn]
+        # cu_seq_lens_q reaches every attention layer: flash-attention and sdpa_varlen use it as varlen
+        # boundaries; other kernels ignore it and rely on the restarting position ids.
+        out = self.model(
+            input_ids=ids[None], position_ids=pos[None], use_cache=False, **self._varlen_kwargs(cu)
+        )
+        return out.logits if raw else out.logits[0]
 
     def _varlen_kwargs(self, cu: torch.Tensor) -> dict:
         if self.model.config._attn_implementation not in (
@@ -259,19 +295,6 @@ class FSDPEngine(ModelEngine):
             "max_length_q": longest,
             "max_length_k": longest,
         }
-
-    def _forward_padded(self, ids: torch.Tensor, cu: torch.Tensor, pad_to: int) -> torch.Tensor:
-        """The padded baseline: rows of ``pad_to`` tokens with an attention mask; logits re-flattened."""
-        n = cu.numel() - 1
-        lengths = cu[1:] - cu[:-1]
-        grid = torch.zeros(n, pad_to, dtype=torch.long, device=ids.device)
-        attn = torch.arange(pad_to, device=ids.device)[None, :] < lengths[:, None]
-        grid[attn] = ids
-        pos = torch.arange(pad_to, device=ids.device).expand(n, -1)
-        logits = self.model(
-            input_ids=grid, attention_mask=attn.long(), position_ids=pos, use_cache=False
-        ).logits
-        return logits[attn]
 
     def _max_over_ranks(self, n: int) -> int:
         if self.world_size == 1:
@@ -378,6 +401,22 @@ class FSDPEngine(ModelEngine):
         layers, hidden = self._arch
         tokens = sum(lengths)
         return 6.0 * self._num_params * tokens + 6.0 * layers * hidden * sum(n * n for n in lengths)
+
+
+def _align_next(per_next: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """[t-1] results for tokens 1.. -> [t] aligned with the tokens, 0 at each sample's first token."""
+    return torch.cat([per_next.new_zeros(1), per_next]).index_fill(0, starts, 0.0)
+
+
+def _padded_grid(ids: torch.Tensor, cu: torch.Tensor, pad_to: int):  # noqa: ANN202
+    """The padded baseline's layout: rows of ``pad_to`` tokens, their mask and position ids."""
+    n = cu.numel() - 1
+    lengths = cu[1:] - cu[:-1]
+    grid = torch.zeros(n, pad_to, dtype=torch.long, device=ids.device)
+    attn = torch.arange(pad_to, device=ids.device)[None, :] < lengths[:, None]
+    grid[attn] = ids
+    pos = torch.arange(pad_to, device=ids.device).expand(n, -1)
+    return grid, attn, pos
 
 
 def _touch_all(outputs: dict[str, torch.Tensor]) -> torch.Tensor:
