@@ -29,6 +29,11 @@ class RewardConfig(ConfigStruct):
     # data_source -> reward function (a name registered in agents/rewards, or `package.module:function`
     # for your own). Sources not listed here use the function registered under their own name or alias.
     sources: dict[str, str] = {}
+    # Overlong reward shaping (DAPO): a response longer than rollout.sampling.max_new_tokens minus
+    # `overlong_buffer_len` tokens gets a penalty growing linearly from 0 to `overlong_penalty_factor` at
+    # max_new_tokens, added to its reward (agents/rewards/overlong.py). 0 turns shaping off.
+    overlong_buffer_len: Annotated[int, msgspec.Meta(ge=0)] = 0
+    overlong_penalty_factor: Annotated[float, msgspec.Meta(ge=0)] = 1.0
 
 
 class AgentConfig(ConfigStruct):

@@ -28,7 +28,7 @@ from typing import Any
 from slipstream.agents.rewards.arithmetic import arithmetic_reward
 from slipstream.agents.rewards.countdown import countdown_reward
 from slipstream.agents.rewards.exact_match import exact_match_reward
-from slipstream.agents.rewards.math_answer import math_reward
+from slipstream.agents.rewards.math_answer import math_reward, math_signed_reward
 
 RewardFn = Callable[[str, Any, dict[str, Any]], float | dict[str, float]]
 
@@ -37,6 +37,7 @@ REWARD_FNS: dict[str, RewardFn] = {
     "countdown": countdown_reward,
     "exact_match": exact_match_reward,
     "math": math_reward,
+    "math_signed": math_signed_reward,
 }
 
 # Dataset names seen in verl-format data, mapped to the reward that scores them.

@@ -28,3 +28,9 @@ def math_reward(response: str, ground_truth: Any, extra_info: dict[str, Any]) ->
         if gold and verify(gold, predicted):
             return 1.0
     return 0.0
+
+
+def math_signed_reward(response: str, ground_truth: Any, extra_info: dict[str, Any]) -> dict[str, float]:
+    """DAPO's scale: 1 for a right answer, -1 otherwise; ``acc`` (1 or 0) keeps the verdict itself."""
+    acc = math_reward(response, ground_truth, extra_info)
+    return {"score": 1.0 if acc else -1.0, "acc": acc}
