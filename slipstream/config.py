@@ -64,18 +64,28 @@ class AsyncConfig(ConfigStruct):
     # Admission control: the rollouter may start at most (1 + staleness_threshold) * batch_groups *
     # sync_every groups per weight version (verl's budget; AReaL's max_head_offpolicyness in batches).
     staleness_threshold: Annotated[float, msgspec.Meta(ge=0.0)] = 0.5
-    # Hard cap, in weight versions, checked by the trainer when it takes a group:
-    # staleness = trainer_version - min(token versions).
+    # Hard cap, in weight versions (pushes), checked by the trainer when it takes a group: the pushes made
+    # since the oldest token of the group was generated, (trainer step - min(token versions)) // sync_every.
+    # With sync_every k a version spans k trainer steps, so the cap is max_staleness * k steps.
     max_staleness: Annotated[int, msgspec.Meta(ge=0)] = 4
     # What the trainer does with a group over `max_staleness`: `drop` it (the prompt is generated again)
     # or `keep` it (train on it; the off-policy correction handles the gap).
     stale_policy: Literal["drop", "keep"] = "drop"
+    # Times one prompt may be dropped as too stale: its next group is marked to be trained on whatever its
+    # staleness (rollouter/stale_kept_groups counts them), so a prompt whose responses always take longer
+    # than the cap to generate is not regenerated forever.
+    max_stale_drops: Annotated[int, msgspec.Meta(ge=0)] = 2
     # Trainer steps between weight pushes.
     sync_every: Annotated[int, msgspec.Meta(ge=1)] = 1
     # In-flight requests at a weight push: `abort` (return partial tokens, re-submit prompt + partial after
     # the update, KV recomputed), `in_place` (generation pauses and continues on the old KV cache), or
     # `off` (wait for in-flight requests to finish before the update).
     partial_rollout: Literal["abort", "in_place", "off"] = "abort"
+
+    def staleness(self, trainer_step: int, min_version: int) -> int:
+        """Weight versions (pushes) between the oldest token of a group and the trainer at ``trainer_step``:
+        tokens stamped with step 8 are 0 versions old at steps 8-11 and 1 at step 12 when sync_every is 4."""
+        return max(0, trainer_step - min_version) // self.sync_every
 
 
 class RunConfig(ConfigStruct):

@@ -5,7 +5,8 @@ whole groups until it holds ``trainer.batch_groups`` fresh enough ones, collates
 packed tensors (``trainer/dist.py``; no pickle). Every rank then derives the same plan from the same full
 batch, so results do not depend on the number of ranks:
 
-  1. staleness: ``version - min(token versions)`` per group; over ``async.max_staleness`` with
+  1. staleness: weight pushes since the group's oldest token, ``(version - min(token versions)) //
+     sync_every``, per group; over ``async.max_staleness`` (unless the rollouter marked it ``keep_stale``) with
      ``stale_policy=drop`` the group is set aside (acked as dropped, so the rollouter regenerates its
      prompt) and more groups are leased until the batch is full; ``keep`` trains on it;
   2. proximal logprobs (decoupled PPO, truncated IS, rejection) and critic values (GAE) by forward passes
@@ -183,7 +184,9 @@ class Trainer:
             stale = [
                 g.group_id
                 for g in lease.groups
-                if acfg.stale_policy == "drop" and self.version - g.min_version > acfg.max_staleness
+                if acfg.stale_policy == "drop"
+                and acfg.staleness(self.version, g.min_version) > acfg.max_staleness
+                and not g.meta.extra.get("keep_stale")  # dropped max_stale_drops times already
             ]
             skip = set(stale) | self._skip(lease.groups, groups)
             groups.extend(g for g in lease.groups if g.group_id not in skip)
