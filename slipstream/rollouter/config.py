@@ -62,6 +62,22 @@ class EmbeddedServerConfig(ConfigStruct):
             )
 
 
+class DynamicSamplingConfig(ConfigStruct):
+    """DAPO's dynamic sampling: a group whose samples all score the same (reward std 0) gives GRPO-style
+    estimators no advantage, so the rollouter drops it before the put and frees its admission slot; the
+    trainer's batch fills with informative groups only."""
+
+    enable: bool = False
+    # What must differ within a group: `score` (the reward function's score, before overlong shaping),
+    # `reward` (the trained reward, after it), or the name of a component the reward function returns.
+    metric: str = "score"
+    # Generations of one prompt per pass over the data: a prompt whose group is dropped this many times in a
+    # row is skipped until the next pass (counted in rollouter/prompts_filtered_out), so a data set of
+    # prompts the policy always (or never) solves cannot keep generation spinning. 1 is DAPO's rule: a
+    # dropped prompt is not retried and the next prompt takes its slot.
+    max_attempts: Annotated[int, msgspec.Meta(ge=1)] = 1
+
+
 class RolloutConfig(ConfigStruct):
     # Inference backend: embedded (our server), vllm or sglang.
     backend: Literal["embedded", "vllm", "sglang"] = "embedded"
@@ -80,3 +96,10 @@ class RolloutConfig(ConfigStruct):
     # Seconds a single generate request may take before it is retried on another server.
     request_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 3600.0
     embedded: EmbeddedServerConfig = msgspec.field(default_factory=EmbeddedServerConfig)
+    # Raise the model's position limit (its config.json `max_position_embeddings`) for launched vLLM/SGLang
+    # servers: passed as `--hf-overrides` (vLLM) or `--json-model-override-args` (SGLang). Needed when
+    # prompt + response is longer than the checkpoint says it supports (e.g. Qwen2.5-Math-7B: 4096); the
+    # config check names this key when that happens. Null keeps the checkpoint's value.
+    max_position_embeddings: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    # Drop groups whose rewards are all equal and generate others instead (DAPO).
+    dynamic_sampling: DynamicSamplingConfig = msgspec.field(default_factory=DynamicSamplingConfig)

@@ -9,8 +9,21 @@ versions, not about what is in flight. A background task collects groups the tra
 stale (``queue.pop_dropped``): their budget is refunded and their prompts generated again first.
 
 Identity: group ``e<epoch>-p<index>`` (``-a<k>`` for the k-th re-generation after a drop, since the
-queue refuses ids it has seen), trajectories ``<group_id>-<i>``; the group's ``extra`` carries
-``prompt_index``, ``epoch``, ``attempt`` and ``data_source``.
+queue refuses ids it has seen; ``-s<k>`` for the k-th re-sample after dynamic sampling filtered it),
+trajectories ``<group_id>-<i>``; the group's ``extra`` carries ``prompt_index``, ``epoch``, ``attempt``,
+``data_source``, and ``keep_stale`` once the prompt was dropped ``async.max_stale_drops`` times.
+
+Rewards: each response is scored off the event loop, then shaped by the overlong penalty
+(``reward.overlong_buffer_len``, agents/rewards/overlong.py). With ``rollout.dynamic_sampling`` on, a
+group whose samples all score the same is not put: its gate unit is refunded (so another group starts in
+its place) and its prompt is sampled again, up to ``max_attempts`` times, then skipped until the next pass
+(``rollouter/filtered_groups``, ``rollouter/filter_ratio``, ``rollouter/prompts_filtered_out``).
+
+No starvation under the hard staleness cap: a prompt dropped ``async.max_stale_drops`` times is generated
+once more with ``keep_stale`` set, and the trainer trains on that group whatever its staleness
+(``rollouter/stale_kept_groups``). Resuming the dropped group from its partial rollout instead would not
+help: the trainer drops *finished* groups, and a resumed response keeps the versions of its first tokens,
+so it would be just as stale.
 
 Modes (``async.partial_rollout``): ``abort`` and ``in_place`` need nothing from the rollouter (the
 controller pauses the servers; the wrapper resumes aborted requests); ``off``: the controller calls
@@ -48,6 +61,7 @@ from slipstream.agents.base import AgentLoopOutput
 from slipstream.agents.data import PromptRef, PromptSource, Sample
 from slipstream.agents.protocol import InferenceClient, SamplingParams
 from slipstream.agents.registry import make_agent_loop
+from slipstream.agents.rewards.overlong import shape
 from slipstream.agents.rewards.runner import RewardResult, RewardRunner
 from slipstream.config import Config
 from slipstream.queue.client import AsyncQueueClient, QueueFull
@@ -71,13 +85,16 @@ class _Work(msgspec.Struct, kw_only=True):
     ref: PromptRef
     attempt: int = 0
     failures: int = 0
+    # Groups of this prompt dynamic sampling dropped in a row (all samples scored the same).
+    resamples: int = 0
     # Just taken from the prompt source (owed work, e.g. a dropped group, goes before it).
     fresh: bool = False
 
     @property
     def group_id(self) -> str:
         base = f"e{self.ref.epoch}-p{self.ref.index}"
-        return f"{base}-a{self.attempt}" if self.attempt else base
+        base = f"{base}-a{self.attempt}" if self.attempt else base
+        return f"{base}-s{self.resamples}" if self.resamples else base
 
 
 class GroupInterrupted(RuntimeError):
@@ -214,7 +231,7 @@ class Rollouter:
         return {
             "prompts": self.prompts.state_dict(),
             "gate": gate,
-            "pending": [[w.ref.epoch, w.ref.index, w.attempt] for w in pending],
+            "pending": [[w.ref.epoch, w.ref.index, w.attempt, w.resamples] for w in pending],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -223,7 +240,8 @@ class Rollouter:
         self.prompts.load_state_dict(state["prompts"])
         self.gate.load_state_dict(state["gate"])
         self._todo = deque(
-            _Work(ref=PromptRef(int(e), int(i)), attempt=int(a)) for e, i, a in state.get("pending", [])
+            _Work(ref=PromptRef(int(p[0]), int(p[1])), attempt=int(p[2]), resamples=int(p[3]) if p[3:] else 0)
+            for p in state.get("pending", [])
         )
 
     # ------------------------------------------------------------------ admission
@@ -300,7 +318,14 @@ class Rollouter:
             group = await self._generate_group(work)
             if group is None:
                 return  # stopping: stays in _in_flight, so state_dict keeps the prompt
+            informative = self._informative(group)
+            self.stats.record_group(filtered=not informative)
+            if not informative:
+                self._filtered(work)
+                return
             await self._put(group)
+            if group.meta.extra.get("keep_stale"):
+                self.stats.count("stale_kept_groups")
             self._in_flight.pop(work.group_id, None)
         except asyncio.CancelledError:
             raise
@@ -337,18 +362,29 @@ class Rollouter:
             self._trajectory(gid, i, sample, out, score.result())
             for i, (out, score) in enumerate(zip(outputs, scores, strict=True))
         ]
-        extra = {
+        extra: dict[str, Any] = {
             "prompt_index": work.ref.index,
             "epoch": work.ref.epoch,
             "attempt": work.attempt,
             "data_source": sample.data_source,
         }
+        acfg = self.cfg.async_
+        if acfg.stale_policy == "drop" and work.attempt >= acfg.max_stale_drops:
+            extra["keep_stale"] = True  # dropped often enough: the trainer takes it whatever its staleness
         return TrajectoryGroup.from_trajectories(trajectories, extra=extra)
 
     def _trajectory(
         self, gid: str, i: int, sample: Sample, out: AgentLoopOutput, score: RewardResult
     ) -> Trajectory:
         out.validate()
+        rcfg = self.cfg.reward
+        score = shape(
+            score,
+            len(out.response_ids),
+            max_response_len=self.sampling.max_new_tokens,
+            buffer_len=rcfg.overlong_buffer_len,
+            penalty_factor=rcfg.overlong_penalty_factor,
+        )
         metrics = {
             **out.metrics,
             "num_resumes": float(out.num_resumes),
@@ -398,6 +434,46 @@ class Rollouter:
                     group.group_id,
                 )
         self.stats.count("groups_put" if stored else "groups_duplicate")
+
+    # ------------------------------------------------------------------ dynamic sampling
+    def _informative(self, group: TrajectoryGroup) -> bool:
+        """Whether the group's samples differ in the filter's metric (always True with the filter off)."""
+        ds = self.cfg.rollout.dynamic_sampling
+        if not ds.enable:
+            return True
+        values = set()
+        for s in group.meta.samples:
+            if ds.metric == "reward":
+                values.add(s.reward)
+            elif ds.metric == "score":
+                values.add(s.reward_components.get("task_score", s.reward))
+            elif ds.metric in s.reward_components:
+                values.add(s.reward_components[ds.metric])
+            else:
+                raise KeyError(
+                    f"rollout.dynamic_sampling.metric: the reward of {s.uid} has no component "
+                    f"`{ds.metric}` (it has {sorted(s.reward_components) or 'none'}); use score or reward"
+                )
+        return len(values) > 1
+
+    def _filtered(self, work: _Work) -> None:
+        """Drop a group whose samples all scored the same: refund its unit (another group starts in its
+        place) and sample its prompt again, or skip the prompt after ``max_attempts`` such groups."""
+        self._in_flight.pop(work.group_id, None)
+        self.gate.refund(1)
+        self.stats.count("filtered_groups")
+        max_attempts = self.cfg.rollout.dynamic_sampling.max_attempts
+        if work.resamples + 1 < max_attempts or self._stopping:
+            # Stopping: the prompt stays owed, so a resumed run samples it again.
+            self._todo.append(msgspec.structs.replace(work, resamples=work.resamples + 1, fresh=False))
+            return
+        self.stats.count("prompts_filtered_out")
+        if max_attempts > 1:
+            log.info(
+                "prompt %d: %d groups in a row scored the same for every sample; skipped",
+                work.ref.index,
+                max_attempts,
+            )
 
     def _group_failed(self, work: _Work, err: Exception) -> None:
         """Refund the group's unit and queue its prompt again; too many failures in a row end the run."""
@@ -450,6 +526,13 @@ class Rollouter:
                 ref=PromptRef(int(extra.get("epoch", 0)), int(extra["prompt_index"])),
                 attempt=int(extra.get("attempt", 0)) + 1,
             )
+            if work.attempt == self.cfg.async_.max_stale_drops:
+                log.warning(
+                    "prompt %d was dropped as too stale %d times (async.max_stale_drops); its next group "
+                    "is trained on whatever its staleness",
+                    work.ref.index,
+                    work.attempt,
+                )
             if work.group_id in self._in_flight or any(w.group_id == work.group_id for w in self._todo):
                 log.warning("group %s was reported dropped twice; generating it again once", meta.group_id)
                 continue

@@ -10,8 +10,9 @@ after an abort, or spanning more than one version), reward statistics and reward
 Keys (all under ``rollouter/``): requests_active, requests_queued, groups_in_flight, gate_admitted,
 gate_budget, version, generated_tokens_per_s, idle_ratio, trajectories, staleness_{mean,p50,max},
 version_span_mean, partial_ratio, reward_{mean,std,min,max}, reward_errors, response_len_mean,
-num_turns_mean, finish_{stop,length,abort}, and the totals groups_put, groups_duplicate,
-groups_dropped, groups_failed, prompts_skipped.
+num_turns_mean, finish_{stop,length,abort}, filter_ratio (share of the window's finished groups that
+dynamic sampling dropped), and the totals groups_put, groups_duplicate, groups_dropped, groups_failed,
+prompts_skipped, filtered_groups, prompts_filtered_out, stale_kept_groups.
 """
 
 from __future__ import annotations
@@ -19,6 +20,17 @@ from __future__ import annotations
 import statistics
 import time
 from collections import Counter
+
+TOTALS = (
+    "groups_put",
+    "groups_duplicate",
+    "groups_dropped",
+    "groups_failed",
+    "prompts_skipped",
+    "filtered_groups",
+    "prompts_filtered_out",
+    "stale_kept_groups",
+)
 
 
 class RolloutStats:
@@ -38,9 +50,16 @@ class RolloutStats:
         self._lengths: list[int] = []
         self._turns: list[int] = []
         self._finish: Counter[str] = Counter()
+        self._groups = 0
+        self._groups_filtered = 0
 
     def count(self, name: str, n: int = 1) -> None:
         self.totals[name] += n
+
+    def record_group(self, *, filtered: bool) -> None:
+        """A group finished generating; ``filtered`` when dynamic sampling dropped it."""
+        self._groups += 1
+        self._groups_filtered += int(filtered)
 
     def record_trajectory(
         self,
@@ -90,7 +109,9 @@ class RolloutStats:
             out["rollouter/num_turns_mean"] = statistics.fmean(self._turns)
             for reason in ("stop", "length", "abort"):
                 out[f"rollouter/finish_{reason}"] = self._finish[reason] / n
-        for name in ("groups_put", "groups_duplicate", "groups_dropped", "groups_failed", "prompts_skipped"):
+        if self._groups:
+            out["rollouter/filter_ratio"] = self._groups_filtered / self._groups
+        for name in TOTALS:
             out[f"rollouter/{name}"] = float(self.totals[name])
         self._reset(now, tokens=tokens, busy_s=busy_s)
         return out
