@@ -117,7 +117,7 @@ def check_config(cfg: Config, *, environment: bool = True) -> None:
     """
     from slipstream.pipeline.placement import check_layout
 
-    checks = [_check_registries, _check_trainer, _check_faults, check_layout]
+    checks = [_check_registries, _check_trainer, _check_faults, _check_lengths, check_layout]
     if environment:
         checks += [_check_model, _check_backends]
     else:
@@ -222,6 +222,114 @@ def _check_trainer(cfg: Config) -> None:
         raise ConfigError("cluster.gpus_per_trainer_rank: GPUs are reserved but trainer.device is cpu")
     if t.device == "cuda" and cfg.cluster.ray_address is None and cfg.cluster.gpus_per_trainer_rank == 0:
         raise ConfigError("cluster.gpus_per_trainer_rank: trainer.device is cuda; reserve 1 GPU per rank")
+
+
+# Server flags that set the longest sequence a server accepts, per backend.
+CONTEXT_FLAGS: dict[str, str] = {"vllm": "--max-model-len", "sglang": "--context-length"}
+# HF config keys that bound positions (vLLM takes the smallest present), and rope types whose `factor`
+# does not stretch them (YaRN configs state the stretched length already), as vLLM reads them.
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
+UNSCALED_ROPE = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+
+
+def _check_lengths(cfg: Config) -> None:
+    """The longest sequence (prompt + response) must fit the agent's episode budget, the servers' context
+    flag and the model's position limit; the overlong buffer must fit in the response."""
+    from slipstream.rollouter.launch import POSITION_OVERRIDE_FLAGS
+
+    r, agent = cfg.rollout, cfg.agent
+    prompt, response = cfg.data.max_prompt_tokens, r.sampling.max_new_tokens
+    need = prompt + response
+    if agent.name == "single_turn" and agent.max_total_tokens < need:
+        raise ConfigError(
+            f"agent.max_total_tokens: {agent.max_total_tokens} cuts responses to prompts of "
+            f"data.max_prompt_tokens={prompt} tokens short of rollout.sampling.max_new_tokens={response}; "
+            f"set it to at least {need}"
+        )
+    longest = need if agent.name == "single_turn" else agent.max_total_tokens
+    if cfg.reward.overlong_buffer_len > response:
+        raise ConfigError(
+            f"reward.overlong_buffer_len: {cfg.reward.overlong_buffer_len} is longer than the response limit "
+            f"rollout.sampling.max_new_tokens={response}"
+        )
+    override_flag = POSITION_OVERRIDE_FLAGS.get(r.backend)
+    if r.max_position_embeddings is not None and override_flag is None:
+        raise ConfigError(
+            f"rollout.max_position_embeddings: only launched vllm/sglang servers take it, not `{r.backend}`"
+        )
+    flag_override = _json_flag(r.server_args, override_flag).get("max_position_embeddings")
+    if r.max_position_embeddings is not None and _flag_value(r.server_args, override_flag) is not None:
+        raise ConfigError(
+            f"rollout.max_position_embeddings: rollout.server_args also pass {override_flag}, which would "
+            "replace the launcher's; put max_position_embeddings into that JSON instead, or drop the flag"
+        )
+    context_flag = CONTEXT_FLAGS.get(r.backend)
+    text = _flag_value(r.server_args, context_flag)
+    context = int(text) if text is not None and text.isdigit() else None  # vLLM also takes e.g. `32k`
+    if context is not None:
+        if context < longest:
+            raise ConfigError(
+                f"rollout.server_args: {context_flag}={context} is below the longest sequence, {longest} tokens "
+                f"(data.max_prompt_tokens + rollout.sampling.max_new_tokens); raise it to {longest}"
+            )
+    override = r.max_position_embeddings or (int(flag_override) if flag_override is not None else None)
+    limit = position_limit(cfg.model.path, override)
+    if limit is not None and max(longest, context or 0) > limit:
+        raise ConfigError(
+            f"rollout.max_position_embeddings: the model at model.path supports {limit} positions, but "
+            f"sequences reach {max(longest, context or 0)} tokens (data.max_prompt_tokens + "
+            f"rollout.sampling.max_new_tokens{f', {context_flag}' if context else ''}); set "
+            f"rollout.max_position_embeddings to at least that (the launcher passes it to the servers), or "
+            f"shorten the prompts or responses"
+        )
+
+
+def position_limit(model_path: str, override: int | None = None) -> int | None:
+    """The longest sequence the checkpoint's config.json allows (None when the path is not a local
+    checkpoint), with ``max_position_embeddings`` replaced by ``override`` when given. Like vLLM: the
+    smallest of the position keys present, stretched by a rope scaling factor."""
+    config_path = Path(model_path).expanduser() / "config.json"
+    if not config_path.is_file():
+        return None
+    config = json.loads(config_path.read_text())
+    config = config.get("text_config") or config
+    if override is not None:
+        config = {**config, "max_position_embeddings": override}
+    found = [int(config[k]) for k in POSITION_KEYS if isinstance(config.get(k), int)]
+    if not found:
+        return None
+    limit = min(found)
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type") or rope.get("type")
+    if rope.get("factor") and rope_type not in UNSCALED_ROPE:
+        limit = int(limit * float(rope["factor"]))
+    return limit
+
+
+def _flag_value(args: list[str], flag: str | None) -> str | None:
+    """The value of ``flag`` in ``args`` (``--flag=v`` or ``--flag v``; the last one wins, as in argparse)."""
+    value = None
+    for i, arg in enumerate(args):
+        if flag is None:
+            break
+        if arg.startswith(f"{flag}="):
+            value = arg.partition("=")[2]
+        elif arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+    return value
+
+
+def _json_flag(args: list[str], flag: str | None) -> dict[str, Any]:
+    text = _flag_value(args, flag)
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise ConfigError(f"rollout.server_args: {flag} needs a JSON object, got {text!r}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"rollout.server_args: {flag} needs a JSON object, got {text!r}")
+    return value
 
 
 def _check_faults(cfg: Config) -> None:

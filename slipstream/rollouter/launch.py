@@ -8,6 +8,8 @@ One launcher per kind, in :data:`LAUNCHERS` (the ``rollout.backend`` strings):
   the other servers) and ``--weight-transfer-config {"backend": "nccl"}`` unless given;
 * ``sglang``: ``python -m sglang.launch_server`` with ``--weight-version 0``.
 
+``cfg.max_position_embeddings`` becomes a model-config override (:data:`POSITION_OVERRIDE_FLAGS`).
+
 ``cfg.server_args`` and ``extra_args`` are appended. Each server runs in its own process group (vLLM and
 SGLang start workers of their own), writes stdout and stderr to a log file, and is stopped with SIGTERM to
 the group, then SIGKILL after a grace period. When a server exits or never becomes healthy,
@@ -157,12 +159,25 @@ def _vllm_command(model: str, host: str, port: int, cfg: RolloutConfig) -> list[
     cmd = [exe, "serve", model, "--host", host, "--port", str(port), "--logprobs-mode", "processed_logprobs"]
     if not any(a.startswith("--weight-transfer-config") for a in cfg.server_args):
         cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
-    return cmd
+    return cmd + _position_override("vllm", cfg)
 
 
 def _sglang_command(model: str, host: str, port: int, cfg: RolloutConfig) -> list[str]:
     base = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", host]
-    return base + ["--port", str(port), "--weight-version", "0"]
+    return base + ["--port", str(port), "--weight-version", "0", *_position_override("sglang", cfg)]
+
+
+# The flag that overrides fields of the model's HF config, per server (its value is a JSON object).
+POSITION_OVERRIDE_FLAGS = {"vllm": "--hf-overrides", "sglang": "--json-model-override-args"}
+
+
+def _position_override(kind: str, cfg: RolloutConfig) -> list[str]:
+    if cfg.max_position_embeddings is None:
+        return []
+    return [
+        POSITION_OVERRIDE_FLAGS[kind],
+        json.dumps({"max_position_embeddings": cfg.max_position_embeddings}),
+    ]
 
 
 LAUNCHERS: dict[str, Callable[[str, str, int, RolloutConfig], list[str]]] = {
