@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
         "queue": ("slipstream.queue.bench", "TransferQueue throughput and latency vs Ray and memcpy"),
         "rollout": ("slipstream.rollouter.bench", "embedded server tokens/s vs transformers generate"),
         "train": ("slipstream.trainer.bench", "training tokens/s, packed vs padded"),
+        "logprob": ("slipstream.trainer.bench_logprob", "logprob+entropy peak memory, full logits vs chunked"),
         "weightsync": ("slipstream.weightsync.bench", "weight sync GB/s vs raw transport and naive"),
         "e2e": ("slipstream.bench_e2e", "samples/s of fully_async vs sync on a long-tail workload"),
         "soak": ("slipstream.bench_soak", "a long run with servers and trainers killed: memory, lost groups"),
