@@ -39,6 +39,9 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
         "show": ("slipstream.cli", "validate a config and print it resolved"),
     },
     "plot": ("slipstream.plot", "write PNG curves of a run: slipstream plot RUN_DIR"),
+    "plan": {
+        "memory": ("slipstream.planning.memory", "GPU memory a config needs, per trainer and server GPU"),
+    },
 }
 
 

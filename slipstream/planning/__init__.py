@@ -1,0 +1,1 @@
+"""Planning a run before it launches: what it needs from its GPUs."""

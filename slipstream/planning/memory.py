@@ -1,0 +1,315 @@
+"""`slipstream plan memory CONFIG [key=value ...] [--gpu-mem GiB] [--json]`: will the run fit its GPUs?
+
+An estimate, per trainer GPU and per inference-server GPU, of what a config asks for, and whether a response
+of the configured length fits the model's positions, made before anything launches (no weights are read:
+the shapes come from the checkpoint's ``config.json`` or, for the models the shipped recipes name, from a
+table). It fails naming the key to change.
+
+Trainer GPU (FSDP2 over ``trainer.num_ranks``, fp32 master weights, bf16 compute with mixed precision):
+
+* sharded state: parameters, gradients and AdamW's two moments, ``P * 16 / ranks`` bytes;
+* gathered layers: the layer being computed and the next one prefetched, in the compute dtype, plus that
+  layer's unsharded fp32 gradient before it is reduced;
+* activations of one micro-batch of ``trainer.micro_batch_tokens`` tokens (divided by
+  ``trainer.sequence_parallel_size`` when set): every layer's saved tensors, or with
+  ``trainer.activation_checkpointing`` one hidden state per layer plus one layer recomputed;
+* logits: three fp32 copies (logits, softmax, gradient) of ``chunk x vocab``, where ``chunk`` is
+  ``trainer.logits_chunk_tokens`` when the trainer computes logprobs by chunks, else the micro-batch;
+* a fixed reserve for the CUDA context, kernels' workspaces and allocator fragmentation.
+
+Inference GPU (``--tensor-parallel-size`` from ``rollout.server_args``): the weights in the serving dtype
+over TP ranks, then what ``--gpu-memory-utilization`` leaves for the KV cache, counted in full-length
+sequences (prompt + response); fewer than one and vLLM/SGLang refuse to start.
+
+Per-token activation bytes are the tensors a Llama/Qwen decoder layer saves for backward with an attention
+kernel that keeps no score matrix (flash / SDPA varlen); MoE layers count the experts a token is routed to.
+``--calibrate`` checks the estimate against a measured step on this machine (tiny model, CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+GIB = 1 << 30
+RESERVE_BYTES = int(2.5 * GIB)  # CUDA context, cuBLAS/NCCL workspaces, allocator fragmentation
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    max_positions: int
+    experts: int = 0  # MoE: routed experts per layer (0: dense MLP)
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+
+    @property
+    def layer_params(self) -> int:
+        attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        if self.experts:
+            mlp = self.experts * 3 * self.hidden * self.expert_intermediate + self.hidden * self.experts
+        else:
+            mlp = 3 * self.hidden * self.intermediate
+        return attn + mlp + 2 * self.hidden
+
+    @property
+    def params(self) -> int:
+        embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
+        return embeddings + self.layers * self.layer_params + self.hidden
+
+    @property
+    def activation_elems_per_token_layer(self) -> int:
+        """Elements one token saves for backward in one decoder layer (norm inputs and outputs, q/k/v, the
+        attention output, the MLP's gate, up, activation and product)."""
+        attn = 4 * self.hidden + self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        if self.experts:
+            mlp = 4 * self.experts_per_token * self.expert_intermediate + self.experts
+        else:
+            mlp = 4 * self.intermediate
+        return attn + mlp
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim  # elements; times the dtype's bytes
+
+
+# Shapes of the models the shipped recipes name (their config.json), so a plan needs no checkpoint.
+KNOWN: dict[str, ModelShape] = {
+    "Qwen2.5-Math-7B": ModelShape(3584, 28, 28, 4, 128, 18944, 152064, False, 4096),
+    "Qwen2.5-7B": ModelShape(3584, 28, 28, 4, 128, 18944, 152064, False, 32768),
+    "Qwen3-30B-A3B": ModelShape(2048, 48, 32, 4, 128, 6144, 151936, False, 40960, 128, 8, 768),
+}
+KNOWN["Qwen3-30B-A3B-Base"] = KNOWN["Qwen3-30B-A3B"]
+
+
+def shape_from_hf(config: dict) -> ModelShape:
+    heads = config["num_attention_heads"]
+    hidden = config["hidden_size"]
+    return ModelShape(
+        hidden=hidden,
+        layers=config["num_hidden_layers"],
+        heads=heads,
+        kv_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or hidden // heads,
+        intermediate=config.get("intermediate_size", 4 * hidden),
+        vocab=config["vocab_size"],
+        tied=bool(config.get("tie_word_embeddings", False)),
+        max_positions=config.get("max_position_embeddings", 0),
+        experts=config.get("num_experts", 0) or 0,
+        experts_per_token=config.get("num_experts_per_tok", 0) or 0,
+        expert_intermediate=config.get("moe_intermediate_size", 0) or 0,
+    )
+
+
+def model_shape(path: str) -> ModelShape:
+    """From ``path/config.json`` when it is here, else the table of known models; ValueError otherwise."""
+    local = Path(path).expanduser() / "config.json"
+    if local.is_file():
+        return shape_from_hf(json.loads(local.read_text()))
+    from slipstream.rollouter.models import KNOWN_MODELS, resolve_model_path
+
+    if path in KNOWN_MODELS:
+        return shape_from_hf(json.loads((Path(resolve_model_path(path)) / "config.json").read_text()))
+    name = Path(path).name
+    if name in KNOWN:
+        return KNOWN[name]
+    raise ValueError(
+        f"model.path: no config.json at {path!r} and {name!r} is not a model whose shape is known "
+        f"({', '.join(sorted(KNOWN))}); point model.path at the checkpoint or plan on a node that has it"
+    )
+
+
+@dataclass
+class Part:
+    name: str
+    items: dict[str, int]
+    limit: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.items.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.limit
+
+
+def trainer_gpu(shape: ModelShape, cfg, gpu_bytes: int) -> Part:
+    """One trainer rank's device (a CPU trainer is planned against this machine's memory, no reserve)."""
+    t = cfg.trainer
+    on_cpu = t.device == "cpu" or (t.device == "auto" and cfg.cluster.gpus_per_trainer_rank == 0)
+    ranks = t.num_ranks
+    compute = 4 if on_cpu else 2 if t.mixed_precision or cfg.model.dtype != "float32" else 4
+    sp = max(1, getattr(t, "sequence_parallel_size", 1))
+    tokens = -(-t.micro_batch_tokens // sp)
+    per_layer = tokens * shape.activation_elems_per_token_layer * compute
+    if t.activation_checkpointing:
+        activations = shape.layers * tokens * shape.hidden * compute + per_layer
+    else:
+        activations = shape.layers * per_layer
+    chunk = getattr(t, "logits_chunk_tokens", 0) or tokens
+    return Part(
+        "trainer process (CPU)" if on_cpu else "trainer GPU",
+        {
+            "sharded parameters, gradients, AdamW": shape.params * 16 // ranks,
+            "gathered layers": shape.layer_params * (2 * compute + 4),
+            "activations": activations,
+            "logits": 3 * min(chunk, tokens) * shape.vocab * 4,
+            "reserve": 0 if on_cpu else RESERVE_BYTES,
+        },
+        _machine_memory() if on_cpu else gpu_bytes,
+    )
+
+
+def _machine_memory() -> int:
+    import psutil
+
+    return psutil.virtual_memory().total
+
+
+def server_args(cfg) -> dict[str, str]:
+    args = {}
+    for arg in cfg.rollout.server_args:
+        key, _, value = arg.partition("=")
+        args[key] = value
+    return args
+
+
+def inference_gpu(shape: ModelShape, cfg, gpu_bytes: int, served: str) -> tuple[Part, float]:
+    """The server GPU's weights and KV budget, and how many full-length sequences that budget holds."""
+    args = server_args(cfg)
+    tp = int(args.get("--tensor-parallel-size") or args.get("--tp-size") or 1)
+    util = float(args.get("--gpu-memory-utilization") or args.get("--mem-fraction-static") or 0.9)
+    dtype_bytes = DTYPE_BYTES.get(served, 2)
+    weights = shape.params * dtype_bytes // tp
+    budget = int(gpu_bytes * util)
+    kv_budget = budget - weights - RESERVE_BYTES
+    kv_heads_per_gpu = max(1, shape.kv_heads // tp)
+    per_token = 2 * shape.layers * kv_heads_per_gpu * shape.head_dim * dtype_bytes
+    length = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens
+    sequences = kv_budget / (per_token * length) if kv_budget > 0 else 0.0
+    part = Part(
+        "inference GPU",
+        {"weights": weights, "reserve": RESERVE_BYTES, "KV cache": max(kv_budget, 0)},
+        budget,
+    )
+    return part, sequences
+
+
+@dataclass
+class Plan:
+    model: str
+    params: int
+    positions_needed: int
+    max_positions: int
+    trainer: Part
+    inference: Part | None
+    full_length_sequences_per_server: float | None
+
+    @property
+    def problems(self) -> list[str]:
+        out = []
+        if self.max_positions and self.positions_needed > self.max_positions:
+            out.append(
+                f"data.max_prompt_tokens + rollout.sampling.max_new_tokens = {self.positions_needed} exceeds the "
+                f"model's {self.max_positions} positions: lower them or raise rollout.max_position_embeddings"
+            )
+        if not self.trainer.fits:
+            out.append(
+                f"{self.trainer.name} needs {self.trainer.total / GIB:.1f} GiB of {self.trainer.limit / GIB:.0f}: "
+                f"lower trainer.micro_batch_tokens, turn on trainer.activation_checkpointing, or raise "
+                f"trainer.num_ranks (largest item: {max(self.trainer.items, key=self.trainer.items.get)})"
+            )
+        if self.full_length_sequences_per_server is not None and self.full_length_sequences_per_server < 1:
+            out.append(
+                "inference GPU: the KV cache left after the weights holds no full-length sequence: raise "
+                "--tensor-parallel-size or --gpu-memory-utilization in rollout.server_args, or shorten "
+                "rollout.sampling.max_new_tokens"
+            )
+        return out
+
+    def to_dict(self) -> dict:
+        def part(p: Part | None):
+            return None if p is None else {"items_gib": {k: round(v / GIB, 2) for k, v in p.items.items()},
+                                           "total_gib": round(p.total / GIB, 2), "limit_gib": round(p.limit / GIB, 2),
+                                           "fits": p.fits}  # fmt: skip
+
+        return {
+            "model": self.model,
+            "params": self.params,
+            "positions_needed": self.positions_needed,
+            "max_positions": self.max_positions,
+            "trainer_gpu": part(self.trainer),
+            "inference_gpu": part(self.inference),
+            "full_length_sequences_per_server": None
+            if self.full_length_sequences_per_server is None
+            else round(self.full_length_sequences_per_server, 2),
+            "fits": not self.problems,
+            "problems": self.problems,
+        }
+
+
+def plan(cfg, gpu_gib: float = 80.0) -> Plan:
+    """The memory plan of a loaded config (see the module docstring)."""
+    from slipstream.pipeline.modes import served_dtype
+
+    shape = model_shape(cfg.model.path)
+    gpu_bytes = int(gpu_gib * GIB)
+    inference, sequences = None, None
+    if cfg.rollout.backend != "embedded" or cfg.rollout.embedded.device == "cuda":
+        inference, sequences = inference_gpu(shape, cfg, gpu_bytes, served_dtype(cfg))
+    limit = cfg.rollout.max_position_embeddings or shape.max_positions
+    return Plan(
+        model=cfg.model.path,
+        params=shape.params,
+        positions_needed=cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens,
+        max_positions=limit,
+        trainer=trainer_gpu(shape, cfg, gpu_bytes),
+        inference=inference,
+        full_length_sequences_per_server=sequences,
+    )
+
+
+def render(p: Plan) -> str:
+    lines = [f"model {p.model}: {p.params / 1e9:.2f}B parameters; "
+             f"{p.positions_needed} positions needed of {p.max_positions or '?'}"]  # fmt: skip
+    for part in (p.trainer, p.inference):
+        if part is None:
+            continue
+        lines.append(f"{part.name}: {part.total / GIB:.1f} GiB of {part.limit / GIB:.1f} "
+                     f"({'fits' if part.fits else 'does NOT fit'})")  # fmt: skip
+        lines += [f"  {name:40s} {value / GIB:8.2f} GiB" for name, value in part.items.items()]
+    if p.full_length_sequences_per_server is not None:
+        lines.append(f"  full-length sequences the KV cache holds: {p.full_length_sequences_per_server:.1f}")
+    lines += [f"problem: {text}" for text in p.problems]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="slipstream plan memory", description=__doc__.split("\n\n")[0])
+    parser.add_argument("config", help="YAML config")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides")
+    parser.add_argument("--gpu-mem", type=float, default=80.0, help="GiB of memory per GPU (default 80)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    from slipstream.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        result = plan(cfg, args.gpu_mem)
+    except (ConfigError, ValueError) as err:
+        print(f"slipstream plan memory: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(result.to_dict()) if args.json else render(result))
+    return 0 if not result.problems else 1

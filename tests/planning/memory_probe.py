@@ -1,0 +1,59 @@
+"""Run in a fresh process: one training step of a small model on CPU, its peak RSS above the state before it,
+beside the plan's activations + logits for the same config. Prints one JSON line."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+
+import psutil
+import torch
+
+from slipstream.config import load_config
+from slipstream.planning.memory import GIB, plan
+from slipstream.testing import make_tiny_model
+from slipstream.trainer.engine.fsdp import FSDPEngine
+from slipstream.trainer.synthetic import make_packed_batch
+from slipstream.utils.net import free_port
+
+
+def nll(out, mb):
+    mask = mb["loss_mask"].float()
+    return -(out["logprobs"] * mask).sum() / mask.sum(), {}
+
+
+def main(workdir: str, checkpointing: str) -> None:
+    torch.set_num_threads(1)
+    path = make_tiny_model(f"{workdir}/model", hidden_size=384, num_layers=6, num_heads=6, num_kv_heads=2,
+                           intermediate_size=1024)  # fmt: skip
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    tokens = 6144
+    cfg = load_config(None, [f"model.path={path}", "trainer.device=cpu", f"trainer.micro_batch_tokens={tokens}",
+                             f"trainer.activation_checkpointing={checkpointing}"])  # fmt: skip
+    engine = FSDPEngine(cfg)
+    engine.initialize()
+    batch = make_packed_batch([16] * 16, [tokens // 16 - 16] * 16, vocab_size=200, seed=0, group_size=16)
+    engine.forward_backward_batch(batch, nll)
+    engine.optimizer_step()  # the optimizer's state exists before the measured step
+    proc, done = psutil.Process(), threading.Event()
+    base = proc.memory_info().rss
+    peak = [base]
+
+    def watch() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], proc.memory_info().rss)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    engine.forward_backward_batch(batch, nll)
+    done.set()
+    watcher.join()
+    items = plan(cfg).trainer.items
+    estimate = items["activations"] + items["logits"]
+    print(json.dumps({"measured_gib": (peak[0] - base) / GIB, "estimated_gib": estimate / GIB}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
