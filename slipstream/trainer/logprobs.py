@@ -259,7 +259,8 @@ def install_logprob_head(model: torch.nn.Module, chunk_tokens: int, temperature:
     the output layer keep the plain path.
     """
     config = getattr(model, "config", None)
-    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None) not in (None, 1.0):
+    scaled = getattr(config, "logit_scale", None) not in (None, 1.0)
+    if scaled or getattr(config, "final_logit_softcapping", None):
         return None
     get = getattr(model, "get_output_embeddings", None)
     out = get() if get is not None else None

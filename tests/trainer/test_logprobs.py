@@ -28,7 +28,12 @@ def _grads(fn, hidden, weight, targets, g_logp, g_ent, entropy, temperature):
     if entropy == "grad":
         loss = loss + (ent * g_ent).sum()
     loss.backward()
-    return logp.detach(), (ent.detach() if ent is not None else None), hidden.grad.clone(), weight.grad.clone()
+    return (
+        logp.detach(),
+        (ent.detach() if ent is not None else None),
+        hidden.grad.clone(),
+        weight.grad.clone(),
+    )
 
 
 @pytest.mark.parametrize("chunk", [0, 5, 16, 37, 4096])
@@ -84,8 +89,13 @@ def test_head_in_a_tied_model_gives_the_embedding_its_gradient(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=True,
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)

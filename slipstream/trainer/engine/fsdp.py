@@ -21,6 +21,18 @@ zero-weight ones (one token, loss multiplied by 0) to match the busiest rank. FS
 over ranks while our loss is each micro-batch's share of the global mean, so the loss is multiplied by the
 world size before backward.
 
+Logprobs and entropy (``trainer.logits_chunk_tokens``, default on): the model's output layer is replaced,
+before sharding, by a ``LogprobHead`` sharing its weight (``trainer/logprobs.py``), which turns the final
+hidden states into per-token logprobs (and entropy) chunk by chunk inside the model's forward, so FSDP
+all-gathers and reshards the output weight with its own hooks and no [tokens, vocab] logits outlive a chunk.
+0 keeps the full-logits path. Activation checkpointing is HF's own switch
+(``trainer.activation_checkpointing``).
+
+Sequence parallelism (``trainer.sequence_parallel_size = n``, Ulysses, ``trainer/seqpar.py``): groups of n
+consecutive ranks form one data-parallel replica (``dp_rank``/``dp_size``/``dp_group`` say so to the
+trainer); each runs 1/n of every packed micro-batch, attention trading tokens for heads by all-to-all, and
+the per-token results are gathered so the loss sees the whole micro-batch. FSDP still shards over all ranks.
+
 Checkpoints are torch DCP (sharded model + optimizer, any world size can load them), plus the scheduler on
 rank 0 and each rank's RNG state in its own small file.
 """
@@ -83,10 +95,14 @@ class FSDPEngine(ModelEngine):
         self._num_params = 0
         self._arch: tuple[int, int] = (0, 0)  # (layers, hidden) for attention FLOPs
         self._head: LogprobHead | None = None  # chunked logprobs inside the forward (None: plain logits)
+        self._sp = int(cfg.trainer.sequence_parallel_size)  # Ulysses group size (1: off)
+        self._sp_group = self._dp_group = None
 
     # ---------------------------------------------------------------- setup
     def initialize(self) -> None:
         self._init_distributed()
+        if self._sp > 1:
+            self._init_sequence_parallel()
         model = self._load_model()
         self._num_params = sum(p.numel() for p in model.parameters())
         self._shard(model)
@@ -113,6 +129,31 @@ class FSDPEngine(ModelEngine):
             )
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
 
+    def _init_sequence_parallel(self) -> None:
+        from slipstream.trainer import seqpar
+
+        if self.value_head:
+            raise ValueError(
+                "sequence_parallel_size > 1 is supported for the policy, not a value-head critic"
+            )
+        if not self.tcfg.pack_sequences:
+            raise ValueError("sequence_parallel_size > 1 needs trainer.pack_sequences=true")
+        self._sp_group, self._dp_group = seqpar.build_groups(self.world_size, self._sp)
+        self._sp_rank = dist.get_rank(self._sp_group)
+
+    # Sequence-parallel peers receive the same shard of a batch (see ModelEngine's parallel layout).
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self._sp
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self._sp
+
+    @property
+    def dp_group(self):  # noqa: ANN201
+        return self._dp_group
+
     def _load_model(self) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
@@ -122,6 +163,10 @@ class FSDPEngine(ModelEngine):
         attn = self.tcfg.attn_implementation or _default_attention(on_gpu)
         if attn == "sdpa_varlen":
             from slipstream.trainer.engine import varlen  # noqa: F401  (registers the kernel)
+        if self._sp > 1:
+            from slipstream.trainer import seqpar
+
+            attn = seqpar.register(attn)
         kwargs = dict(
             dtype=dtype, attn_implementation=attn, trust_remote_code=self.cfg.model.trust_remote_code
         )
@@ -130,9 +175,13 @@ class FSDPEngine(ModelEngine):
         else:
             model = AutoModelForCausalLM.from_pretrained(self.model_path, **kwargs)
         model.config.use_cache = False
-        if not self.value_head and self.tcfg.logits_chunk_tokens > 0:
+        if not self.value_head and (self.tcfg.logits_chunk_tokens > 0 or self._sp > 1):
             # before sharding, so FSDP sees the same parameter (tied or not) under the same name
             self._head = install_logprob_head(model, self.tcfg.logits_chunk_tokens, self.temperature)
+            if self._head is None and self._sp > 1:
+                raise ValueError(
+                    f"sequence parallelism: {type(model).__name__}'s output layer is not supported"
+                )
             if self._head is None:
                 log.info(
                     "%s: output layer is not a plain linear map; logprobs use full logits",
@@ -247,12 +296,41 @@ class FSDPEngine(ModelEngine):
 
     def _head_forward(self, ids, pos, cu, pad_to, entropy):  # noqa: ANN001, ANN202
         """Logprobs (and entropy) of tokens 1.. computed chunk by chunk inside the model's forward."""
+        if self._sp > 1:
+            return self._sequence_parallel_forward(ids, pos, cu, entropy)
         src = None
         if pad_to:
             _, attn, _ = _padded_grid(ids, cu, pad_to)
             src = attn.flatten().nonzero()[:-1, 0]  # flat grid rows of every real token but the last
         with self._head.request(targets=ids[1:], src=src, entropy=entropy):
             return self._run_model(ids, pos, cu, pad_to, raw=True)
+
+    def _sequence_parallel_forward(self, ids, pos, cu, entropy):  # noqa: ANN001, ANN202
+        """This rank's 1/n of the packed row through the model (attention all-to-all inside, see
+        ``trainer/seqpar.py``); the per-token results of the group joined back into the whole row's."""
+        from slipstream.trainer import seqpar
+
+        n, t = self._sp, ids.numel()
+        pad = (-t) % n
+        if pad:  # a dummy sample at the end makes the row divide evenly
+            ids = torch.cat([ids, ids.new_zeros(pad)])
+            pos = torch.cat([pos, torch.arange(pad, device=pos.device)])
+            cu = torch.cat([cu, cu.new_tensor([t + pad])])
+        local = (t + pad) // n
+        a, b = self._sp_rank * local, (self._sp_rank + 1) * local
+        targets = torch.cat([ids[1:], ids.new_zeros(1)])[a:b]  # row j scores token j + 1
+        with self._head.request(targets=targets, entropy=entropy):
+            logp, ent = self.model(
+                input_ids=ids[None, a:b],
+                position_ids=pos[None, a:b],
+                use_cache=False,
+                ulysses_group=self._sp_group,
+                **self._varlen_kwargs(cu),
+            ).logits
+        logp = seqpar.gather_sequence(logp, self._sp_group)[: t - 1]
+        if ent is not None:
+            ent = seqpar.gather_sequence(ent, self._sp_group)[: t - 1]
+        return logp, ent
 
     def _full_logits_forward(self, ids, pos, cu, pad_to, entropy):  # noqa: ANN001, ANN202
         """The plain path: every token's full-vocabulary fp32 logits at once."""
@@ -281,7 +359,9 @@ class FSDPEngine(ModelEngine):
         return out.logits if raw else out.logits[0]
 
     def _varlen_kwargs(self, cu: torch.Tensor) -> dict:
-        if self.model.config._attn_implementation not in (
+        from slipstream.trainer.seqpar import inner_kernel
+
+        if inner_kernel(self.model.config._attn_implementation) not in (
             "sdpa_varlen",
             "flash_attention_2",
             "flash_attention_3",
@@ -310,6 +390,8 @@ class FSDPEngine(ModelEngine):
         vec = torch.stack([torch.as_tensor(sums[k], dtype=torch.float32, device=self._device) for k in keys])
         if self.world_size > 1:
             dist.all_reduce(vec)
+        # sequence-parallel peers computed the same micro-batches' metrics: count each replica once
+        vec = vec / self._sp if self._sp > 1 else vec
         return dict(zip(keys, vec.tolist(), strict=True))
 
     # ---------------------------------------------------------------- optimisation
