@@ -5,7 +5,6 @@ gradients."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from slipstream.trainer.algos import ADVANTAGES, AdvantageInputs, global_counts
 from slipstream.trainer.engine.fsdp import FSDPEngine
