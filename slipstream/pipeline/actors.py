@@ -413,7 +413,7 @@ class TrainerRank:
         import torch.distributed as dist
 
         from slipstream.queue.client import QueueClient
-        from slipstream.trainer.engine import make_engine
+        from slipstream.trainer.engine import make_aux_engines, make_engine
         from slipstream.trainer.trainer import Trainer
 
         self._threads()
@@ -430,15 +430,12 @@ class TrainerRank:
         )
         self.engine = make_engine(cfg)
         self.engine.initialize()
-        critic = None
-        if cfg.trainer.algorithm.adv_estimator == "gae":
-            critic = make_engine(cfg, value_head=True)
-            critic.initialize()
+        aux = make_aux_engines(cfg)
         if self.rank == 0:
             client = QueueClient(queue_address, owner=_lease_owner(self.run_dir))
             self.queue = _TrackedQueue(client, self.run_dir / "trainer_leases.json")
         self.trainer = Trainer(
-            cfg, self.engine, self.queue, rank=self.rank, world_size=self.world_size, critic=critic
+            cfg, self.engine, self.queue, rank=self.rank, world_size=self.world_size, **aux
         )
         if resume_path is not None:
             if self.queue is not None:

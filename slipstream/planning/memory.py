@@ -15,6 +15,7 @@ Trainer GPU (FSDP2 over ``trainer.num_ranks``, fp32 master weights, bf16 compute
   ``trainer.activation_checkpointing`` one hidden state per layer plus one layer recomputed;
 * logits: three fp32 copies (logits, softmax, gradient) of ``chunk x vocab``, where ``chunk`` is
   ``trainer.logits_chunk_tokens`` when the trainer computes logprobs by chunks, else the micro-batch;
+* with ``trainer.algorithm.kl_reference: reference``, the frozen reference's sharded fp32 weights;
 * a fixed reserve for the CUDA context, kernels' workspaces and allocator fragmentation.
 
 Inference GPU (``--tensor-parallel-size`` from ``rollout.server_args``): the weights in the serving dtype
@@ -166,6 +167,9 @@ def trainer_gpu(shape: ModelShape, cfg, gpu_bytes: int) -> Part:
             "gathered layers": shape.layer_params * (2 * compute + 4),
             "activations": activations,
             "logits": 3 * min(chunk, tokens) * shape.vocab * 4,
+            "frozen reference model": shape.params * 4 // ranks
+            if t.algorithm.kl_reference == "reference"
+            else 0,
             "reserve": 0 if on_cpu else RESERVE_BYTES,
         },
         _machine_memory() if on_cpu else gpu_bytes,

@@ -31,6 +31,12 @@ class AlgorithmConfig(ConfigStruct):
     # the behaviour logprobs (a penalty on drifting from the sampling policy).
     kl_type: Literal["k1", "k2", "k3", "abs", "k1+", "k3+"] | None = None
     kl_coef: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    # What the KL penalty compares against: `behaviour` (the batch's `ref_logprobs`, else its sampling
+    # logprobs) or `reference`: a frozen copy of the initial policy (`reference_path`, null = model.path)
+    # kept beside each trainer rank (FSDP-sharded like the policy, no optimizer state) and run forward once
+    # per batch, as verl's reference worker.
+    kl_reference: Literal["behaviour", "reference"] = "behaviour"
+    reference_path: str | None = None
     entropy_coef: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     # Truncated importance sampling between the behaviour (rollout) policy and the trained policy:
     # null (off), token, sequence; weights are clamped at `tis_cap`.
@@ -57,6 +63,8 @@ class AlgorithmConfig(ConfigStruct):
     def __post_init__(self) -> None:
         if self.clip_c is not None and self.clip_c <= 1.0:
             raise ValueError(f"clip_c must be > 1 (dual clip), got {self.clip_c}")
+        if self.kl_reference == "reference" and self.kl_type is None:
+            raise ValueError("kl_reference `reference` needs a KL penalty: set kl_type (and kl_coef)")
         if self.policy_loss == "decoupled_ppo" and self.tis_level is not None:
             raise ValueError("decoupled_ppo already weights by pi_prox/pi_behav: set tis_level to null")
 
@@ -124,3 +132,7 @@ class TrainerConfig(ConfigStruct):
     # Megatron layer implementation: auto (Transformer Engine when it is installed, else megatron-core's
     # local spec: plain torch modules, padded attention), te or local.
     megatron_layer_spec: Literal["auto", "te", "local"] = "auto"
+
+    def __post_init__(self) -> None:
+        if self.algorithm.kl_reference == "reference" and self.engine != "fsdp":
+            raise ValueError("algorithm.kl_reference `reference` is supported with engine `fsdp` only")

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from slipstream.trainer.engine import make_engine
+from slipstream.trainer.engine import make_aux_engines, make_engine
 from slipstream.trainer.trainer import PublishFn, Trainer, latest_checkpoint
 from slipstream.utils.logging import get_logger
 
@@ -49,17 +49,12 @@ def run_trainer_rank(
     try:
         engine = make_engine(cfg)
         engine.initialize()
-        critic = None
-        if cfg.trainer.algorithm.adv_estimator == "gae":
-            critic = make_engine(cfg, value_head=True)
-            critic.initialize()
+        aux = make_aux_engines(cfg)
         if rank == 0:
             from slipstream.queue.client import QueueClient
 
             queue = QueueClient(queue_address)
-        trainer = Trainer(
-            cfg, engine, queue, rank=rank, world_size=world_size, publish_fn=publish_fn, critic=critic
-        )
+        trainer = Trainer(cfg, engine, queue, rank=rank, world_size=world_size, publish_fn=publish_fn, **aux)
         if cfg.run.resume and (ckpt := latest_checkpoint(trainer.checkpoint_root)) is not None:
             log.info("rank %d resuming from %s", rank, ckpt)
             trainer.resume(ckpt)

@@ -86,6 +86,7 @@ class Trainer:
         world_size: int,
         publish_fn: PublishFn | None = None,
         critic: ModelEngine | None = None,
+        reference: ModelEngine | None = None,
         collate_fn: Callable[[list], TensorDict] | None = None,
     ) -> None:
         algo = cfg.trainer.algorithm
@@ -94,7 +95,12 @@ class Trainer:
         ADVANTAGES.get(algo.adv_estimator)  # fail at construction on an unknown name
         if rank == 0 and queue is None:
             raise ValueError("rank 0 needs a queue client")
+        if algo.kl_reference == "reference" and algo.kl_type is not None and reference is None:
+            raise ValueError(
+                "kl_reference `reference` needs a reference engine (Trainer(..., reference=...))"
+            )
         self.cfg, self.engine, self.queue, self.critic = cfg, engine, queue, critic
+        self.reference = reference
         self.rank, self.world_size = rank, world_size
         self.publish_fn = publish_fn
         self._collate = collate_fn
@@ -231,6 +237,8 @@ class Trainer:
         lengths = sample_lengths(batch)
         if algo.needs_proximal:
             batch["prox_logprobs"] = self._forward_full(self.engine, batch, "logprobs")
+        if self.reference is not None:
+            batch["ref_logprobs"] = self._forward_full(self.reference, batch, "logprobs")
         if self.critic is not None:
             batch["values"] = self._forward_full(self.critic, batch, "values")
         out = ADVANTAGES.get(algo.adv_estimator)(
@@ -311,6 +319,7 @@ class Trainer:
         if peak is None:
             return
         passes = self.cfg.trainer.epochs + (1 / 3 if self.cfg.trainer.algorithm.needs_proximal else 0)
+        passes += 1 / 3 if self.reference is not None else 0  # a forward is a third of a training pass
         flops = self.engine.model_flops(sample_lengths(batch)) * passes
         metrics["trainer/mfu"] = flops / (elapsed * peak * 1e12 * self.world_size)
 

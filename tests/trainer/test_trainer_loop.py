@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from slipstream.trainer.engine import make_aux_engines
 from slipstream.trainer.engine.fsdp import FSDPEngine
 from slipstream.trainer.trainer import Trainer, latest_checkpoint
 from tests.trainer.conftest import trainer_config
@@ -15,11 +16,8 @@ from tests.trainer.fake_queue import FakeQueue, collate, make_group
 def _trainer(cfg, queue, **kw):
     engine = FSDPEngine(cfg)
     engine.initialize()
-    critic = None
-    if cfg.trainer.algorithm.adv_estimator == "gae":
-        critic = FSDPEngine(cfg, value_head=True)
-        critic.initialize()
-    return Trainer(cfg, engine, queue, rank=0, world_size=1, collate_fn=collate, critic=critic, **kw)
+    aux = make_aux_engines(cfg)
+    return Trainer(cfg, engine, queue, rank=0, world_size=1, collate_fn=collate, **aux, **kw)
 
 
 def _fill(queue, n_groups, *, version=0, prefix="g"):
@@ -167,5 +165,38 @@ def test_a_group_delivered_again_is_acked_not_trained_twice(tiny_model_path, sin
     assert len(trained) == len(set(trained)), "a sample was trained twice"
     assert set(trained) == {f"g{i}-{j}" for i in range(6) for j in range(4)}
     assert not queue.ready and not queue.leased
-    assert sorted(queue.acked) == ["g0"] * 3 + ["g1", "g2", "g3", "g4", "g4", "g5"]  # copies acked, not dropped
+    assert sorted(queue.acked) == ["g0"] * 3 + [
+        "g1",
+        "g2",
+        "g3",
+        "g4",
+        "g4",
+        "g5",
+    ]  # copies acked, not dropped
     assert queue.dropped == []
+
+
+def test_kl_to_a_frozen_reference_starts_at_zero_and_grows_as_the_policy_moves(
+    tiny_model_path, single_process_group
+):
+    cfg = trainer_config(
+        tiny_model_path, "trainer.batch_groups=2", "trainer.lr=0.05", "trainer.algorithm.kl_type=k3",
+        "trainer.algorithm.kl_coef=0.1", "trainer.algorithm.kl_reference=reference",
+    )  # fmt: skip
+    queue = FakeQueue()
+    _fill(queue, 8)
+    trainer = _trainer(cfg, queue)
+    before = {n: p.detach().clone() for n, p in trainer.reference.get_per_tensor_param()}
+    first = trainer.step()
+    later = [trainer.step()["trainer/kl"] for _ in range(3)]
+    assert first["trainer/kl"] == 0.0  # the policy is still the reference
+    assert max(later) > 0.0
+    after = dict(trainer.reference.get_per_tensor_param())
+    assert all(torch.equal(before[n], after[n]) for n in before)  # the reference never trains
+
+
+def test_a_reference_kl_needs_a_kl_penalty():
+    from slipstream.trainer.config import AlgorithmConfig
+
+    with pytest.raises(ValueError, match="kl_type"):
+        AlgorithmConfig(kl_reference="reference")

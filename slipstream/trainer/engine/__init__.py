@@ -32,4 +32,21 @@ def make_engine(cfg: Config, **kwargs: Any) -> ModelEngine:
     return getattr(importlib.import_module(module), cls)(cfg, **kwargs)
 
 
-__all__ = ["ENGINES", "EngineOutput", "LossFn", "ModelEngine", "make_engine"]
+def make_aux_engines(cfg: Config) -> dict[str, ModelEngine]:
+    """The engines a trainer rank runs beside the policy, initialised: ``critic`` (a value head, for
+    ``gae``) and ``reference`` (the frozen initial policy, for ``kl_reference: reference``)."""
+    algo, engines = cfg.trainer.algorithm, {}
+    if algo.adv_estimator == "gae":
+        engines["critic"] = make_engine(cfg, value_head=True)
+    if algo.kl_type is not None and algo.kl_reference == "reference":
+        if cfg.trainer.engine != "fsdp":
+            raise ValueError(
+                "trainer.algorithm.kl_reference `reference` is supported with trainer.engine fsdp"
+            )
+        engines["reference"] = make_engine(cfg, model_path=algo.reference_path or cfg.model.path, frozen=True)
+    for engine in engines.values():
+        engine.initialize()
+    return engines
+
+
+__all__ = ["ENGINES", "EngineOutput", "LossFn", "ModelEngine", "make_aux_engines", "make_engine"]

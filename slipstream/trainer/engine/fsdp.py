@@ -82,8 +82,11 @@ class FSDPEngine(ModelEngine):
         grad_norm = engine.optimizer_step()
     """
 
-    def __init__(self, cfg: Config, *, value_head: bool = False, model_path: str | None = None) -> None:
+    def __init__(
+        self, cfg: Config, *, value_head: bool = False, model_path: str | None = None, frozen: bool = False
+    ) -> None:
         self.cfg = cfg
+        self.frozen = frozen  # a reference model: forward only, no gradients, no optimizer
         self.tcfg = cfg.trainer
         self.value_head = value_head
         self.model_path = model_path or cfg.model.path
@@ -105,8 +108,12 @@ class FSDPEngine(ModelEngine):
             self._init_sequence_parallel()
         model = self._load_model()
         self._num_params = sum(p.numel() for p in model.parameters())
+        if self.frozen:
+            model.requires_grad_(False)
         self._shard(model)
         self.model = model
+        if self.frozen:
+            return
         self.optimizer = torch.optim.AdamW(
             model.parameters(),
             lr=self.tcfg.lr,
