@@ -443,12 +443,15 @@ class Rollouter:
             return True
         values = set()
         for s in group.meta.samples:
+            score = s.reward_components.get("task_score", s.reward)
             if ds.metric == "reward":
                 values.add(s.reward)
             elif ds.metric == "score":
-                values.add(s.reward_components.get("task_score", s.reward))
+                values.add(score)
             elif ds.metric in s.reward_components:
                 values.add(s.reward_components[ds.metric])
+            elif "reward_error" in s.extra:  # a failed reward call has no components; it scored 0
+                values.add(score)
             else:
                 raise KeyError(
                     f"rollout.dynamic_sampling.metric: the reward of {s.uid} has no component "

@@ -153,6 +153,28 @@ def test_missing_filter_component_fails_loudly(tok):
     asyncio.run(main())
 
 
+def test_a_failed_reward_call_does_not_need_the_filter_component(tok):
+    class AccOrTimeout(ScriptedRewards):
+        async def score(self, data_source, response, ground_truth, extra_info):
+            self.calls += 1
+            if self.calls == 1:
+                return RewardResult(score=0.0, error="timeout")
+            return RewardResult(score=1.0, components={"acc": 1.0})
+
+    async def main():
+        cfg = filtering(**{"rollout.dynamic_sampling.metric": "acc"})
+        rollouter, client, queue = make(tok, cfg, source(["x"]))
+        rollouter.rewards = AccOrTimeout()
+        task = asyncio.create_task(rollouter.run())
+        while not task.done():
+            await settle()
+            await finish_all(client)
+        await asyncio.wait_for(task, 10)
+        assert set(queue.groups) == {"e0-p0"}  # 0 (failed) and 1: informative, not a crash
+
+    asyncio.run(main())
+
+
 def test_overlong_penalty_is_added_to_the_reward(tok):
     async def main():
         cfg = config(
