@@ -1,0 +1,490 @@
+"""``slipstream bench scale``: the control plane (queue, rollouter, weight publisher) against 8-256 servers.
+
+Everything but the model is real: a queue server process, the rollouter (staleness gate, load balancer over
+one :class:`~slipstream.rollouter.clients.sglang.SGLangClient` per server, partial-rollout resumption,
+reward scoring, puts) and the weight publisher's control path in this process, and ``--consumers``
+simulated trainers in a child process that lease batches and ack them at once (real queue clients). The
+inference servers are :mod:`slipstream.testing_servers`: real HTTP servers speaking the SGLang-style API,
+``--servers-per-proc`` of them per child process, decoding on a clock at ``--tokens-per-s`` per request
+with log-normal response lengths (median ``--median-tokens``, sigma 0.6, capped at ``--max-new-tokens``).
+
+Per server count N, a fresh set of processes runs ``--warmup-s`` then ``--seconds`` of measurement:
+
+* ``groups_s``: groups acked by the trainers per second over the measured window;
+* ``queue_p50_us`` / ``queue_p99_us``: round trips of the queue requests that never wait by design, puts
+  (timed in the rollouter, so they include its event loop's delay) and acks (timed in the trainers);
+  ``ping_p99_us`` is a bare ping from the trainers' process every 10 ms, the queue server's own latency;
+* ``fanout_s``: median wall time of a weight push to all N servers with no data plane: the publisher runs
+  its adapters' whole control sequence (``/begin_weight_update``, one ``/update_weights_from_distributed``
+  per bucket, ``/pause_generation``, ``/end_weight_update``, ``/continue_generation``) over a link that
+  sends no bytes. The trainers' acks drive the pushes: every ``batch_groups`` acked groups is one version;
+  with ``async.partial_rollout = abort`` every push aborts what is in flight and the rollouter resumes it;
+* ``controller_cpu``: CPU seconds of the rollouter process (with its reward workers) and of the queue
+  server over the window's wall seconds (1.0 = one core); ``rss_mb``: their peak resident memory.
+
+The gate's batch grows with the cluster, as a real run's would: ``trainer.batch_groups`` = N, ``rollout.n``
+= 4, ``max_concurrent_per_server`` = ``--concurrency``, staleness threshold 1, so about N·concurrency/4
+groups are in flight. On a small shared machine pick a token rate at which the servers' aggregate demand
+stays well under one core: the point is what the control plane costs per server, not CPU saturation.
+
+The last stdout line of ``--json`` is ``{"rows": [{"servers", "groups_s", "queue_p50_us", "queue_p99_us",
+"fanout_s", "controller_cpu", "rss_mb", ...}], "config": {...}}``. Child processes talk JSON lines over
+pipes (no pickling); everything binds loopback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+DEFAULT_SERVERS = [8, 32, 128, 256]
+SAMPLES_PER_GROUP = 4
+
+
+def _log(msg: str) -> None:
+    print(f"[bench scale] {msg}", file=sys.stderr, flush=True)
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+# ---------------------------------------------------------------------------------------- trainers (child)
+async def _consume(address: str, consumers: int, lease_groups: int) -> None:
+    """Trainers: lease ``lease_groups``, ack at once, report each ack; a pinger; stop when stdin closes."""
+    from slipstream.queue.client import AsyncQueueClient
+
+    clients = [AsyncQueueClient(address) for _ in range(consumers + 1)]
+    acks: list[tuple[float, float]] = []
+    pings: list[tuple[float, float]] = []
+    stop = asyncio.Event()
+
+    async def trainer(client: AsyncQueueClient) -> None:
+        while not stop.is_set():
+            lease = await client.lease(lease_groups, timeout_s=0.5, min_groups=1)
+            if lease is None:
+                continue
+            t0 = time.perf_counter()
+            await client.ack(lease)
+            t1 = time.perf_counter()
+            acks.append((t1, t1 - t0))
+            sys.stdout.write(json.dumps({"acked": len(lease.groups)}) + "\n")
+            sys.stdout.flush()
+
+    async def pinger(client: AsyncQueueClient) -> None:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            await client.ping()
+            t1 = time.perf_counter()
+            pings.append((t1, t1 - t0))
+            await asyncio.sleep(0.01)
+
+    async def watch_stdin() -> None:
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+        stop.set()
+
+    for client in clients:
+        await client.ping()  # connected (and imports done) before the controller starts its clock
+    print(json.dumps({"ready": True}), flush=True)
+    tasks = [asyncio.create_task(trainer(c)) for c in clients[:-1]] + [asyncio.create_task(pinger(clients[-1]))]
+    await watch_stdin()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for client in clients:
+        await client.close()
+    print(json.dumps({"acks": acks, "pings": pings}), flush=True)
+
+
+# ---------------------------------------------------------------------------------------- controller side
+class _TimedQueue:
+    """The rollouter's queue client, timing each put (the request's round trip as the rollouter sees it)."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.puts: list[tuple[float, float]] = []
+
+    async def put(self, group, *, partition: str = "train", timeout_s: float | None = None) -> bool:
+        t0 = time.perf_counter()
+        stored = await self.client.put(group, partition=partition, timeout_s=timeout_s)
+        t1 = time.perf_counter()
+        self.puts.append((t1, t1 - t0))
+        return stored
+
+    async def pop_dropped(self, max_groups: int = 1024):
+        return await self.client.pop_dropped(max_groups)
+
+
+class _NoBytesLink:
+    """A data plane that moves nothing: the publisher's pushes are their control messages alone."""
+
+    kind = "control"
+
+    def __init__(self, group_name: str) -> None:
+        self.group_name = group_name
+
+    def send(self, bucket: Any) -> None:
+        pass
+
+    def fail(self) -> None:
+        pass
+
+    async def close(self, adapters: Any) -> None:
+        pass
+
+
+def _control_only_publisher(cfg: Any, urls: list[str]):
+    from slipstream.weightsync.publisher import WeightPublisher
+
+    class ControlOnlyPublisher(WeightPublisher):
+        async def _ensure_link(self, report):  # no process group to build: the link sends no bytes
+            members = self._live()
+            if self._link is None or members != self._link_members:
+                self._link, self._link_members = _NoBytesLink(self.cfg.group_name), members
+            return members
+
+    return ControlOnlyPublisher(cfg, urls, "embedded", token="")
+
+
+def _config(n_servers: int, args: argparse.Namespace):
+    from slipstream.config import load_config
+
+    overrides = {
+        "rollout.backend": "sglang",
+        "rollout.num_servers": n_servers,
+        "rollout.n": SAMPLES_PER_GROUP,
+        "rollout.max_concurrent_per_server": args.concurrency,
+        "rollout.sampling.max_new_tokens": args.max_new_tokens,
+        "rollout.request_timeout_s": 600,
+        "trainer.batch_groups": max(1, n_servers * args.batch_per_server),
+        "async.mode": "fully_async",
+        "async.sync_every": 1,
+        "async.staleness_threshold": 1.0,
+        "async.partial_rollout": args.partial_rollout,
+        "agent.name": "single_turn",
+        "reward.num_workers": 1,
+        "weightsync.backend": "naive",  # one update call per tensor: --buckets calls per server and push
+        "weightsync.keep_last": "false",
+        "weightsync.device": "cpu",
+        "weightsync.timeout_s": 120,
+        "weightsync.pause_mode": "in_place" if args.partial_rollout == "in_place" else "abort",
+    }
+    return load_config(None, [f"{k}={v}" for k, v in overrides.items()])
+
+
+def _prompts(count: int = 512):
+    from slipstream.agents.data import PromptSource, Sample
+
+    samples = [
+        Sample(
+            index=i,
+            messages=[{"role": "user", "content": f"What is {i % 17} + {i % 5}?"}],
+            data_source="arithmetic",
+            ground_truth=str(i % 17 + i % 5),
+        )
+        for i in range(count)
+    ]
+    return PromptSource(samples, shuffle=False, epochs=10_000)
+
+
+class _Usage:
+    """CPU seconds and peak RSS of the controller processes (this one with its reward workers; the queue)."""
+
+    def __init__(self, queue_pid: int, foreign: set[int]) -> None:
+        import psutil
+
+        self._psutil = psutil
+        self.me = psutil.Process()
+        self.queue = psutil.Process(queue_pid)
+        self.foreign = foreign  # children that are not the controller's (servers, trainers, the queue)
+        self.peak_rss = {"rollouter": 0, "queue": 0}
+
+    def _workers(self) -> list[Any]:
+        out = []
+        for child in self.me.children(recursive=True):
+            if child.pid in self.foreign or any(p.pid in self.foreign for p in child.parents()):
+                continue
+            out.append(child)
+        return out
+
+    def cpu(self) -> dict[str, float]:
+        def seconds(proc: Any) -> float:
+            try:
+                t = proc.cpu_times()
+            except self._psutil.Error:
+                return 0.0
+            return t.user + t.system
+
+        return {
+            "rollouter": seconds(self.me) + sum(seconds(w) for w in self._workers()),
+            "queue": seconds(self.queue),
+        }
+
+    def sample_rss(self) -> None:
+        def rss(procs: list[Any]) -> int:
+            total = 0
+            for proc in procs:
+                try:
+                    total += proc.memory_info().rss
+                except self._psutil.Error:
+                    pass
+            return total
+
+        self.peak_rss["rollouter"] = max(self.peak_rss["rollouter"], rss([self.me, *self._workers()]))
+        self.peak_rss["queue"] = max(self.peak_rss["queue"], rss([self.queue]))
+
+
+async def _spawn(*argv: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable, *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=1 << 26
+    )
+
+
+async def _start_servers(n: int, args: argparse.Namespace) -> tuple[list[asyncio.subprocess.Process], list[str]]:
+    procs, urls = [], []
+    for first in range(0, n, args.servers_per_proc):
+        count = min(args.servers_per_proc, n - first)
+        proc = await _spawn(
+            "-m", "slipstream.testing_servers", "--servers", str(count),
+            "--tokens-per-s", str(args.tokens_per_s), "--median-tokens", str(args.median_tokens),
+            "--seed", str(first),
+        )  # fmt: skip
+        line = await proc.stdout.readline()
+        if not line:
+            raise RuntimeError("a simulated server process exited before listening")
+        procs.append(proc)
+        urls.extend(json.loads(line)["urls"])
+    return procs, urls
+
+
+async def _finish_child(proc: asyncio.subprocess.Process) -> dict:
+    """Close the child's stdin (its signal to stop) and return the last JSON line it prints."""
+    proc.stdin.close()
+    last: dict = {}
+    while line := await proc.stdout.readline():
+        try:
+            last = json.loads(line)
+        except ValueError:
+            continue
+    await proc.wait()
+    return last
+
+
+class _Pusher:
+    """Pushes a version (control only) each time the trainers have acked another ``batch_groups`` groups."""
+
+    def __init__(self, publisher: Any, rollouter: Any, batch_groups: int, buckets: int) -> None:
+        import torch
+
+        self.publisher = publisher
+        self.rollouter = rollouter
+        self.batch_groups = batch_groups
+        self.tensors = [(f"layer{i}.weight", torch.zeros(4)) for i in range(buckets)]
+        self.acked = 0
+        self.version = 0
+        self.pushes: list[tuple[float, float, int]] = []  # (end time, seconds, servers reached)
+        self._more = asyncio.Event()
+
+    def add(self, groups: int) -> None:
+        self.acked += groups
+        self._more.set()
+
+    async def run(self) -> None:
+        while True:
+            await self._more.wait()
+            self._more.clear()
+            while self.acked >= (self.version + 1) * self.batch_groups:
+                version = self.version + 1
+                t0 = time.perf_counter()
+                report = await asyncio.to_thread(self.publisher.publish, version, list(self.tensors))
+                t1 = time.perf_counter()
+                self.pushes.append((t1, t1 - t0, len(report.ok)))
+                if report.failed:
+                    _log(f"push {version}: {len(report.failed)} servers failed: {next(iter(report.failed.values()))}")
+                self.version = version
+                self.rollouter.set_version(version)
+
+
+async def _read_acks(proc: asyncio.subprocess.Process, pusher: _Pusher) -> None:
+    while line := await proc.stdout.readline():
+        pusher.add(int(json.loads(line)["acked"]))
+
+
+async def _row(n: int, args: argparse.Namespace, tokenizer: Any) -> dict[str, Any]:
+    from slipstream.queue.client import AsyncQueueClient
+    from slipstream.queue.config import QueueConfig
+    from slipstream.queue.server import start_queue_server
+    from slipstream.rollouter.balancer import balancer_from_config
+    from slipstream.rollouter.rollouter import Rollouter
+
+    cfg = _config(n, args)
+    handle = start_queue_server(QueueConfig(num_storage_units=2, shm_bytes_per_unit=32 << 20))
+    sims: list[asyncio.subprocess.Process] = []
+    trainers = None
+    try:
+        sims, urls = await _start_servers(n, args)
+        lease_groups = max(1, cfg.trainer.batch_groups // args.consumers)
+        trainers = await _spawn(
+            "-m", "slipstream.bench_scale", "--role", "trainers", "--address", handle.address,
+            "--consumers", str(args.consumers), "--lease-groups", str(lease_groups),
+        )  # fmt: skip
+        if not await trainers.stdout.readline():
+            raise RuntimeError("the trainers' process exited before it was ready")
+        queue = _TimedQueue(AsyncQueueClient(handle.address))
+        balancer = balancer_from_config(cfg.rollout, urls)
+        rollouter = Rollouter(cfg, balancer, queue, tokenizer, _prompts())
+        publisher = _control_only_publisher(cfg.weightsync, urls)
+        foreign = {handle.proc.pid, trainers.pid, *(p.pid for p in sims)}
+        usage = _Usage(handle.proc.pid, foreign)
+        pusher = _Pusher(publisher, rollouter, cfg.trainer.batch_groups, args.buckets)
+        tasks = [
+            asyncio.create_task(rollouter.run()),
+            asyncio.create_task(pusher.run()),
+            asyncio.create_task(_read_acks(trainers, pusher)),
+        ]
+        profiler = None
+        try:
+            await _sleep_sampling(args.warmup_s, usage, tasks)
+            t0, acked0, cpu0 = time.perf_counter(), pusher.acked, usage.cpu()
+            if args.profile:
+                import cProfile
+
+                profiler = cProfile.Profile()
+                profiler.enable()
+            await _sleep_sampling(args.seconds, usage, tasks)
+            t1, acked1, cpu1 = time.perf_counter(), pusher.acked, usage.cpu()
+            if profiler is not None:
+                profiler.disable()
+                profiler.dump_stats(os.path.join(args.profile, f"scale_{n}.pstats"))
+            metrics = rollouter.metrics()
+        finally:
+            await rollouter.stop()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.to_thread(publisher.close)
+            await balancer.aclose()
+            await queue.client.close()
+        done = await _finish_child(trainers)
+        trainers = None
+    finally:
+        if trainers is not None:
+            trainers.kill()
+        counts = [await _finish_child(p) for p in sims]
+        handle.stop()
+    wall = t1 - t0
+    in_window = lambda samples: [s for t, s in samples if t0 <= t <= t1]  # noqa: E731
+    puts, acks = in_window(queue.puts), in_window(done.get("acks", []))
+    pings = in_window(done.get("pings", []))
+    requests = [*puts, *acks]
+    fanouts = [s for t, s, _ in pusher.pushes[1:]] or [s for _, s, _ in pusher.pushes]
+    sim_counts: dict[str, int] = {}
+    for c in counts:
+        for k, v in c.get("counts", {}).items():
+            sim_counts[k] = sim_counts.get(k, 0) + v
+    return {
+        "servers": n,
+        "groups_s": round((acked1 - acked0) / wall, 2),
+        "queue_p50_us": round(_pct(requests, 0.5) * 1e6, 1),
+        "queue_p99_us": round(_pct(requests, 0.99) * 1e6, 1),
+        "fanout_s": round(statistics.median(fanouts), 4) if fanouts else None,
+        "controller_cpu": round((sum(cpu1.values()) - sum(cpu0.values())) / wall, 3),
+        "rss_mb": round(sum(usage.peak_rss.values()) / 2**20, 1),
+        "put_p99_us": round(_pct(puts, 0.99) * 1e6, 1),
+        "ack_p99_us": round(_pct(acks, 0.99) * 1e6, 1),
+        "ping_p99_us": round(_pct(pings, 0.99) * 1e6, 1),
+        "fanout_max_s": round(max(fanouts), 4) if fanouts else None,
+        "pushes": len(pusher.pushes),
+        "rollouter_cpu": round((cpu1["rollouter"] - cpu0["rollouter"]) / wall, 3),
+        "queue_cpu": round((cpu1["queue"] - cpu0["queue"]) / wall, 3),
+        "rollouter_rss_mb": round(usage.peak_rss["rollouter"] / 2**20, 1),
+        "queue_rss_mb": round(usage.peak_rss["queue"] / 2**20, 1),
+        "tokens_s": round(metrics.get("rollouter/generated_tokens_per_s", float("nan")), 1) if metrics else None,
+        "resumes": rollouter.client.resumes,
+        "groups_total": pusher.acked,
+        "sim_requests": sim_counts.get("generate", 0),
+    }
+
+
+async def _sleep_sampling(seconds: float, usage: _Usage, tasks: list[asyncio.Task]) -> None:
+    end = time.perf_counter() + seconds
+    while (left := end - time.perf_counter()) > 0:
+        usage.sample_rss()
+        done = [t for t in tasks if t.done()]
+        for task in done:
+            task.result()  # a failed part ends the run with its error
+            raise RuntimeError(f"{task.get_coro()} ended early")
+        await asyncio.sleep(min(0.5, left))
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from slipstream.testing import make_tiny_tokenizer
+
+    with tempfile.TemporaryDirectory(prefix="slipstream-scale-") as tmp:
+        tokenizer = make_tiny_tokenizer(tmp)
+    rows = []
+    for n in args.servers:
+        _log(f"{n} servers ...")
+        row = asyncio.run(_row(n, args, tokenizer))
+        _log(json.dumps(row))
+        rows.append(row)
+    config = {
+        k: getattr(args, k)
+        for k in (
+            "tokens_per_s", "median_tokens", "max_new_tokens", "concurrency", "consumers", "buckets",
+            "warmup_s", "seconds", "partial_rollout", "servers_per_proc", "batch_per_server",
+        )
+    }  # fmt: skip
+    config["samples_per_group"] = SAMPLES_PER_GROUP
+    return {"rows": rows, "config": config}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="slipstream bench scale", description=__doc__.split("\n\n")[0])
+    p.add_argument("--servers", type=lambda s: [int(x) for x in s.split(",")], default=DEFAULT_SERVERS,
+                   help="server counts, comma-separated (default 8,32,128,256)")  # fmt: skip
+    p.add_argument("--tokens-per-s", type=float, default=4.0, help="decode rate of one request")
+    p.add_argument("--median-tokens", type=int, default=24, help="median response length")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=4, help="rollout.max_concurrent_per_server")
+    p.add_argument("--batch-per-server", type=int, default=1, help="trainer.batch_groups per server")
+    p.add_argument("--consumers", type=int, default=4, help="simulated trainers leasing and acking")
+    p.add_argument("--buckets", type=int, default=2, help="update calls per server and push")
+    p.add_argument("--partial-rollout", choices=["abort", "in_place"], default="abort")
+    p.add_argument("--servers-per-proc", type=int, default=128)
+    p.add_argument("--warmup-s", type=float, default=8.0)
+    p.add_argument("--seconds", type=float, default=15.0)
+    p.add_argument("--profile", default="", help="directory for a cProfile of the controller per row")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    p.add_argument("--role", default="controller", help=argparse.SUPPRESS)
+    p.add_argument("--address", default="", help=argparse.SUPPRESS)
+    p.add_argument("--lease-groups", type=int, default=1, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.role == "trainers":
+        asyncio.run(_consume(args.address, args.consumers, args.lease_groups))
+        return 0
+    result = run(args)
+    if args.json:
+        print(json.dumps(result), flush=True)
+    else:
+        keys = ["servers", "groups_s", "queue_p50_us", "queue_p99_us", "fanout_s", "controller_cpu", "rss_mb"]
+        print(" ".join(f"{k:>14}" for k in keys))
+        for row in result["rows"]:
+            print(" ".join(f"{row[k]!s:>14}" for k in keys))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
