@@ -10,8 +10,9 @@ the rest), and the whole run fits in 25 minutes on one H100. Checks:
 * ``train``: ``bench train --device cuda`` (tokens/s, MFU of packed batches);
 * ``rollout``: ``bench rollout --device cuda --dtype bfloat16`` (the embedded engine against transformers
   ``generate`` on the same GPU, and its logprob error against a teacher-forced forward);
-* ``weightsync_ipc`` / ``weightsync_nixl``: ``bench weightsync --device cuda`` for the CUDA IPC and NIXL
-  engines, each beside the IPC copy of the same bytes between two processes (the bound);
+* ``weightsync``: ``bench weightsync --device cuda --backends ipc,nixl`` on the 1.17B bf16 set (2.35 GB):
+  the CUDA IPC and NIXL engines between two processes, beside one device copy of the same bytes (the
+  bound: a CUDA IPC copy between processes runs at the same speed);
 * ``push_dtype``: bytes a parameter a bf16-served model pushes (2 expected);
 * ``one_gpu_train``: ``slipstream train`` on this machine with a tiny random model, no Ray started by hand
   (skipped where Ray is not installed).
@@ -192,29 +193,23 @@ def rollout(args: argparse.Namespace, work: Path) -> dict:
     return {"ok": out["logprob_max_abs_err"] <= bound, "figures": figures, "raw": out}
 
 
-def _weightsync(args: argparse.Namespace, backend: str) -> dict:
+@check("weightsync", 480)
+def weightsync(args: argparse.Namespace, work: Path) -> dict:
+    """The IPC and NIXL engines pushing the same bytes between two processes, beside one copy of them."""
+    gpu = args.device == "cuda"
+    backends = "ipc,nixl" if _version("nixl") else "ipc"
     out = _cli(
-        "bench", "weightsync", "--device", args.device, "--backend", backend, "--receivers", "1",
-        "--sets", "llama-1b-bf16" if args.device == "cuda" else "tiny-fp32", "--reps", "3", "--json",
-        timeout_s=LIMITS_S[f"weightsync_{backend}"] - 10,
+        "bench", "weightsync", "--device", args.device, "--backends", backends, "--receivers", "1",
+        "--sets", "llama-1b-bf16" if gpu else "tiny-fp32", "--reps", "3", "--bucket-mb", "256" if gpu else "1",
+        "--json", timeout_s=LIMITS_S["weightsync"] - 10,
     )  # fmt: skip
     row = out["rows"][0]
-    return {"ok": True, "row": row}
-
-
-@check("weightsync_ipc", 240)
-def weightsync_ipc(args: argparse.Namespace, work: Path) -> dict:
-    row = _weightsync(args, "ipc")["row"]
-    figures = {"weightsync_cuda_ipc_gbps": row["effective_gbps"], "weightsync_ipc_copy_gbps": row["raw_gbps"]}
+    figures = {
+        "weightsync_cuda_ipc_gbps" if gpu else "weightsync_ipc_gbps": row["ipc_gbps"],
+        "weightsync_ipc_copy_gbps": row["memcpy_gbps"],
+        "weightsync_nixl_gpu_gbps" if gpu else "weightsync_nixl_gbps": row.get("nixl_gbps"),
+    }
     return {"ok": True, "figures": figures, "raw": row}
-
-
-@check("weightsync_nixl", 240)
-def weightsync_nixl(args: argparse.Namespace, work: Path) -> dict:
-    if _version("nixl") is None:
-        return {"ok": None, "detail": "nixl is not installed"}
-    row = _weightsync(args, "nixl")["row"]
-    return {"ok": True, "figures": {"weightsync_nixl_gpu_gbps": row["effective_gbps"]}, "raw": row}
 
 
 @check("push_dtype", 120)

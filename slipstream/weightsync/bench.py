@@ -9,10 +9,15 @@ For each tensor set and receiver count, interleaved over ``--reps`` repetitions 
     receivers staging each version and then applying it to their own copy of the model;
   * ``naive``: ``NaiveEngine.send_weights``: one tensor at a time, each waited for;
   * ``ipc``: ``IpcEngine.send_weights`` to the same receivers through shared memory (``--device cpu``:
-    POSIX shared memory; ``--device cuda``: CUDA IPC on one GPU, where NCCL cannot run and only ``ipc``
-    and ``memcpy`` are measured), against ``memcpy``: one copy of the set's bytes in this process, the
-    limit for an engine that moves every byte by copying (``ipc`` copies twice: packing, then the
-    receiver's copy out).
+    POSIX shared memory; ``--device cuda``: CUDA IPC on one GPU, where NCCL cannot run and the
+    torch_dist columns are not measured), against ``memcpy``: one copy of the set's bytes in this
+    process, the limit for an engine that moves every byte by copying (``ipc`` copies twice: packing,
+    then the receiver's copy out);
+  * ``nixl`` (with ``--backends ...,nixl``): ``NixlEngine.send_weights``, receivers READing each bucket
+    from the sender's registered memory (DRAM on ``--device cpu``, GPU memory on ``--device cuda``).
+
+``--backends`` picks the engines measured (default ``torch_dist,ipc`` on a CPU, ``ipc`` on a GPU);
+``torch_dist`` brings ``raw``, ``bucketed`` and ``naive``.
 
 Every timing runs from a barrier of all ranks to a barrier after the last byte landed; the figure is the
 median over repetitions, and ``of_raw``/``x_naive`` are medians of per-repetition ratios. ``pause_s`` is
@@ -64,6 +69,10 @@ SETS = {"smollm2-135m-bf16": torch.bfloat16, "smollm2-135m-fp32": torch.float32}
 TINY = dict(SMOLLM2_135M, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # fmt: skip
 SMOKE_SETS = {"tiny-fp32": (TINY, torch.float32)}
+# The 1.17B bf16 model of the GPU measurements (2.35 GB): a GPU-sized push.
+LLAMA_1B = dict(SMOLLM2_135M, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=False)  # fmt: skip
+LARGE_SETS = {"llama-1b-bf16": (LLAMA_1B, torch.bfloat16)}
 
 
 def model_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
@@ -76,7 +85,8 @@ def model_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def make_set(name: str, fill: float = 0.0, device: str = "cpu") -> list[tuple[str, torch.Tensor]]:
-    config, dtype = SMOKE_SETS[name] if name in SMOKE_SETS else (SMOLLM2_135M, SETS[name])
+    extra = {**SMOKE_SETS, **LARGE_SETS}
+    config, dtype = extra[name] if name in extra else (SMOLLM2_135M, SETS[name])
     return [(n, torch.full(shape, fill, dtype=dtype, device=device)) for n, shape in model_shapes(config)]
 
 
@@ -105,15 +115,20 @@ def _barrier(group: DistGroup) -> None:
 # ------------------------------------------------------------------------------------------- receivers
 
 
-def _receiver(conn, cfg_raw: bytes) -> None:
+def _receiver(conn, cfg_raw: bytes, with_nixl: bool) -> None:
     torch.set_num_threads(1)
     cfg = msgspec.msgpack.decode(cfg_raw, type=WeightSyncConfig)
     engine = TorchDistEngine(cfg, is_sender=False, device="cpu")
     ipc = IpcEngine(cfg, is_sender=False, device=cfg.device)
-    conn.send_bytes(msgspec.msgpack.encode([engine.prepare(), ipc.prepare()]))
+    nixl = _nixl_engine(cfg, is_sender=False) if with_nixl else None
+    ends = [engine.prepare(), ipc.prepare()] + ([nixl.prepare()] if nixl else [])
+    conn.send_bytes(msgspec.msgpack.encode(ends))
     infos = msgspec.msgpack.decode(conn.recv_bytes(), type=list[InitInfo])
     engine.init_process_group(infos[0])
     ipc.init_process_group(infos[1])
+    if nixl:
+        nixl.init_process_group(infos[2])
+    receivers = {"sync": engine, "ipc": ipc, "nixl": nixl}
     group = engine.group
     model: dict[str, torch.Tensor] = {}
     raw = torch.empty(0, dtype=torch.uint8)
@@ -129,9 +144,9 @@ def _receiver(conn, cfg_raw: bytes) -> None:
             _barrier(group)
             group.broadcast(raw, cfg.timeout_s)
             _barrier(group)
-        elif cmd.op in ("sync", "ipc"):
+        elif cmd.op in receivers:
             _barrier(group)
-            stream = (engine if cmd.op == "sync" else ipc).receive_weights()
+            stream = receivers[cmd.op].receive_weights()
             staged = asyncio.run(stream.collect())
             _barrier(group)
             start = time.perf_counter()
@@ -139,21 +154,29 @@ def _receiver(conn, cfg_raw: bytes) -> None:
                 model[name].copy_(tensor)
             reply = Reply(apply_s=time.perf_counter() - start, version=stream.version or 0)
         conn.send_bytes(msgspec.msgpack.encode(reply))
-    ipc.finalize()
-    engine.finalize()
+    for end in (nixl, ipc, engine):
+        if end is not None:
+            end.finalize()
+
+
+def _nixl_engine(cfg: WeightSyncConfig, is_sender: bool):
+    from slipstream.weightsync.nixl_engine import NixlEngine
+
+    return NixlEngine(cfg, is_sender=is_sender, device=cfg.device)
 
 
 # ----------------------------------------------------------------------------------------------- sender
 
 
 class Bench:
-    def __init__(self, cfg: WeightSyncConfig, receivers: int) -> None:
+    def __init__(self, cfg: WeightSyncConfig, receivers: int, with_nixl: bool = False) -> None:
         ctx = mp.get_context("spawn")
         self.cfg = cfg
         self.conns, self.procs = [], []
         for _ in range(receivers):
             mine, theirs = ctx.Pipe()
-            proc = ctx.Process(target=_receiver, args=(theirs, msgspec.msgpack.encode(cfg)), daemon=True)
+            args = (theirs, msgspec.msgpack.encode(cfg), with_nixl)
+            proc = ctx.Process(target=_receiver, args=args, daemon=True)
             proc.start()
             self.conns.append(mine)
             self.procs.append(proc)
@@ -165,10 +188,18 @@ class Bench:
             self.engine.prepare(), [r[0] for r in rdvs], "bench"
         )
         ipc_info, ipc_infos = IpcEngine.build_topology(self.ipc.prepare(), [r[1] for r in rdvs], "bench")
-        for conn, info, other in zip(self.conns, infos, ipc_infos, strict=True):
-            conn.send_bytes(msgspec.msgpack.encode([info, other]))
+        self.nixl = _nixl_engine(cfg, is_sender=True) if with_nixl else None
+        nixl_infos = [None] * receivers
+        if self.nixl is not None:
+            nixl_info, nixl_infos = type(self.nixl).build_topology(
+                self.nixl.prepare(), [r[2] for r in rdvs], "bench"
+            )
+        for conn, info, other, third in zip(self.conns, infos, ipc_infos, nixl_infos, strict=True):
+            conn.send_bytes(msgspec.msgpack.encode([info, other] + ([third] if third else [])))
         self.engine.init_process_group(mine_info)
         self.ipc.init_process_group(ipc_info)
+        if self.nixl is not None:
+            self.nixl.init_process_group(nixl_info)
         # Same group and metadata channel, same receive path: only the sender differs.
         self.naive.group, self.naive.meta = self.engine.group, self.engine.meta
         self.version = 0
@@ -198,7 +229,8 @@ class Bench:
 
     def sync(self, engine, tensors) -> tuple[float, float, SendStats]:
         self.version += 1
-        self.command(Cmd(op="ipc" if engine is self.ipc else "sync"))
+        op = "ipc" if engine is self.ipc else "nixl" if engine is self.nixl else "sync"
+        self.command(Cmd(op=op))
         group = self.engine.group
         _barrier(group)
         start = time.perf_counter()
@@ -210,6 +242,8 @@ class Bench:
 
     def close(self) -> None:
         self.command(Cmd(op="stop"))
+        if self.nixl is not None:
+            self.nixl.finalize()
         self.ipc.finalize()
         self.engine.finalize()
         for proc in self.procs:
@@ -232,20 +266,26 @@ def memcpy_s(nbytes: int, device: str) -> float:
     return time.perf_counter() - start
 
 
-def run_set(bench: Bench, set_name: str, reps: int) -> dict:
+def run_set(
+    bench: Bench, set_name: str, reps: int, backends: frozenset[str] = frozenset({"ipc", "torch_dist"})
+) -> dict:
     device = bench.cfg.device
-    gpu = device == "cuda"  # NCCL cannot put two ranks on one GPU: only ipc runs there
     tensors = make_set(set_name, fill=1.0, device=device)
     nbytes = set_bytes(tensors)
     bench.command(Cmd(op="setup", set=set_name, nbytes=nbytes, device=device))
     bench.replies()
     buf = torch.ones(nbytes, dtype=torch.uint8)
-    names = ["ipc", "ipc_pause", "memcpy"] + ([] if gpu else ["raw", "bucketed", "naive", "pause"])
+    names = ["memcpy"] + (["ipc", "ipc_pause"] if "ipc" in backends else [])
+    names += ["nixl"] if "nixl" in backends else []
+    names += ["raw", "bucketed", "naive", "pause"] if "torch_dist" in backends else []
     times: dict[str, list[float]] = {k: [] for k in names}
     for rep in range(reps + 1):  # repetition 0 warms buffers and staging up and is not counted
         got = {"memcpy": memcpy_s(nbytes, device)}
-        got["ipc"], got["ipc_pause"], _ = bench.sync(bench.ipc, tensors)
-        if not gpu:
+        if "ipc" in backends:
+            got["ipc"], got["ipc_pause"], _ = bench.sync(bench.ipc, tensors)
+        if "nixl" in backends:
+            got["nixl"], _, _ = bench.sync(bench.nixl, tensors)
+        if "torch_dist" in backends:
             got["raw"] = bench.raw(buf)
             got["bucketed"], got["pause"], _ = bench.sync(bench.engine, tensors)
             got["naive"], _, _ = bench.sync(bench.naive, tensors)
@@ -287,6 +327,8 @@ def run_set(bench: Bench, set_name: str, reps: int) -> dict:
         "ipc_transfer_s": secs("ipc"),
         "ipc_of_memcpy": ratio("memcpy", "ipc"),
         "ipc_x_bucketed": ratio("bucketed", "ipc"),
+        "nixl_gbps": gbps("nixl"),
+        "nixl_of_memcpy": ratio("memcpy", "nixl"),
     }
 
 
@@ -301,7 +343,8 @@ def _line(row: dict) -> str:
         f"pause {fmt('pause_s', '.3f')} s / transfer {fmt('transfer_s', '.3f')} s  |  "
         f"ipc {fmt('ipc_gbps', '.2f')} GB/s  memcpy {fmt('memcpy_gbps', '.2f')}  "
         f"({fmt('ipc_of_memcpy', '.0%')} of memcpy, {fmt('ipc_x_bucketed', '.1f')}x bucketed)  "
-        f"pause {fmt('ipc_pause_s', '.3f')} s / transfer {fmt('ipc_transfer_s', '.3f')} s"
+        f"pause {fmt('ipc_pause_s', '.3f')} s / transfer {fmt('ipc_transfer_s', '.3f')} s  |  "
+        f"nixl {fmt('nixl_gbps', '.2f')} GB/s"
     )
 
 
@@ -313,20 +356,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sets", default=",".join(SETS), help=f"comma-separated, from {list(SETS)}")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--timeout-s", type=float, default=120.0)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the ipc buffers live")
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="where the pushed tensors live"
+    )
+    parser.add_argument(
+        "--backends",
+        default="",
+        help="comma-separated from torch_dist, ipc, nixl (default torch_dist,ipc on cpu, ipc on cuda)",
+    )
     args = parser.parse_args(argv)
     sets = [s for s in args.sets.split(",") if s]
-    unknown = [s for s in sets if s not in SETS and s not in SMOKE_SETS]
+    unknown = [s for s in sets if s not in SETS and s not in SMOKE_SETS and s not in LARGE_SETS]
     if unknown:
-        parser.error(f"unknown tensor set(s) {unknown}; known: {list(SETS)}")
+        parser.error(f"unknown tensor set(s) {unknown}; known: {list(SETS) + list(LARGE_SETS)}")
+    backends = frozenset(b for b in args.backends.split(",") if b) or frozenset(
+        {"ipc"} if args.device == "cuda" else {"torch_dist", "ipc"}
+    )
+    if backends - {"torch_dist", "ipc", "nixl"}:
+        parser.error(f"unknown backends {sorted(backends - {'torch_dist', 'ipc', 'nixl'})}")
+    if args.device == "cuda" and "torch_dist" in backends:
+        parser.error("torch_dist needs one GPU per rank (NCCL refuses two ranks on one GPU): drop it on cuda")
     torch.set_num_threads(1)
     cfg = WeightSyncConfig(bucket_mb=args.bucket_mb, timeout_s=args.timeout_s, device=args.device)
     rows = []
     for receivers in [int(x) for x in args.receivers.split(",") if x]:
-        bench = Bench(cfg, receivers)
+        bench = Bench(cfg, receivers, with_nixl="nixl" in backends)
         try:
             for set_name in sets:
-                row = run_set(bench, set_name, args.reps)
+                row = run_set(bench, set_name, args.reps, backends)
                 rows.append(row)
                 print(_line(row), file=sys.stderr if args.json else sys.stdout, flush=True)
         finally:
