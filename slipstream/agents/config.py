@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -36,8 +36,34 @@ class RewardConfig(ConfigStruct):
     overlong_penalty_factor: Annotated[float, msgspec.Meta(ge=0)] = 1.0
 
 
+class ExternalAgentConfig(ConfigStruct):
+    """The `external` loop: users' own agent harness, talking to the policy through the OpenAI gateway."""
+
+    # The harness: a command (argv, no shell; `{python}` is this interpreter) run once per episode, or
+    # `package.module:function` called as function(task, base_url, api_key). Exactly one of the two.
+    command: list[str] = []
+    callable: str = ""
+    # Where the reward comes from: `harness` (the callable's return value, or what the command writes to
+    # $SLIPSTREAM_REWARD_FILE: a number or {"reward": x, "components": {...}}), `exit_status` (0 scores 1.0,
+    # 1 scores 0.0, anything else fails the episode) or `function` (the data source's reward function
+    # scores the final assistant message).
+    reward: Literal["harness", "exit_status", "function"] = "harness"
+    # Seconds an episode may take; then its process group is killed and the episode fails.
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
+    # Harnesses running at once (0: as many as episodes in flight).
+    max_concurrent: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # Reward of a failed episode (crashed, hung, no reward); its tokens are not trained (loss_mask 0).
+    failure_reward: float = 0.0
+    # Address of the gateway; loopback unless you mean it (session keys then are the only protection).
+    host: str = "127.0.0.1"
+    port: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # Extra environment variables of the harness, and its working directory ("" inherits).
+    env: dict[str, str] = {}
+    cwd: str = ""
+
+
 class AgentConfig(ConfigStruct):
-    # Agent loop (registry in agents/): single_turn, tool.
+    # Agent loop (registry in agents/): single_turn, tool, external.
     name: str = "single_turn"
     # Tools offered to the `tool` loop (registry in agents/tools): python, calculator.
     tools: list[str] = []
@@ -57,3 +83,4 @@ class AgentConfig(ConfigStruct):
     # whatever the run's user can, reach the network, signal its processes). Only for trusted code on
     # a machine without user namespaces; never for a policy's code.
     sandbox_unsafe_no_isolation: bool = False
+    external: ExternalAgentConfig = msgspec.field(default_factory=ExternalAgentConfig)

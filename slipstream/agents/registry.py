@@ -11,6 +11,7 @@ from typing import Any
 
 from slipstream.agents.base import AgentLoop
 from slipstream.agents.config import AgentConfig
+from slipstream.agents.external import ExternalAgentLoop
 from slipstream.agents.protocol import InferenceClient
 from slipstream.agents.single_turn import SingleTurnAgentLoop
 from slipstream.agents.tool_agent import ToolAgentLoop
@@ -18,6 +19,7 @@ from slipstream.agents.tool_agent import ToolAgentLoop
 AGENT_LOOPS: dict[str, type[AgentLoop]] = {
     "single_turn": SingleTurnAgentLoop,
     "tool": ToolAgentLoop,
+    "external": ExternalAgentLoop,
 }
 
 

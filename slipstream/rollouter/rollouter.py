@@ -350,14 +350,7 @@ class Rollouter:
         if any(o.finish_reason == "abort" for o in outputs):
             raise GroupInterrupted(f"group {gid}: an episode was aborted")
         async with asyncio.TaskGroup() as tg:
-            scores = [
-                tg.create_task(
-                    self.rewards.score(
-                        sample.data_source, o.response_text, sample.ground_truth, sample.extra_info
-                    )
-                )
-                for o in outputs
-            ]
+            scores = [tg.create_task(self._score(sample, o)) for o in outputs]
         trajectories = [
             self._trajectory(gid, i, sample, out, score.result())
             for i, (out, score) in enumerate(zip(outputs, scores, strict=True))
@@ -372,6 +365,13 @@ class Rollouter:
         if acfg.stale_policy == "drop" and work.attempt >= acfg.max_stale_drops:
             extra["keep_stale"] = True  # dropped often enough: the trainer takes it whatever its staleness
         return TrajectoryGroup.from_trajectories(trajectories, extra=extra)
+
+    async def _score(self, sample: Sample, out: AgentLoopOutput) -> RewardResult:
+        if out.reward is not None:  # the episode scored itself (the external loop: the harness's reward)
+            return RewardResult(score=out.reward, components=out.reward_components, error=out.reward_error)
+        return await self.rewards.score(
+            sample.data_source, out.response_text, sample.ground_truth, sample.extra_info
+        )
 
     def _trajectory(
         self, gid: str, i: int, sample: Sample, out: AgentLoopOutput, score: RewardResult

@@ -1,0 +1,1 @@
+"""Example agent harnesses for the `external` loop."""

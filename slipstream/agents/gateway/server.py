@@ -1,0 +1,484 @@
+"""The gateway: an OpenAI-compatible endpoint per episode, in front of the rollouter's inference client.
+
+Users' own agent harnesses speak the OpenAI API; the gateway lets them drive the policy while the run records
+exactly what the model saw and sampled. Each episode gets a session: a base URL
+``http://127.0.0.1:PORT/s/<session>/v1`` and an API key (both random, the key checked in constant time; a
+request to ``/v1/...`` with the key as bearer token finds its session too). Per request the gateway renders
+the chat template itself with the served model's tokenizer, generates through the token-in/token-out
+:class:`~slipstream.agents.protocol.InferenceClient` (so every backend works, and the rollouter's partial-
+rollout wrapper resumes requests aborted by a weight push without the harness noticing), and records the
+prompt ids it sent and the ids, logprobs and versions the server returned, never re-tokenised from text
+(session.py assembles them into segments).
+
+Routes (under ``/s/<session>`` or bare, with the key): ``POST /v1/chat/completions`` (``tools``, replies
+with OpenAI ``tool_calls``; ``stream`` answers in SSE chunks once the turn is generated, since the
+token-in/token-out interface returns whole turns), ``POST /v1/completions`` (a text or token-id prompt),
+``GET /v1/models``; and ``GET /health``. ``return_token_ids: true`` (vLLM's extension) adds ``token_ids``
+and ``prompt_token_ids`` to a choice; ``logprobs`` gives the sampled token's log-probability.
+
+Sampling is the run's (``rollout.sampling``): the behaviour policy of training data should not depend on
+what a harness asks for. ``max_tokens`` caps a reply further; each reply is also capped to what is left of
+``agent.max_total_tokens`` for the segment, and a session answers at most ``agent.max_turns`` requests with
+generation (then, like a spent token budget, an empty reply with ``finish_reason: length``). ``n`` > 1 and
+``stop`` strings are refused with a 400 (an episode is one linear conversation; the end-of-turn token ends a
+reply). Bad requests get OpenAI-style errors (``{"error": {"message", "type", "code"}}``) and cost nothing
+but themselves. The gateway binds loopback unless told otherwise.
+
+Worked example::
+
+    gw = Gateway(client, tokenizer, sampling=SamplingParams(max_new_tokens=256))
+    await gw.start()
+    s = gw.open_session("e0-p3-0")
+    # OPENAI_BASE_URL=s.base_url OPENAI_API_KEY=s.api_key python my_harness.py
+    episode = await gw.close_session(s)
+    episode.segments[-1].response_ids, episode.segments[-1].loss_mask
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import json
+import secrets
+import socket
+import time
+from typing import Any
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from slipstream.agents.base import request_params
+from slipstream.agents.gateway.render import GatewayRenderer, parse_reply
+from slipstream.agents.gateway.session import Session
+from slipstream.agents.protocol import GenerateOutput, InferenceClient, SamplingParams
+from slipstream.utils.logging import get_logger
+from slipstream.utils.net import LOOPBACK, is_loopback
+
+log = get_logger(__name__)
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_REQUEST_BYTES = 8 * 1024 * 1024
+# Seconds close_session waits for a request of the session to notice its abort.
+CLOSE_WAIT_S = 30.0
+
+
+class GatewayError(Exception):
+    """An error answered to the harness with ``status`` and an OpenAI-style body."""
+
+    def __init__(self, status: int, message: str, err_type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.err_type = err_type
+
+
+def _json(payload: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(payload), status_code=status, media_type="application/json")
+
+
+def _error(err: GatewayError) -> Response:
+    return _json({"error": {"message": err.message, "type": err.err_type, "code": err.status}}, err.status)
+
+
+def _key_hash(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+class _Server:
+    """uvicorn inside the caller's event loop, without taking over the process's signal handlers."""
+
+    def __init__(self, app: Starlette, sock: socket.socket) -> None:
+        import uvicorn
+
+        class Quiet(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):
+                yield
+
+        self.server = Quiet(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
+        self.sock = sock
+        self.task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self.task = asyncio.create_task(self.server.serve(sockets=[self.sock]), name="gateway http")
+        while not self.server.started:  # start-up is a few event-loop turns
+            if self.task.done():
+                self.task.result()
+                raise RuntimeError("the gateway's HTTP server stopped during start-up")
+            await asyncio.sleep(0.005)
+
+    async def stop(self) -> None:
+        if self.task is None:
+            return
+        self.server.should_exit = True
+        await asyncio.gather(self.task, return_exceptions=True)
+        self.sock.close()
+
+
+class Gateway:
+    """OpenAI-compatible sessions over an :class:`InferenceClient` (see the module docstring).
+
+    Lifecycle: construct, ``await start()`` on the event loop that owns ``client``, then per episode
+    :meth:`open_session` / :meth:`close_session`; ``await stop()`` at the end.
+    """
+
+    def __init__(
+        self,
+        client: InferenceClient,
+        tokenizer: Any,
+        *,
+        sampling: SamplingParams | None = None,
+        max_total_tokens: int = 4096,
+        max_turns: int = 1000,
+        host: str = LOOPBACK,
+        port: int = 0,
+        model_name: str = "slipstream-policy",
+    ) -> None:
+        if not is_loopback(host):
+            log.warning("the gateway binds %s: session keys are its only protection beyond this host", host)
+        self.client = client
+        self.tokenizer = tokenizer
+        self.renderer = GatewayRenderer(tokenizer)
+        self.sampling = sampling or SamplingParams()
+        self.max_total_tokens = max_total_tokens
+        self.max_turns = max_turns
+        self.host, self.port = host, port
+        self.model_name = model_name
+        self._sessions: dict[str, Session] = {}
+        self._by_key: dict[bytes, str] = {}
+        self._server: _Server | None = None
+        self.latest_version = 0
+        self.counters = {"requests": 0, "errors": 0, "divergences": 0, "resumes": 0, "sessions": 0}
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        sock.listen(1024)
+        self.port = sock.getsockname()[1]
+        self._server = _Server(self._app(), sock)
+        await self._server.start()
+
+    async def stop(self) -> None:
+        for session in list(self._sessions.values()):
+            await self.close_session(session)
+        if self._server is not None:
+            await self._server.stop()
+            self._server = None
+
+    def open_session(self, uid: str) -> Session:
+        """A new session for episode ``uid``: ``base_url`` and ``api_key`` go to the harness."""
+        sid = secrets.token_urlsafe(12)
+        session = Session(uid, secrets.token_urlsafe(32))
+        session.sid = sid
+        session.base_url = f"{self.url}/s/{sid}/v1"
+        self._sessions[sid] = session
+        self._by_key[_key_hash(session.api_key)] = sid
+        self.counters["sessions"] += 1
+        return session
+
+    async def close_session(self, session: Session) -> Session:
+        """End a session: later requests get 404 and a request still generating is aborted (its harness
+        gets an error). Returns the session with its segments and counters."""
+        session.closed = True
+        self._sessions.pop(session.sid, None)
+        self._by_key.pop(_key_hash(session.api_key), None)
+        rid = session.active_rid
+        if rid is not None:
+            with contextlib.suppress(Exception):
+                await self.client.abort(rid)
+        with contextlib.suppress(TimeoutError):  # the aborted request records nothing more once held
+            async with asyncio.timeout(CLOSE_WAIT_S):
+                async with session.lock:
+                    pass
+        return session
+
+    # ------------------------------------------------------------------ HTTP
+    def _app(self) -> Starlette:
+        routes = []
+        for prefix in ("/s/{sid}/v1", "/v1"):
+            routes += [
+                Route(f"{prefix}/chat/completions", self._chat, methods=["POST"]),
+                Route(f"{prefix}/completions", self._completions, methods=["POST"]),
+                Route(f"{prefix}/models", self._models, methods=["GET"]),
+            ]
+        routes.append(Route("/health", lambda request: _json({"status": "ok"}), methods=["GET"]))
+        return Starlette(routes=routes)
+
+    def _session(self, request: Request) -> Session:
+        auth = request.headers.get("authorization", "")
+        key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        sid = request.path_params.get("sid")
+        if sid is None:
+            sid = self._by_key.get(_key_hash(key), "") if key else ""
+        session = self._sessions.get(sid) if sid else None
+        if session is None:
+            raise GatewayError(404, "no such session (it ended, or the URL or API key is wrong)", "not_found")
+        if not hmac.compare_digest(key.encode(), session.api_key.encode()):
+            raise GatewayError(401, "the API key does not belong to this session", "authentication_error")
+        return session
+
+    async def _body(self, request: Request) -> dict[str, Any]:
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_REQUEST_BYTES:
+            raise GatewayError(413, f"the request body exceeds {MAX_REQUEST_BYTES} bytes")
+        raw = await request.body()
+        if len(raw) > MAX_REQUEST_BYTES:
+            raise GatewayError(413, f"the request body exceeds {MAX_REQUEST_BYTES} bytes")
+        try:
+            body = json.loads(raw or b"{}")
+        except ValueError as err:
+            raise GatewayError(400, f"the request body is not valid JSON: {err}") from err
+        if not isinstance(body, dict):
+            raise GatewayError(400, "the request body must be a JSON object")
+        return body
+
+    async def _models(self, request: Request) -> Response:
+        try:
+            self._session(request)
+        except GatewayError as err:
+            return _error(err)
+        card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "slipstream"}
+        return _json({"object": "list", "data": [card]})
+
+    async def _chat(self, request: Request) -> Response:
+        return await self._handle(request, chat=True)
+
+    async def _completions(self, request: Request) -> Response:
+        return await self._handle(request, chat=False)
+
+    async def _handle(self, request: Request, *, chat: bool) -> Response:
+        session: Session | None = None
+        try:
+            session = self._session(request)
+            body = await self._body(request)
+            check_common(body)
+            if chat:
+                check_chat(body)
+            elif not (isinstance(body.get("prompt"), str) or _is_ids(body.get("prompt"))):
+                raise GatewayError(400, "prompt must be a string or a list of token ids (one prompt)")
+            session.requests += 1
+            self.counters["requests"] += 1
+            result = await self._turn(session, body, chat)
+        except GatewayError as err:
+            if session is not None:
+                session.errors += 1
+            self.counters["errors"] += 1
+            return _error(err)
+        return self._respond(body, result, chat)
+
+    # ------------------------------------------------------------------ one turn
+    async def _turn(self, session: Session, body: dict[str, Any], chat: bool) -> dict[str, Any]:
+        async with session.lock:  # one request of an episode at a time: a segment is linear
+            if session.closed:
+                raise GatewayError(404, "the session has ended", "not_found")
+            state = session.checkpoint()
+            divergences = session.divergences
+            try:
+                prompt_ids, tools = await self._prompt(session, body, chat)
+                out = await self._generate(session, prompt_ids, body)
+            except BaseException:
+                session.rollback(state)
+                raise
+            self.counters["divergences"] += session.divergences - divergences
+            seg = session.current
+            if out is not None:
+                seg.add_generated(out)
+                seg.num_turns += 1
+                session.resumes += out.num_resumes
+                self.counters["resumes"] += out.num_resumes
+                if out.versions:
+                    self.latest_version = max(self.latest_version, out.versions[-1])
+            out = out or GenerateOutput(output_ids=[], logprobs=[], versions=[], finish_reason="length")
+            stop_ids = self.renderer.stop_ids
+            ended = bool(out.output_ids) and out.output_ids[-1] in stop_ids
+            if chat:
+                reply = parse_reply(self.tokenizer, out.output_ids, stop_ids, bool(tools))
+                session.replied_chat(reply, ended)
+                session.final_text = reply.get("content") or ""
+            else:
+                reply = {"text": self.tokenizer.decode(out.output_ids, skip_special_tokens=True)}
+                session.replied_completion(reply["text"], isinstance(body["prompt"], str))
+                session.final_text = reply["text"]
+            finish = out.finish_reason if out.finish_reason == "stop" else "length"
+            if chat and reply.get("tool_calls"):
+                finish = "tool_calls"
+            return {"reply": reply, "out": out, "prompt_ids": prompt_ids, "finish": finish}
+
+    async def _prompt(self, session: Session, body: dict[str, Any], chat: bool):
+        tok = self.tokenizer
+        if not chat:
+            encode = lambda text: list(tok.encode(text, add_special_tokens=False))  # noqa: E731
+            return session.begin_completion(body["prompt"], encode), None
+        messages, tools = body["messages"], body.get("tools") or None
+        key = json.dumps(tools, sort_keys=True) if tools else ""
+        r = self.renderer
+
+        def delta(new: list[dict], ended: bool) -> list[int]:
+            return r.delta_ids(new, tools, key, ended)
+
+        try:
+            ids = session.begin_chat(messages, key, lambda m: r.full_ids(m, tools, key), delta)
+        except GatewayError:
+            raise
+        except Exception as err:  # a template that cannot render these messages: the caller's input
+            raise GatewayError(400, f"cannot render the messages with the chat template: {err}") from err
+        return ids, tools
+
+    async def _generate(self, session: Session, prompt_ids: list[int], body: dict[str, Any]):
+        if session.turns >= self.max_turns:
+            return None
+        budget = min(self.sampling.max_new_tokens, self.max_total_tokens - len(prompt_ids))
+        asked = body.get("max_completion_tokens") or body.get("max_tokens")
+        if asked is not None:
+            budget = min(budget, int(asked))
+        if budget <= 0:
+            return None
+        params = request_params(self.sampling, budget, self.renderer.stop_ids)
+        rid = f"{session.uid}-r{session.requests}-{secrets.token_hex(3)}"
+        session.active_rid = rid
+        try:
+            out = await self.client.generate(prompt_ids, params, rid=rid, session_id=session.uid)
+        except Exception as err:  # noqa: BLE001 - the harness gets the reason; the run goes on
+            raise GatewayError(
+                503, f"generation failed: {type(err).__name__}: {err}", "server_error"
+            ) from err
+        finally:
+            session.active_rid = None
+        if out.finish_reason == "abort":
+            session.aborted = True
+            raise GatewayError(503, "the episode was stopped (the run is ending or the episode timed out)",
+                               "server_error")  # fmt: skip
+        return out
+
+    # ------------------------------------------------------------------ responses
+    def _respond(self, body: dict[str, Any], result: dict[str, Any], chat: bool) -> Response:
+        out: GenerateOutput = result["out"]
+        reply, finish = result["reply"], result["finish"]
+        prompt_len = len(result["prompt_ids"])
+        usage = {
+            "prompt_tokens": prompt_len,
+            "completion_tokens": len(out.output_ids),
+            "total_tokens": prompt_len + len(out.output_ids),
+        }
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
+        if chat:
+            choice["message"] = reply
+            choice["logprobs"] = self._chat_logprobs(out) if body.get("logprobs") else None
+        else:
+            choice["text"] = reply["text"]
+            choice["logprobs"] = self._completion_logprobs(out) if body.get("logprobs") is not None else None
+        if body.get("return_token_ids"):
+            choice["token_ids"] = list(out.output_ids)
+            choice["prompt_token_ids"] = list(result["prompt_ids"])
+            choice["weight_versions"] = list(out.versions)
+        created = int(time.time())
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
+        kind = "chat.completion" if chat else "text_completion"
+        envelope = {"id": rid, "object": kind, "created": created, "model": self.model_name}
+        if not body.get("stream"):
+            return _json({**envelope, "choices": [choice], "usage": usage})
+        chunks = _stream_chunks(envelope, choice, usage, chat, body)
+        return StreamingResponse(iter(chunks), media_type="text/event-stream")
+
+    def _chat_logprobs(self, out: GenerateOutput) -> dict:
+        content = []
+        for t, lp in zip(out.output_ids, out.logprobs, strict=True):
+            text = self.tokenizer.decode([t])
+            entry = {"token": text, "logprob": lp, "bytes": list(text.encode())}
+            content.append({**entry, "top_logprobs": [entry]})
+        return {"content": content}
+
+    def _completion_logprobs(self, out: GenerateOutput) -> dict:
+        tokens = [self.tokenizer.decode([t]) for t in out.output_ids]
+        offsets, pos = [], 0
+        for text in tokens:
+            offsets.append(pos)
+            pos += len(text)
+        top = [{t: lp} for t, lp in zip(tokens, out.logprobs, strict=True)]
+        return {"tokens": tokens, "token_logprobs": list(out.logprobs), "top_logprobs": top,
+                "text_offset": offsets}  # fmt: skip
+
+
+def _sse(payload: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+def _stream_chunks(envelope, choice, usage, chat: bool, body) -> list[bytes]:
+    """The SSE chunks of a finished turn: role, content, tool calls, finish (and usage when asked)."""
+    env = {**envelope, "object": "chat.completion.chunk" if chat else "text_completion"}
+    extra = {k: choice[k] for k in ("token_ids", "prompt_token_ids", "weight_versions") if k in choice}
+    chunks = []
+    if chat:
+        message = choice["message"]
+        first = {"index": 0, "delta": {"role": "assistant", "content": message.get("content") or ""},
+                 "logprobs": choice["logprobs"], "finish_reason": None, **extra}  # fmt: skip
+        chunks.append(_sse({**env, "choices": [first]}))
+        calls = [{**c, "index": i} for i, c in enumerate(message.get("tool_calls") or [])]
+        if calls:
+            chunks.append(_sse({**env, "choices": [{"index": 0, "delta": {"tool_calls": calls},
+                                                    "finish_reason": None}]}))  # fmt: skip
+        last = {"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}
+    else:
+        first = {"index": 0, "text": choice["text"], "logprobs": choice["logprobs"], "finish_reason": None,
+                 **extra}  # fmt: skip
+        chunks.append(_sse({**env, "choices": [first]}))
+        last = {"index": 0, "text": "", "logprobs": None, "finish_reason": choice["finish_reason"]}
+    chunks.append(_sse({**env, "choices": [last]}))
+    if (body.get("stream_options") or {}).get("include_usage"):
+        chunks.append(_sse({**env, "choices": [], "usage": usage}))
+    chunks.append(b"data: [DONE]\n\n")
+    return chunks
+
+
+# ---------------------------------------------------------------------- request checks
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) for t in value)
+
+
+def check_common(body: dict[str, Any]) -> None:
+    if body.get("n", 1) != 1:
+        raise GatewayError(400, "n must be 1: an episode is one conversation")
+    if body.get("stop"):
+        raise GatewayError(400, "stop strings are not supported: the model's end-of-turn token ends a reply")
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise GatewayError(400, f"{name} must be a positive integer, got {value!r}")
+    if not isinstance(body.get("stream", False), bool):
+        raise GatewayError(400, "stream must be true or false")
+
+
+def check_chat(body: dict[str, Any]) -> None:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise GatewayError(400, "messages must be a non-empty list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise GatewayError(400, f"messages[{i}] needs a role, one of {list(ROLES)}")
+        content, calls = m.get("content"), m.get("tool_calls")
+        if content is None and not (m["role"] == "assistant" and calls):
+            raise GatewayError(400, f"messages[{i}].content is missing")
+        if content is not None and not isinstance(content, str | list):
+            raise GatewayError(400, f"messages[{i}].content must be a string or a list of text parts")
+        if calls is not None and not (
+            isinstance(calls, list)
+            and all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls)  # fmt: skip
+        ):
+            raise GatewayError(400, f"messages[{i}].tool_calls must be a list of function calls")
+    tools = body.get("tools")
+    if tools is not None and not (
+        isinstance(tools, list)
+        and all(isinstance(t, dict) and isinstance((t.get("function") or {}).get("name"), str) for t in tools)
+    ):
+        raise GatewayError(400, 'tools must be a list of {"type": "function", "function": {"name", ...}}')

@@ -1,0 +1,190 @@
+"""One episode seen through the gateway: its requests, recorded token for token, as segments.
+
+A *segment* is a linear token sequence the model really saw: the prompt the gateway rendered for the
+segment's first request, then every later request's new messages (rendered as a chat-template suffix
+delta, ``loss_mask`` 0) and every reply (the server's ids, logprobs and versions, ``loss_mask`` 1). It is an
+:class:`~slipstream.agents.base.AgentLoopOutput`, the type every agent loop produces.
+
+A request *extends* the segment when its messages start with the messages the segment stands for (the
+earlier history plus the assistant reply the gateway returned, compared after normalisation: text parts
+joined, tool-call arguments parsed) and its tools are the same. Anything else (an edited or dropped
+message, a rewritten assistant reply, other tools) means the harness's history no longer renders to the
+recorded tokens; training on a re-rendering would train on tokens the model never saw, so the gateway
+starts a new segment from a fresh rendering and counts a divergence. The episode's trajectory is its last
+segment (the one that produced the final answer); earlier ones stay available on :class:`Session`.
+
+Worked example (a tool round-trip extends one segment)::
+
+    s = Session("e0-p3-0", api_key)
+    seg, prompt_ids = s.begin(messages, tools_key, render_full, render_delta)   # a new segment
+    seg.add_generated(out); s.replied(messages, reply)                          # turn 1
+    seg, prompt_ids = s.begin(messages + [reply, tool_msg], ...)                # extends: delta appended
+    s.divergences   # 0
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from slipstream.agents.base import AgentLoopOutput
+
+
+def _text(content: Any) -> str:
+    """A message's content as one string (OpenAI allows a list of text parts)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+
+
+def _arguments(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return json.loads(value) if value.strip() else {}
+        except json.JSONDecodeError:
+            return value
+    return value
+
+
+def canonical(message: dict[str, Any]) -> tuple:
+    """What decides whether two messages render the same for the model (ids of tool calls do not)."""
+    calls = tuple(
+        (
+            (c.get("function") or {}).get("name", ""),
+            json.dumps(_arguments((c.get("function") or {}).get("arguments")), sort_keys=True),
+        )
+        for c in message.get("tool_calls") or []
+    )
+    name = message.get("name", "") if message.get("role") == "tool" else ""
+    return (message.get("role"), _text(message.get("content")).strip(), calls, name)
+
+
+class Session:
+    """An episode's record: its segments, the messages the current one stands for, and its counters.
+
+    Lifecycle: created by :meth:`Gateway.open_session`, fed by the gateway's handlers (one request at a time:
+    ``lock``), ended by :meth:`Gateway.close_session`, after which requests with its key get a 404.
+    """
+
+    def __init__(self, uid: str, api_key: str) -> None:
+        import asyncio
+
+        self.uid = uid
+        self.api_key = api_key
+        self.sid = ""  # the URL's session part (set by the gateway)
+        self.base_url = ""  # what the harness gets as OPENAI_BASE_URL
+        self.segments: list[AgentLoopOutput] = []
+        self.kind = ""  # "chat" or "completion": the route the current segment was built by
+        self.history: list[tuple] = []  # canonical messages (chat) the current segment stands for
+        self.text = ""  # prompt + completion text (completions) the current segment stands for
+        self.tools_key = ""
+        self.ended_turn = True
+        self.divergences = 0
+        self.requests = 0
+        self.errors = 0  # requests answered with an error status
+        self.resumes = 0
+        self.final_text = ""  # the last reply's visible text (what reward functions score)
+        self.closed = False
+        self.aborted = False
+        self.lock = asyncio.Lock()
+        self.active_rid: str | None = None
+
+    @property
+    def turns(self) -> int:
+        """Replies generated in this episode, all segments together."""
+        return sum(seg.num_turns for seg in self.segments)
+
+    @property
+    def current(self) -> AgentLoopOutput | None:
+        return self.segments[-1] if self.segments else None
+
+    def context_ids(self) -> list[int]:
+        seg = self.current
+        return [] if seg is None else seg.prompt_ids + seg.response_ids
+
+    def begin_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools_key: str,
+        render_full: Callable[[list[dict[str, Any]]], list[int]],
+        render_delta: Callable[[list[dict[str, Any]], bool], list[int]],
+    ) -> list[int]:
+        """The prompt ids for a chat request: the segment extended by the new messages' delta, or a new
+        segment rendered from scratch (a divergence when a segment existed)."""
+        canon = [canonical(m) for m in messages]
+        k = len(self.history)
+        extends = (
+            self.kind == "chat"
+            and tools_key == self.tools_key
+            and len(canon) > k
+            and canon[:k] == self.history
+        )
+        if extends:
+            delta = render_delta(messages[k:], self.ended_turn)
+            self.current.add_inserted(delta)
+        else:
+            self._new_segment(render_full(messages), "chat")
+            self.tools_key = tools_key
+        self.history = canon
+        return self.context_ids()
+
+    def begin_completion(self, prompt: str | list[int], encode: Callable[[str], list[int]]) -> list[int]:
+        """The prompt ids for a completions request (text extends when it starts with the recorded text;
+        token ids when they start with the recorded ids)."""
+        if isinstance(prompt, list):
+            ctx = self.context_ids()
+            if self.kind == "completion" and ctx and len(prompt) > len(ctx) and prompt[: len(ctx)] == ctx:
+                self.current.add_inserted(prompt[len(ctx) :])
+            else:
+                self._new_segment(list(prompt), "completion")
+            self.text = ""
+            return self.context_ids()
+        if self.kind == "completion" and self.text and prompt.startswith(self.text) and prompt != self.text:
+            self.current.add_inserted(encode(prompt[len(self.text) :]))
+        else:
+            self._new_segment(encode(prompt), "completion")
+        self.text = prompt
+        return self.context_ids()
+
+    def replied_chat(self, reply: dict[str, Any], ended_turn: bool) -> None:
+        self.history.append(canonical(reply))
+        self.ended_turn = ended_turn
+
+    def replied_completion(self, text: str, prompt_was_text: bool) -> None:
+        self.text = self.text + text if prompt_was_text else ""
+
+    def checkpoint(self) -> tuple:
+        """What :meth:`rollback` restores when a request fails after it began (nothing is recorded)."""
+        seg = self.current
+        size = len(seg.response_ids) if seg is not None else 0
+        fields = (self.kind, list(self.history), self.text, self.tools_key, self.ended_turn, self.divergences)
+        return len(self.segments), size, fields
+
+    def rollback(self, state: tuple) -> None:
+        count, size, fields = state
+        del self.segments[count:]
+        seg = self.current
+        if seg is not None:
+            for name in ("response_ids", "loss_mask", "logprobs", "versions"):
+                del getattr(seg, name)[size:]
+        self.kind, self.history, self.text, self.tools_key, self.ended_turn, self.divergences = fields
+
+    def _new_segment(self, prompt_ids: list[int], kind: str) -> None:
+        if self.segments:
+            self.divergences += 1
+        self.segments.append(AgentLoopOutput(prompt_ids=list(prompt_ids)))
+        self.kind = kind
+        self.history = []
+        self.text = ""
+        self.ended_turn = True
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "gateway_requests": float(self.requests),
+            "gateway_segments": float(len(self.segments)),
+            "gateway_divergences": float(self.divergences),
+            "gateway_errors": float(self.errors),
+        }
