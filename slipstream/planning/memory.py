@@ -293,7 +293,7 @@ def render(p: Plan) -> str:
             continue
         lines.append(f"{part.name}: {part.total / GIB:.1f} GiB of {part.limit / GIB:.1f} "
                      f"({'fits' if part.fits else 'does NOT fit'})")  # fmt: skip
-        lines += [f"  {name:40s} {value / GIB:8.2f} GiB" for name, value in part.items.items()]
+        lines += [f"  {name:40s} {value / GIB:8.2f} GiB" for name, value in part.items.items() if value]
     if p.full_length_sequences_per_server is not None:
         lines.append(f"  full-length sequences the KV cache holds: {p.full_length_sequences_per_server:.1f}")
     lines += [f"problem: {text}" for text in p.problems]

@@ -31,7 +31,11 @@ def test_a_local_checkpoint_is_read_from_its_config(tmp_path):
 
 
 def test_full_vocabulary_logits_dominate_a_long_micro_batch_and_chunks_remove_them():
-    long = ["trainer.micro_batch_tokens=24576", "trainer.activation_checkpointing=true"]
+    long = [
+        "trainer.micro_batch_tokens=24576",
+        "trainer.sequence_parallel_size=1",
+        "trainer.activation_checkpointing=true",
+    ]
     full = plan(load_config(RECIPE, [*long, "trainer.logits_chunk_tokens=0"])).trainer.items
     # 24,576 tokens x 152,064 vocabulary x 4 bytes x 3 copies
     assert full["logits"] == 3 * 24576 * 152064 * 4
