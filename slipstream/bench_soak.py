@@ -19,10 +19,11 @@ later regardless), or as soon as ``--kills`` kills have recovered; it stops as `
 SIGTERM: the step in flight, then a checkpoint.
 
 Memory: the resident set (psutil) of each process, keyed by role (``driver``, ``queue``, ``rollouter``,
-``server-<i>``, ``trainer-<rank>``), after the first step (the warm-up: models loaded, first batch trained)
-and after the last one, and its peak over every step; ``<run_dir>/soak_rss.jsonl`` has one sample per step.
-A restarted server or trainer rank is a new process, so its end figure covers only its own life; the
-driver, the queue server and the rollouter live through the whole run.
+``server-<i>``, ``trainer-<rank>``), after ``--warmup-steps`` steps (3: models loaded, optimizer state made,
+the allocators at their working size) and after the last step, and its peak over every step;
+``<run_dir>/soak_rss.jsonl`` has one sample per step (no kill comes before the start sample). A restarted
+server or trainer rank is a new process, so its end figure covers only its own life; the driver, the queue
+server and the rollouter live through the whole run.
 
 Losses and duplicates are counted from ground truth at the end, from the run's final checkpoint (the one the
 stop writes):
@@ -35,10 +36,11 @@ stop writes):
 * still owed: groups in the queue snapshot (ready, leased, or dropped as too stale and not yet regenerated)
   and prompts the rollouter state owes (in flight, waiting to be generated again).
 
-A group is lost when its prompt was admitted but neither trained nor owed; duplicated when its prompt was
-trained under two group ids (two attempts), any of its uids appears in two trained samples, or it is trained
-and still waits in the queue. ``groups_partial`` counts trained groups with fewer samples than
-``rollout.n``.
+A group is lost when its prompt was admitted but neither trained nor owed (the count assumes
+``rollout.dynamic_sampling`` off, as in the quickstart: a prompt it skips would count as lost); duplicated
+when its prompt was trained under two group ids (two attempts), any of its uids appears in two trained
+samples, or it is trained and still waits in the queue. ``groups_partial`` counts trained groups with fewer
+samples than ``rollout.n``.
 
 The last line of ``--json`` is one JSON object: ``{"minutes", "rss_mb_start", "rss_mb_end", "rss_mb_peak",
 "groups_lost", "groups_duplicated", "restarts", "kills", "steps", "samples_trained", ...}``.
@@ -46,7 +48,7 @@ The last line of ``--json`` is one JSON object: ``{"minutes", "rss_mb_start", "r
 Example::
 
     slipstream bench soak --minutes 60 --json
-    slipstream bench soak --kills 2 --kill-every 2 --out /tmp/s model.path=/tmp/tiny run.total_steps=0
+    slipstream bench soak --kills 2 --kill-every 2 --out /tmp/s model.path=/tmp/tiny
 """
 
 from __future__ import annotations
@@ -79,6 +81,13 @@ def _parser() -> argparse.ArgumentParser:
         "--kills", type=int, default=0, help="stop once this many kills have recovered (0: no limit)"
     )
     p.add_argument("--kill-every", type=int, default=8, help="steps between a recovery and the next kill")
+    p.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=3,
+        help="steps before the start sample of memory (models loaded, "
+        "optimizer state made, the allocator at its working size)",
+    )
     p.add_argument("--first", choices=("server", "trainer"), default="server", help="the first kill's kind")
     p.add_argument(
         "--grace-minutes",
@@ -186,6 +195,7 @@ class SoakPlan:
     minutes: float
     kills: int = 0  # 0: until the deadline
     kill_every: int = 8
+    warmup_steps: int = 3
     first: str = "server"
     grace_minutes: float = 15.0
     t0: float = field(default_factory=time.monotonic)
@@ -223,14 +233,14 @@ class SoakPlan:
         if reason:
             self.stopping, self.stop_reason = True, reason
             pipeline.request_stop()
-        elif self.pending is None and self.quiet_steps >= self.kill_every:
+        elif self.pending is None and self.rss_start and self.quiet_steps >= self.kill_every:
             self._kill(pipeline, version)
 
     # -------------------------------------------------------------- memory
     def _sample(self, pipeline: Any, version: int) -> None:
         pids = self.procs.pids(pipeline)
         rss = {role: rss_mb(pid) for role, pid in pids.items()}
-        if not self.rss_start:
+        if not self.rss_start and self.steps_run >= self.warmup_steps:
             self.rss_start, self.pids_start = dict(rss), dict(pids)
         self.rss_end, self.pids_end = rss, pids
         for role, mb in rss.items():
@@ -333,7 +343,7 @@ def account(cfg: Any, run_dir: Path, version: int) -> dict[str, Any]:
 
     queued = {g.meta.group_id for g in header.groups}
     owed = {_prompt_key(gid) for gid in queued} | {_prompt_key(m.group_id) for m in header.dropped}
-    owed |= {(int(e), int(i)) for e, i, _a in state.get("pending", [])}
+    owed |= {(int(entry[0]), int(entry[1])) for entry in state.get("pending", [])}  # [epoch, index, ...]
 
     dup_prompts = {key for key, gids in by_prompt.items() if len(gids) > 1}
     dup_prompts |= {_prompt_key(_group_of(u)) for u, c in uid_counts.items() if c > 1}
@@ -370,6 +380,8 @@ def run_soak(cfg: Any, plan: SoakPlan, *, reap_if_killed: bool = False) -> dict[
         "rss_mb_peak": plan.rss_peak,
         "restarts": dict(result.restarts),
         "kills_done": len(plan.done),
+        # Restarts no kill of the plan caused (a part that died on its own, e.g. killed for memory).
+        "unplanned_restarts": sum(result.restarts.values()) - len(plan.done) - (plan.pending is not None),
         "kills": [vars(k) for k in plan.done + ([plan.pending] if plan.pending else [])],
         "steps": result.version,
         "steps_run": plan.steps_run,
@@ -396,7 +408,14 @@ def main(argv: list[str]) -> int:
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    plan = SoakPlan(args.minutes, args.kills, args.kill_every, args.first, args.grace_minutes)
+    plan = SoakPlan(
+        args.minutes,
+        args.kills,
+        args.kill_every,
+        args.warmup_steps,
+        args.first,
+        args.grace_minutes,
+    )
     try:
         report = run_soak(cfg, plan, reap_if_killed=True)
     except PartFailed as err:

@@ -22,7 +22,7 @@ def test_soak_survives_a_server_and_a_trainer_kill_and_loses_nothing(
     base = tmp_path / "tiny.yaml"
     base.write_text(to_yaml(pipeline_config(tmp_path, tiny_model_path, "trainer.checkpoint_every=2")))
     argv = ["--config", str(base), "--out", str(tmp_path / "soak"), "--kills", "2", "--kill-every", "2",
-            "--json", "trainer.checkpoint_every=2"]  # fmt: skip
+            "--warmup-steps", "1", "--json", "trainer.checkpoint_every=2"]  # fmt: skip
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
