@@ -156,6 +156,8 @@ class ClusterConfig(ConfigStruct):
     # GPUs per inference server (its tensor-parallel size) and per trainer rank; 0 on CPU machines.
     gpus_per_server: Annotated[int, msgspec.Meta(ge=0)] = 0
     gpus_per_trainer_rank: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # GiB of memory per GPU, for the memory check before launch (`slipstream plan memory` shows the estimate).
+    gpu_memory_gib: Annotated[float, msgspec.Meta(gt=0)] = 80.0
     # Trainer ranks and inference servers share GPUs (a one-GPU machine): server i runs on the GPU of trainer
     # rank i, each taking half of it in Ray's accounting (the engines' own memory settings split the memory:
     # rollout.embedded / --gpu-memory-utilization). Needs gpus_per_server = gpus_per_trainer_rank = 1 and no
