@@ -37,6 +37,9 @@ from typing import Any
 import msgspec
 
 from slipstream.config import Config, ConfigError
+from slipstream.utils.logging import get_logger
+
+log = get_logger(__name__)
 
 # mode -> the async fields it fixes (fields it leaves out keep the configured value)
 MODE_PRESETS: dict[str, dict[str, Any]] = {
@@ -117,7 +120,7 @@ def check_config(cfg: Config, *, environment: bool = True) -> None:
     """
     from slipstream.pipeline.placement import check_layout
 
-    checks = [_check_registries, _check_trainer, _check_faults, _check_lengths, check_layout]
+    checks = [_check_registries, _check_trainer, _check_faults, _check_lengths, check_layout, _check_memory]
     if environment:
         checks += [_check_model, _check_backends]
     else:
@@ -332,6 +335,27 @@ def _json_flag(args: list[str], flag: str | None) -> dict[str, Any]:
     return value
 
 
+def _check_memory(cfg: Config) -> None:
+    """A GPU run whose estimated memory does not fit its GPUs fails here, naming the keys to change; the
+    estimate needs the model's shape (its config.json here, or a model the planner knows)."""
+    if (
+        cfg.trainer.device != "cuda"
+        and cfg.cluster.gpus_per_trainer_rank == 0
+        and cfg.cluster.gpus_per_server == 0
+    ):
+        return
+    from slipstream.planning.memory import plan
+
+    try:
+        result = plan(cfg, cfg.cluster.gpu_memory_gib)
+    except ValueError as err:
+        log.info("memory check skipped: %s", err)
+        return
+    memory = [p for p in result.problems if "positions" not in p]  # _check_lengths owns positions
+    if memory:
+        raise ConfigError(f"{memory[0]} (cluster.gpu_memory_gib = {cfg.cluster.gpu_memory_gib:g})")
+
+
 def _check_faults(cfg: Config) -> None:
     c = cfg.cluster
     if c.restart_servers and not cfg.weightsync.keep_last and not cfg.rollout.server_urls:
@@ -359,13 +383,24 @@ def check_data(cfg: Config) -> int:
         raise ConfigError("data.train_files: empty; name at least one .parquet or .jsonl file")
     _check_data_files("data.train_files", cfg.data.train_files)
     _check_data_files("data.val_files", cfg.data.val_files)
+    if cfg.eval_.every > 0 and not cfg.data.val_files:
+        raise ConfigError(
+            f"eval.every: {cfg.eval_.every} evaluates data.val_files, which is empty; name the held-out "
+            ".parquet or .jsonl files, or set eval.every=0"
+        )
     try:
         samples = load_samples(cfg.data.train_files)
     except DatasetError as err:
         raise ConfigError(f"data.train_files: {err}") from None
+    val = []
+    if cfg.eval_.every > 0:
+        try:
+            val = load_samples(cfg.data.val_files)
+        except DatasetError as err:
+            raise ConfigError(f"data.val_files: {err}") from None
     from slipstream.agents.rewards import reward_name
 
-    for source in sorted({s.data_source for s in samples}):
+    for source in sorted({s.data_source for s in [*samples, *val]}):
         try:
             reward_name(source, cfg.reward.sources)
         except KeyError as err:

@@ -117,7 +117,12 @@ def model_shape(path: str) -> ModelShape:
     """From ``path/config.json`` when it is here, else the table of known models; ValueError otherwise."""
     local = Path(path).expanduser() / "config.json"
     if local.is_file():
-        return shape_from_hf(json.loads(local.read_text()))
+        try:
+            return shape_from_hf(json.loads(local.read_text()))
+        except KeyError as err:
+            raise ValueError(
+                f"model.path: {local} has no {err} (not a decoder config the planner reads)"
+            ) from err
     from slipstream.rollouter.models import KNOWN_MODELS, resolve_model_path
 
     if path in KNOWN_MODELS:

@@ -78,3 +78,17 @@ def test_the_estimate_is_within_a_factor_of_two_of_a_measured_step(tmp_path, che
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["estimated_gib"] * GIB > 64 << 20  # large enough to measure above the noise
     assert 0.5 <= result["measured_gib"] / result["estimated_gib"] <= 2.0, result
+
+
+def test_the_config_check_refuses_a_gpu_run_that_cannot_fit_before_anything_launches():
+    from slipstream.config import ConfigError
+    from slipstream.pipeline.modes import check_config, prepare_config
+
+    def check(*overrides):
+        cfg, _ = prepare_config(load_config(RECIPE, list(overrides)))
+        check_config(cfg, environment=False)
+
+    check()  # the recipe fits 80 GB GPUs
+    no_sp = ["trainer.micro_batch_tokens=24576", "trainer.sequence_parallel_size=1"]
+    with pytest.raises(ConfigError, match="trainer.micro_batch_tokens.*cluster.gpu_memory_gib = 40"):
+        check(*no_sp, "trainer.logits_chunk_tokens=0", "cluster.gpu_memory_gib=40")
