@@ -2,8 +2,9 @@
 
 Everything but the model is real: a queue server process, the rollouter (staleness gate, load balancer over
 one :class:`~slipstream.rollouter.clients.sglang.SGLangClient` per server, partial-rollout resumption,
-reward scoring, puts) and the weight publisher's control path in this process, and ``--consumers``
-simulated trainers in a child process that lease batches and ack them at once (real queue clients). The
+reward scoring, puts) in this process, and ``--consumers`` simulated trainers in a child process that lease
+batches and ack them at once (real queue clients) while their rank 0 pushes weights through the real
+:class:`~slipstream.weightsync.publisher.WeightPublisher`, as trainer rank 0 does in a run. The
 inference servers are :mod:`slipstream.testing_servers`: real HTTP servers speaking the SGLang-style API,
 ``--servers-per-proc`` of them per child process, decoding on a clock at ``--tokens-per-s`` per request
 with log-normal response lengths (median ``--median-tokens``, sigma 0.6, capped at ``--max-new-tokens``).
@@ -60,14 +61,67 @@ def _pct(values: list[float], q: float) -> float:
 
 
 # ---------------------------------------------------------------------------------------- trainers (child)
-async def _consume(address: str, consumers: int, lease_groups: int) -> None:
-    """Trainers: lease ``lease_groups``, ack at once, report each ack; a pinger; stop when stdin closes."""
+class _NoBytesLink:
+    """A data plane that moves nothing: the publisher's pushes are their control messages alone."""
+
+    kind = "control"
+
+    def __init__(self, group_name: str) -> None:
+        self.group_name = group_name
+
+    def send(self, bucket: Any) -> None:
+        pass
+
+    def fail(self) -> None:
+        pass
+
+    async def close(self, adapters: Any) -> None:
+        pass
+
+
+def _control_only_publisher(urls: list[str], pause_mode: str):
+    """The trainer's :class:`WeightPublisher` with its real adapters over a link that sends no bytes."""
+    from slipstream.weightsync.config import WeightSyncConfig
+    from slipstream.weightsync.publisher import WeightPublisher
+
+    class ControlOnlyPublisher(WeightPublisher):
+        async def _ensure_link(self, report):  # no process group to build: the link sends no bytes
+            members = self._live()
+            if self._link is None or members != self._link_members:
+                self._link, self._link_members = _NoBytesLink(self.cfg.group_name), members
+            return members
+
+    # naive: one update call per tensor, so --buckets tensors make that many calls per server and push
+    cfg = WeightSyncConfig(
+        backend="naive", keep_last=False, device="cpu", timeout_s=120, pause_mode=pause_mode
+    )
+    return ControlOnlyPublisher(cfg, urls, "embedded", token="")
+
+
+def _emit(record: dict) -> None:
+    sys.stdout.write(json.dumps(record) + "\n")
+    sys.stdout.flush()
+
+
+async def _trainers(address: str, consumers: int, lease_groups: int) -> None:
+    """The trainers' process: ``consumers`` queue clients lease ``lease_groups`` and ack at once; rank 0's
+    publisher pushes a version (control only) every ``batch_groups`` acked groups, as a trainer with
+    ``sync_every`` 1 does; a pinger. Reads its setup as one JSON line on stdin; stops when stdin closes."""
+    import torch
+
     from slipstream.queue.client import AsyncQueueClient
 
+    loop = asyncio.get_running_loop()
+    setup = json.loads(await loop.run_in_executor(None, sys.stdin.readline))
+    publisher = _control_only_publisher(setup["urls"], setup["pause_mode"])
+    tensors = [(f"layer{i}.weight", torch.zeros(4)) for i in range(setup["buckets"])]
+    batch_groups = setup["batch_groups"]
     clients = [AsyncQueueClient(address) for _ in range(consumers + 1)]
     acks: list[tuple[float, float]] = []
     pings: list[tuple[float, float]] = []
     stop = asyncio.Event()
+    more = asyncio.Event()
+    state = {"acked": 0, "version": 0}
 
     async def trainer(client: AsyncQueueClient) -> None:
         while not stop.is_set():
@@ -78,8 +132,24 @@ async def _consume(address: str, consumers: int, lease_groups: int) -> None:
             await client.ack(lease)
             t1 = time.perf_counter()
             acks.append((t1, t1 - t0))
-            sys.stdout.write(json.dumps({"acked": len(lease.groups)}) + "\n")
-            sys.stdout.flush()
+            state["acked"] += len(lease.groups)
+            more.set()
+            _emit({"acked": len(lease.groups)})
+
+    async def pusher() -> None:
+        while not stop.is_set():
+            await more.wait()
+            more.clear()
+            while state["acked"] >= (state["version"] + 1) * batch_groups and not stop.is_set():
+                version = state["version"] + 1
+                t0 = time.perf_counter()
+                report = await asyncio.to_thread(publisher.publish, version, list(tensors))
+                t1 = time.perf_counter()
+                state["version"] = version
+                failed = next(iter(report.failed.values()), "")
+                _emit(
+                    {"version": version, "t": t1, "push_s": t1 - t0, "ok": len(report.ok), "failed": failed}
+                )
 
     async def pinger(client: AsyncQueueClient) -> None:
         while not stop.is_set():
@@ -89,19 +159,19 @@ async def _consume(address: str, consumers: int, lease_groups: int) -> None:
             pings.append((t1, t1 - t0))
             await asyncio.sleep(0.01)
 
-    async def watch_stdin() -> None:
-        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
-        stop.set()
-
     for client in clients:
         await client.ping()  # connected (and imports done) before the controller starts its clock
-    print(json.dumps({"ready": True}), flush=True)
-    tasks = [asyncio.create_task(trainer(c)) for c in clients[:-1]] + [asyncio.create_task(pinger(clients[-1]))]
-    await watch_stdin()
+    _emit({"ready": True})
+    tasks = [asyncio.create_task(trainer(c)) for c in clients[:-1]]
+    tasks += [asyncio.create_task(pinger(clients[-1])), asyncio.create_task(pusher())]
+    await loop.run_in_executor(None, sys.stdin.read)
+    stop.set()
+    more.set()
     await asyncio.gather(*tasks, return_exceptions=True)
     for client in clients:
         await client.close()
-    print(json.dumps({"acks": acks, "pings": pings}), flush=True)
+    await asyncio.to_thread(publisher.close)
+    _emit({"acks": acks, "pings": pings})
 
 
 # ---------------------------------------------------------------------------------------- controller side
@@ -123,37 +193,6 @@ class _TimedQueue:
         return await self.client.pop_dropped(max_groups)
 
 
-class _NoBytesLink:
-    """A data plane that moves nothing: the publisher's pushes are their control messages alone."""
-
-    kind = "control"
-
-    def __init__(self, group_name: str) -> None:
-        self.group_name = group_name
-
-    def send(self, bucket: Any) -> None:
-        pass
-
-    def fail(self) -> None:
-        pass
-
-    async def close(self, adapters: Any) -> None:
-        pass
-
-
-def _control_only_publisher(cfg: Any, urls: list[str]):
-    from slipstream.weightsync.publisher import WeightPublisher
-
-    class ControlOnlyPublisher(WeightPublisher):
-        async def _ensure_link(self, report):  # no process group to build: the link sends no bytes
-            members = self._live()
-            if self._link is None or members != self._link_members:
-                self._link, self._link_members = _NoBytesLink(self.cfg.group_name), members
-            return members
-
-    return ControlOnlyPublisher(cfg, urls, "embedded", token="")
-
-
 def _config(n_servers: int, args: argparse.Namespace):
     from slipstream.config import load_config
 
@@ -171,11 +210,6 @@ def _config(n_servers: int, args: argparse.Namespace):
         "async.partial_rollout": args.partial_rollout,
         "agent.name": "single_turn",
         "reward.num_workers": 1,
-        "weightsync.backend": "naive",  # one update call per tensor: --buckets calls per server and push
-        "weightsync.keep_last": "false",
-        "weightsync.device": "cpu",
-        "weightsync.timeout_s": 120,
-        "weightsync.pause_mode": "in_place" if args.partial_rollout == "in_place" else "abort",
     }
     return load_config(None, [f"{k}={v}" for k, v in overrides.items()])
 
@@ -206,14 +240,18 @@ class _Usage:
         self.queue = psutil.Process(queue_pid)
         self.foreign = foreign  # children that are not the controller's (servers, trainers, the queue)
         self.peak_rss = {"rollouter": 0, "queue": 0}
+        self.workers: list[Any] = []
+
+    def find_workers(self) -> None:
+        """The controller's own child processes (reward workers), looked up once: listing /proc costs CPU."""
+        self.workers = [
+            child
+            for child in self.me.children(recursive=True)
+            if child.pid not in self.foreign and not any(p.pid in self.foreign for p in child.parents())
+        ]
 
     def _workers(self) -> list[Any]:
-        out = []
-        for child in self.me.children(recursive=True):
-            if child.pid in self.foreign or any(p.pid in self.foreign for p in child.parents()):
-                continue
-            out.append(child)
-        return out
+        return self.workers
 
     def cpu(self) -> dict[str, float]:
         def seconds(proc: Any) -> float:
@@ -248,9 +286,11 @@ async def _spawn(*argv: str) -> asyncio.subprocess.Process:
     )
 
 
-async def _start_servers(n: int, args: argparse.Namespace) -> tuple[list[asyncio.subprocess.Process], list[str]]:
+async def _start_servers(
+    n: int, args: argparse.Namespace
+) -> tuple[list[asyncio.subprocess.Process], list[str]]:
     procs, urls = [], []
-    for first in range(0, n, args.servers_per_proc):
+    for first in range(0, n, max(1, args.servers_per_proc)):
         count = min(args.servers_per_proc, n - first)
         proc = await _spawn(
             "-m", "slipstream.testing_servers", "--servers", str(count),
@@ -278,44 +318,27 @@ async def _finish_child(proc: asyncio.subprocess.Process) -> dict:
     return last
 
 
-class _Pusher:
-    """Pushes a version (control only) each time the trainers have acked another ``batch_groups`` groups."""
+class _Versions:
+    """What the trainers' process reports: acked groups, and each pushed version (opens the gate)."""
 
-    def __init__(self, publisher: Any, rollouter: Any, batch_groups: int, buckets: int) -> None:
-        import torch
-
-        self.publisher = publisher
+    def __init__(self, rollouter: Any) -> None:
         self.rollouter = rollouter
-        self.batch_groups = batch_groups
-        self.tensors = [(f"layer{i}.weight", torch.zeros(4)) for i in range(buckets)]
         self.acked = 0
-        self.version = 0
         self.pushes: list[tuple[float, float, int]] = []  # (end time, seconds, servers reached)
-        self._more = asyncio.Event()
 
-    def add(self, groups: int) -> None:
-        self.acked += groups
-        self._more.set()
-
-    async def run(self) -> None:
-        while True:
-            await self._more.wait()
-            self._more.clear()
-            while self.acked >= (self.version + 1) * self.batch_groups:
-                version = self.version + 1
-                t0 = time.perf_counter()
-                report = await asyncio.to_thread(self.publisher.publish, version, list(self.tensors))
-                t1 = time.perf_counter()
-                self.pushes.append((t1, t1 - t0, len(report.ok)))
-                if report.failed:
-                    _log(f"push {version}: {len(report.failed)} servers failed: {next(iter(report.failed.values()))}")
-                self.version = version
-                self.rollouter.set_version(version)
-
-
-async def _read_acks(proc: asyncio.subprocess.Process, pusher: _Pusher) -> None:
-    while line := await proc.stdout.readline():
-        pusher.add(int(json.loads(line)["acked"]))
+    async def follow(self, proc: asyncio.subprocess.Process) -> None:
+        while line := await proc.stdout.readline():
+            record = json.loads(line)
+            if "acked" in record:
+                self.acked += int(record["acked"])
+            elif "version" in record:
+                self.pushes.append((record["t"], record["push_s"], record["ok"]))
+                if record["failed"]:
+                    _log(f"push {record['version']} failed on some servers: {record['failed']}")
+                self.rollouter.set_version(int(record["version"]))
+            else:
+                self.final = record
+                return
 
 
 async def _row(n: int, args: argparse.Namespace, tokenizer: Any) -> dict[str, Any]:
@@ -336,28 +359,31 @@ async def _row(n: int, args: argparse.Namespace, tokenizer: Any) -> dict[str, An
             "-m", "slipstream.bench_scale", "--role", "trainers", "--address", handle.address,
             "--consumers", str(args.consumers), "--lease-groups", str(lease_groups),
         )  # fmt: skip
+        setup = {
+            "urls": urls,
+            "batch_groups": cfg.trainer.batch_groups,
+            "buckets": args.buckets,
+            "pause_mode": "in_place" if args.partial_rollout == "in_place" else "abort",
+        }
+        trainers.stdin.write((json.dumps(setup) + "\n").encode())
         if not await trainers.stdout.readline():
             raise RuntimeError("the trainers' process exited before it was ready")
         queue = _TimedQueue(AsyncQueueClient(handle.address))
         balancer = balancer_from_config(cfg.rollout, urls)
         rollouter = Rollouter(cfg, balancer, queue, tokenizer, _prompts())
-        publisher = _control_only_publisher(cfg.weightsync, urls)
         foreign = {handle.proc.pid, trainers.pid, *(p.pid for p in sims)}
         usage = _Usage(handle.proc.pid, foreign)
-        pusher = _Pusher(publisher, rollouter, cfg.trainer.batch_groups, args.buckets)
-        tasks = [
-            asyncio.create_task(rollouter.run()),
-            asyncio.create_task(pusher.run()),
-            asyncio.create_task(_read_acks(trainers, pusher)),
-        ]
+        pusher = _Versions(rollouter)
+        tasks = [asyncio.create_task(rollouter.run()), asyncio.create_task(pusher.follow(trainers))]
         profiler = None
         try:
             await _sleep_sampling(args.warmup_s, usage, tasks)
+            usage.find_workers()
             t0, acked0, cpu0 = time.perf_counter(), pusher.acked, usage.cpu()
             if args.profile:
                 import cProfile
 
-                profiler = cProfile.Profile()
+                profiler = cProfile.Profile(time.thread_time)  # this thread's CPU, not the machine's load
                 profiler.enable()
             await _sleep_sampling(args.seconds, usage, tasks)
             t1, acked1, cpu1 = time.perf_counter(), pusher.acked, usage.cpu()
@@ -370,7 +396,6 @@ async def _row(n: int, args: argparse.Namespace, tokenizer: Any) -> dict[str, An
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await asyncio.to_thread(publisher.close)
             await balancer.aclose()
             await queue.client.close()
         done = await _finish_child(trainers)
@@ -407,7 +432,9 @@ async def _row(n: int, args: argparse.Namespace, tokenizer: Any) -> dict[str, An
         "queue_cpu": round((cpu1["queue"] - cpu0["queue"]) / wall, 3),
         "rollouter_rss_mb": round(usage.peak_rss["rollouter"] / 2**20, 1),
         "queue_rss_mb": round(usage.peak_rss["queue"] / 2**20, 1),
-        "tokens_s": round(metrics.get("rollouter/generated_tokens_per_s", float("nan")), 1) if metrics else None,
+        "tokens_s": round(metrics.get("rollouter/generated_tokens_per_s", float("nan")), 1)
+        if metrics
+        else None,
         "resumes": rollouter.client.resumes,
         "groups_total": pusher.acked,
         "sim_requests": sim_counts.get("generate", 0),
@@ -422,7 +449,7 @@ async def _sleep_sampling(seconds: float, usage: _Usage, tasks: list[asyncio.Tas
         for task in done:
             task.result()  # a failed part ends the run with its error
             raise RuntimeError(f"{task.get_coro()} ended early")
-        await asyncio.sleep(min(0.5, left))
+        await asyncio.sleep(min(2.0, left))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -451,7 +478,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="slipstream bench scale", description=__doc__.split("\n\n")[0])
     p.add_argument("--servers", type=lambda s: [int(x) for x in s.split(",")], default=DEFAULT_SERVERS,
                    help="server counts, comma-separated (default 8,32,128,256)")  # fmt: skip
-    p.add_argument("--tokens-per-s", type=float, default=4.0, help="decode rate of one request")
+    p.add_argument("--tokens-per-s", type=float, default=8.0, help="decode rate of one request")
     p.add_argument("--median-tokens", type=int, default=24, help="median response length")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=4, help="rollout.max_concurrent_per_server")
@@ -460,7 +487,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--buckets", type=int, default=2, help="update calls per server and push")
     p.add_argument("--partial-rollout", choices=["abort", "in_place"], default="abort")
     p.add_argument("--servers-per-proc", type=int, default=128)
-    p.add_argument("--warmup-s", type=float, default=8.0)
+    p.add_argument("--warmup-s", type=float, default=10.0)
     p.add_argument("--seconds", type=float, default=15.0)
     p.add_argument("--profile", default="", help="directory for a cProfile of the controller per row")
     p.add_argument("--json", action="store_true", help="print the result as one JSON line")
@@ -473,7 +500,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.role == "trainers":
-        asyncio.run(_consume(args.address, args.consumers, args.lease_groups))
+        asyncio.run(_trainers(args.address, args.consumers, args.lease_groups))
         return 0
     result = run(args)
     if args.json:

@@ -182,7 +182,9 @@ class SimServer:
         self.counts["generate"] += 1
         if not self.open.is_set():
             await self.open.wait()
-        req = _Req(rid, self._length(budget), self.profile.tokens_per_s, self.version, stops[0] if stops else None)
+        req = _Req(
+            rid, self._length(budget), self.profile.tokens_per_s, self.version, stops[0] if stops else None
+        )
         self.requests[rid] = req
         loop = asyncio.get_running_loop()
         try:
@@ -379,7 +381,9 @@ async def _serve_until_stdin_closes(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m slipstream.testing_servers", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m slipstream.testing_servers", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--servers", type=int, default=8)
     p.add_argument("--tokens-per-s", type=float, default=20.0)
     p.add_argument("--median-tokens", type=int, default=32)
