@@ -1,0 +1,28 @@
+"""Agent harnesses (callables for the `external` loop) that misbehave on purpose, loaded as
+`harness_plugins:<name>`."""
+
+from __future__ import annotations
+
+import httpx
+from openai import OpenAI
+
+
+def malformed_then_answers(task, base_url, api_key):
+    """Sends a malformed request (gets a 400), then a good one; its episode is a normal one."""
+    headers = {"Authorization": f"Bearer {api_key}"}
+    bad = httpx.post(f"{base_url}/chat/completions", content=b'{"messages": 7}', headers=headers, timeout=60)
+    assert bad.status_code == 400, bad.text
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    client.chat.completions.create(model="policy", messages=task["messages"], max_tokens=4)
+    return {"reward": 0.5, "components": {"bad_requests": 1.0}}
+
+
+def raises_on_bad_request(task, base_url, api_key):
+    """Sends n=2 (refused with a 400) and lets the client's error escape."""
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    client.chat.completions.create(model="policy", messages=task["messages"], n=2)
+    return 1.0
+
+
+def returns_text(task, base_url, api_key):
+    return "great"

@@ -1,0 +1,121 @@
+"""The `external` agent loop: users' harnesses (commands and callables) through the gateway, against a real
+embedded server process with the tiny random model. A misbehaving harness costs its own episode, with the
+reason recorded, and the next episode runs normally."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from slipstream.agents.config import AgentConfig, ExternalAgentConfig
+from slipstream.agents.data import Sample
+from slipstream.agents.protocol import SamplingParams
+from slipstream.agents.registry import make_agent_loop
+from slipstream.rollouter.clients import SGLangClient
+from slipstream.rollouter.config import EmbeddedServerConfig, RolloutConfig
+from slipstream.rollouter.launch import launch_server
+from slipstream.rollouter.partial import PartialRolloutClient
+
+ENGINE = EmbeddedServerConfig(
+    num_threads=1, max_model_len=1024, kv_cache_tokens=8192, kv_page_size=64, max_batch_tokens=512, seed=0
+)
+SAMPLE = Sample(index=0, messages=[{"role": "user", "content": "What is 123 * 456?"}], data_source="arithmetic",
+                ground_truth="56088")  # fmt: skip
+SAMPLING = SamplingParams(max_new_tokens=8, temperature=1.0)
+EXAMPLE = ["{python}", "-m", "slipstream.agents.examples.calculator_harness"]
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_path, tmp_path_factory):
+    log = tmp_path_factory.mktemp("external") / "server.log"
+    proc = launch_server("embedded", tiny_model_path, cfg=RolloutConfig(embedded=ENGINE), log_path=log)
+    try:
+        proc.wait_healthy(timeout_s=180)
+        yield proc
+    finally:
+        proc.stop()
+
+
+def run_episodes(server, tok, external: ExternalAgentConfig, n: int = 1):
+    async def main():
+        raw = SGLangClient(server.url)
+        cfg = AgentConfig(name="external", max_total_tokens=1000, external=external)
+        loop = make_agent_loop(cfg, PartialRolloutClient(raw, max_in_flight=4), tok)
+        try:
+            return await asyncio.gather(*(loop.run(SAMPLE, SAMPLING, uid=f"x-{i}") for i in range(n)))
+        finally:
+            await loop.aclose()
+            await raw.aclose()
+
+    outs = asyncio.run(asyncio.wait_for(main(), 240))
+    for out in outs:
+        out.validate()
+    return outs
+
+
+def test_example_harness_as_command_and_as_callable(server, tok):
+    for ext in (
+        ExternalAgentConfig(command=EXAMPLE, max_concurrent=1),
+        ExternalAgentConfig(callable="slipstream.agents.examples.calculator_harness:episode"),
+    ):
+        outs = run_episodes(server, tok, ext, n=2)
+        for out in outs:
+            assert out.reward_error == "" and out.reward in (0.0, 1.0), out.reward_error
+            assert set(out.reward_components) == {"correct", "tool_calls"}
+            assert out.num_turns >= 1 and 1 in out.loss_mask, (out.metrics, out.response_ids, out.num_turns)
+            assert out.metrics["episode_failed"] == 0.0 and out.metrics["gateway_requests"] >= 1
+            # The prompt is the harness's own conversation (its system message), rendered by the gateway.
+            assert "careful assistant" in tok.decode(out.prompt_ids)
+
+
+def test_exit_status_reward(server, tok):
+    win = ["{python}", "-c", "raise SystemExit(0)"]
+    lose = ["{python}", "-c", "raise SystemExit(1)"]
+    assert run_episodes(server, tok, ExternalAgentConfig(command=win, reward="exit_status"))[0].reward == 1.0
+    assert run_episodes(server, tok, ExternalAgentConfig(command=lose, reward="exit_status"))[0].reward == 0.0
+
+
+@pytest.mark.parametrize(
+    ("external", "reason"),
+    [
+        (ExternalAgentConfig(command=["{python}", "-c", "import sys; sys.stderr.write('boom'); sys.exit(3)"]),
+         "exited with status 3: boom"),
+        (ExternalAgentConfig(command=["{python}", "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"]),
+         "killed by SIGSEGV"),
+        (ExternalAgentConfig(command=["{python}", "-c", "import time; time.sleep(600)"], timeout_s=1.0),
+         "did not finish within 1 s"),
+        (ExternalAgentConfig(command=["{python}", "-c", "pass"]), "wrote no reward"),
+        (ExternalAgentConfig(command=["{python}", "-c", "import os; open(os.environ['SLIPSTREAM_REWARD_FILE'], 'w').write('high')"]),
+         "not a number or JSON"),
+        (ExternalAgentConfig(command=["/nonexistent/harness"]), "cannot start the harness"),
+        (ExternalAgentConfig(callable="harness_plugins:raises_on_bad_request"), "BadRequestError"),
+        (ExternalAgentConfig(callable="harness_plugins:returns_text"), "not a number"),
+    ],
+)  # fmt: skip
+def test_a_failing_harness_costs_one_episode_with_its_reason(server, tok, external, reason):
+    (out,) = run_episodes(server, tok, external)
+    assert reason in out.reward_error
+    assert out.reward == external.failure_reward and out.metrics["episode_failed"] == 1.0
+    assert out.loss_mask == [0] * len(out.response_ids) and out.response_ids  # nothing of it is trained
+
+
+def test_malformed_requests_cost_only_themselves(server, tok):
+    (out,) = run_episodes(server, tok, ExternalAgentConfig(callable="harness_plugins:malformed_then_answers"))
+    assert out.reward_error == "" and out.reward == 0.5 and out.reward_components == {"bad_requests": 1.0}
+    assert (
+        out.metrics["gateway_errors"] == 1.0 and out.metrics["gateway_requests"] == 1.0
+    )  # requests that passed the checks
+    assert out.num_turns == 1 and out.loss_mask.count(1) >= 1
+
+
+def test_config_needs_exactly_one_harness(tok):
+    with pytest.raises(ValueError, match="exactly one"):
+        make_agent_loop(AgentConfig(name="external"), None, tok)
