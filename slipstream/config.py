@@ -31,7 +31,7 @@ import yaml
 from slipstream.agents.config import AgentConfig, DataConfig, RewardConfig
 from slipstream.config_base import ConfigError, ConfigStruct, check_finite
 from slipstream.queue.config import QueueConfig
-from slipstream.rollouter.config import RolloutConfig
+from slipstream.rollouter.config import EvalConfig, RolloutConfig
 from slipstream.trainer.config import TrainerConfig
 from slipstream.weightsync.config import WeightSyncConfig
 
@@ -106,7 +106,9 @@ class RunConfig(ConfigStruct):
 
 class DataGenConfig(ConfigStruct):
     """Training files made offline before a run starts (`slipstream data make`), so a preset such as the
-    quickstart runs on a fresh clone. Only files of `data.train_files` that do not exist are made."""
+    quickstart runs on a fresh clone. Only files of `data.train_files` and `data.val_files` that do not exist
+    are made. With `data.val_files` set, the training files leave out a fixed tenth of the problems and the
+    validation files hold only those (agents/datagen.py, `--split`), so the evaluation is on held-out data."""
 
     # Generator of agents/datagen.py (`arithmetic`, `countdown`); null never makes a file (a missing file
     # is then a config error).
@@ -114,6 +116,8 @@ class DataGenConfig(ConfigStruct):
     # Prompts per file.
     n: Annotated[int, msgspec.Meta(ge=1)] = 2000
     seed: int = 0
+    # Prompts per file of data.val_files (made with seed + 1).
+    val_n: Annotated[int, msgspec.Meta(ge=1)] = 32
 
 
 class ModelConfig(ConfigStruct):
@@ -190,6 +194,8 @@ class Config(ConfigStruct):
     reward: RewardConfig = msgspec.field(default_factory=RewardConfig)
     agent: AgentConfig = msgspec.field(default_factory=AgentConfig)
     rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
+    # Evaluation on data.val_files during training (off unless eval.every > 0).
+    eval_: EvalConfig = msgspec.field(default_factory=EvalConfig, name="eval")
     queue: QueueConfig = msgspec.field(default_factory=QueueConfig)
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     weightsync: WeightSyncConfig = msgspec.field(default_factory=WeightSyncConfig)

@@ -103,3 +103,24 @@ class RolloutConfig(ConfigStruct):
     max_position_embeddings: Annotated[int, msgspec.Meta(ge=1)] | None = None
     # Drop groups whose rewards are all equal and generate others instead (DAPO).
     dynamic_sampling: DynamicSamplingConfig = msgspec.field(default_factory=DynamicSamplingConfig)
+
+
+class EvalConfig(ConfigStruct):
+    """Evaluation on `data.val_files` while training runs: the rollouter sends the held-out prompts through the
+    same servers between weight pushes, beside training generation, and reports mean@n and pass@n. Nothing
+    it generates is put into the queue or trained on (rollouter/evaluation.py)."""
+
+    # Weight versions between evaluations: version 0 (before training) and then the first version at or past
+    # each multiple of `every`. 0 turns evaluation off. An evaluation still running when the next is due is
+    # finished and the due one skipped (eval/skipped counts them).
+    every: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # Samples per prompt: mean@n averages the reward over all of them, pass@n counts a prompt solved when one
+    # of its n samples is correct (the reward's `acc` component when it has one, else reward > 0).
+    n: Annotated[int, msgspec.Meta(ge=1)] = 4
+    # Sampling of evaluation requests; null takes the training value of rollout.sampling.
+    temperature: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    max_new_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    # Evaluation requests in flight at most (over all servers): the bound that keeps evaluation from taking
+    # the servers away from training generation.
+    max_concurrent: Annotated[int, msgspec.Meta(ge=1)] = 8
