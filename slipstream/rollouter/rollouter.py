@@ -58,7 +58,7 @@ from typing import Any
 import msgspec
 
 from slipstream.agents.base import AgentLoopOutput
-from slipstream.agents.data import PromptRef, PromptSource, Sample
+from slipstream.agents.data import PromptRef, PromptSource, Sample, load_samples
 from slipstream.agents.protocol import InferenceClient, SamplingParams
 from slipstream.agents.registry import make_agent_loop
 from slipstream.agents.rewards.overlong import shape
@@ -66,6 +66,7 @@ from slipstream.agents.rewards.runner import RewardResult, RewardRunner
 from slipstream.config import Config
 from slipstream.queue.client import AsyncQueueClient, QueueFull
 from slipstream.queue.types import Trajectory, TrajectoryGroup
+from slipstream.rollouter.evaluation import Evaluator
 from slipstream.rollouter.gate import StalenessGate
 from slipstream.rollouter.partial import PartialRolloutClient
 from slipstream.rollouter.stats import RolloutStats
@@ -116,6 +117,7 @@ class Rollouter:
         queue: AsyncQueueClient,
         tokenizer: Any,
         prompts: PromptSource,
+        val_samples: list[Sample] | None = None,
     ) -> None:
         self.cfg = cfg
         num_servers = len(cfg.rollout.server_urls) or cfg.rollout.num_servers
@@ -146,6 +148,11 @@ class Rollouter:
         self._waiting: _Work | None = None
         # Seconds between polls for dropped groups (and the longest an idle admission wait sleeps).
         self.poll_s = DROPPED_POLL_S
+        # Held-out prompts evaluated beside generation (eval.every); their samples never reach the queue.
+        if val_samples is None and cfg.eval_.every > 0:
+            val_samples = load_samples(cfg.data.val_files)
+        self.rewards.check({s.data_source for s in val_samples or []})
+        self.evaluator = Evaluator(cfg, client, tokenizer, self.rewards, val_samples or [])
 
     # ------------------------------------------------------------------ controller API
     async def run(self) -> None:
@@ -153,6 +160,7 @@ class Rollouter:
         if self._running:
             raise RuntimeError("Rollouter.run is already running")
         self._running = True
+        self.evaluator.on_version(self.version)  # a fresh run's version 0 is evaluated before training
         poller = asyncio.create_task(self._poll_dropped())
         try:
             await self._admit_loop()
@@ -160,7 +168,8 @@ class Rollouter:
             await self.stop()  # no group task outlives a failed run
             raise
         else:
-            self.rewards.close()  # the worker processes start again if run() is called again
+            if not self.evaluator.running:
+                self.rewards.close()  # the worker processes start again if run() is called again
         finally:
             poller.cancel()
             await asyncio.gather(poller, return_exceptions=True)
@@ -184,6 +193,7 @@ class Rollouter:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
+        await self.evaluator.stop()
         self.rewards.close()
 
     def set_version(self, version: int) -> None:
@@ -191,6 +201,7 @@ class Rollouter:
         self.version = max(self.version, version)
         self.gate.set_version(version)
         self._changed.set()
+        self.evaluator.on_version(self.version)
 
     async def drain(self) -> None:
         """Stop admitting until the next :meth:`set_version` and wait until no group is in flight."""
@@ -215,9 +226,10 @@ class Rollouter:
             "gate_budget": self.gate.budget,
             "version": self.version,
         }
-        return self.stats.collect(
+        out = self.stats.collect(
             tokens=self.client.generated_tokens, busy_s=self.client.busy_seconds(), gauges=gauges
         )
+        return {**out, **self.evaluator.metrics()}
 
     def state_dict(self) -> dict[str, Any]:
         """The prompt position, the gate's count and every prompt owed but not yet put.
