@@ -1,8 +1,10 @@
 """`slipstream plot RUN_DIR`: PNG curves of a run from its metrics.jsonl.
 
-One PNG per panel (reward, staleness, idle ratios, throughput) plus ``summary.png`` with all four, written
-into RUN_DIR/plots (or ``--out``). A panel draws every metric whose key matches one of its patterns, so new
-metrics of the same kind appear without code changes; a panel with no data is skipped with a note.
+One PNG per panel (reward, staleness, idle ratios, throughput, evaluation) plus ``summary.png`` with all of
+them, written into RUN_DIR/plots (or ``--out``). A panel draws every metric whose key matches one of its
+patterns, so new metrics of the same kind appear without code changes; a panel with no data is skipped with
+a note. Panels are drawn against the trainer step, except the evaluation panel: an evaluation finishes (and
+is logged) a step or more after the weight version it measured, so its x axis is ``eval/version``.
 """
 
 from __future__ import annotations
@@ -20,19 +22,25 @@ PANELS: dict[str, tuple[str, tuple[str, ...]]] = {
     "staleness": ("staleness (versions)", (r"staleness_(mean|max)$",)),
     "idle_ratio": ("idle ratio", (r"idle_ratio$",)),
     "throughput": ("throughput", (r"tokens_per_s$", r"samples_per_s$")),
+    "eval": ("evaluation on data.val_files", (r"^eval/(.+/)?(mean|pass)@\d+$",)),
 }
+# Panels drawn against another key than the trainer step (key, axis label).
+X_AXES: dict[str, tuple[str, str]] = {"eval": ("eval/version", "weight version evaluated")}
 
 
 def series(
-    records: list[dict[str, Any]], patterns: tuple[str, ...]
+    records: list[dict[str, Any]], patterns: tuple[str, ...], x: str = "step"
 ) -> dict[str, tuple[list[int], list[float]]]:
-    """Every numeric metric whose key matches a pattern, as (steps, values)."""
+    """Every numeric metric whose key matches a pattern, as (x values, values); records without ``x`` are
+    skipped."""
     regexes = [re.compile(p) for p in patterns]
     out: dict[str, tuple[list[int], list[float]]] = {}
     for rec in records:
-        step = rec.get("step")
+        step = rec.get(x)
+        if step is None:
+            continue
         for key, value in rec.items():
-            if key == "step" or not isinstance(value, int | float) or isinstance(value, bool):
+            if key == x or not isinstance(value, int | float) or isinstance(value, bool):
                 continue
             if any(r.search(key) for r in regexes):
                 steps, values = out.setdefault(key, ([], []))
@@ -51,9 +59,12 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     out = Path(out_dir) if out_dir else Path(run_dir) / "plots"
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
-    fig_all, axes = plt.subplots(2, 2, figsize=(12, 8))
-    for ax_all, (name, (title, patterns)) in zip(axes.flat, PANELS.items(), strict=True):
-        data = series(records, patterns)
+    fig_all, axes = plt.subplots(2, 3, figsize=(18, 8))
+    for ax_spare in axes.flat[len(PANELS) :]:
+        ax_spare.axis("off")
+    for ax_all, (name, (title, patterns)) in zip(axes.flat, PANELS.items(), strict=False):
+        x_key, x_label = X_AXES.get(name, ("step", "trainer step"))
+        data = series(records, patterns, x_key)
         if not data:
             ax_all.set_title(f"{title} (no data)")
             print(f"plot: no {name} metrics in {run_dir}", file=sys.stderr)
@@ -63,7 +74,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
             for key, (steps, values) in sorted(data.items()):
                 target.plot(steps, values, label=key, marker="." if len(steps) < 50 else None)
             target.set_title(title)
-            target.set_xlabel("trainer step")
+            target.set_xlabel(x_label)
             target.grid(alpha=0.3)
             target.legend(fontsize=7)
         fig.tight_layout()

@@ -8,9 +8,15 @@ Two generators:
 * ``countdown``: reach a target with +, -, *, / using each of 3-4 given numbers once (TinyZero's task);
   the target is the value of a random expression over the numbers, so every prompt has a solution.
 
+Held-out sets: ``--split heldout`` makes prompts from a fixed tenth of the task's problems (chosen by a
+hash of the prompt text, so by content, whatever the seed) and ``--split train`` never makes one of them, so
+a validation file is disjoint from a training file made with any seed. ``all`` (the default) draws from
+every problem. Held-out prompts are distinct from each other (``arithmetic`` has about 40 such sums).
+
 Worked example::
 
     slipstream data make arithmetic --n 1000 --out data/arith_train.parquet --seed 0
+    slipstream data make arithmetic --n 32 --split heldout --out data/arith_heldout.parquet
     slipstream data make countdown --n 200 --out data/countdown.jsonl
 """
 
@@ -20,6 +26,7 @@ import argparse
 import json
 import random
 import sys
+import zlib
 from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
@@ -77,11 +84,42 @@ GENERATORS: dict[str, Callable[[random.Random, int], dict[str, Any]]] = {
 }
 
 
-def make_rows(task: str, n: int, seed: int = 0) -> list[dict[str, Any]]:
+SPLITS = ("all", "train", "heldout")
+# Draws per requested row before a split gives up (the held-out tenth of a small task can run out).
+MAX_DRAWS_PER_ROW = 1000
+
+
+def held_out(row: dict[str, Any]) -> bool:
+    """Whether ``row``'s problem belongs to the held-out tenth (by a hash of its prompt text)."""
+    text = json.dumps(row["prompt"], sort_keys=True)
+    return zlib.crc32(text.encode()) % 10 == 0
+
+
+def make_rows(task: str, n: int, seed: int = 0, split: str = "all") -> list[dict[str, Any]]:
     if task not in GENERATORS:
         raise ValueError(f"unknown task `{task}`; known tasks: {', '.join(GENERATORS)}")
+    if split not in SPLITS:
+        raise ValueError(f"unknown split `{split}`; use one of {', '.join(SPLITS)}")
     rng = random.Random(seed)
-    return [GENERATORS[task](rng, i) for i in range(n)]
+    if split == "all":
+        return [GENERATORS[task](rng, i) for i in range(n)]
+    rows: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for _ in range(n * MAX_DRAWS_PER_ROW):
+        if len(rows) == n:
+            return rows
+        row = GENERATORS[task](rng, len(rows))
+        if held_out(row) != (split == "heldout"):
+            continue
+        if split == "heldout":
+            key = json.dumps(row["prompt"], sort_keys=True)
+            if key in seen:
+                continue
+            seen.add(key)
+        rows.append(row)
+    if len(rows) == n:
+        return rows
+    raise ValueError(f"the {split} split of `{task}` gave only {len(rows)} distinct prompts, not {n}")
 
 
 def write_rows(rows: list[dict[str, Any]], out: Path) -> None:
@@ -107,11 +145,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--n", type=int, required=True, help="number of prompts")
     parser.add_argument("--out", type=Path, required=True, help="output file (.parquet or .jsonl)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (same seed, same dataset)")
+    parser.add_argument(
+        "--split", choices=SPLITS, default="all", help="held-out problems only, none of them, or any"
+    )
     args = parser.parse_args(argv)
     if args.n < 1:
         parser.error("--n must be at least 1")
     try:
-        write_rows(make_rows(args.task, args.n, args.seed), args.out)
+        write_rows(make_rows(args.task, args.n, args.seed, args.split), args.out)
     except ValueError as err:
         print(f"slipstream data make: {err}", file=sys.stderr)
         return 2

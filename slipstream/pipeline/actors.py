@@ -253,6 +253,10 @@ class RolloutWorker:
     async def metrics(self) -> dict[str, float]:
         return self.rollouter.metrics() if self.rollouter is not None else {}
 
+    async def finish_eval(self, version: int) -> None:
+        """Wait for the running evaluation, then evaluate ``version`` if it was not (the end of a run)."""
+        await self.rollouter.evaluator.evaluate_now(version)
+
     async def state_dict(self) -> dict[str, Any]:
         # Called between trainer steps, so no new drop arrives until the checkpoint is written; taking the
         # pending drops in first puts them in this state (else one popped while the trainer saves would be

@@ -362,6 +362,10 @@ class Pipeline:
         every = self.cfg.trainer.checkpoint_every
         if every and self.version % every == 0:
             metrics.update(self._checkpoint())
+        if self.version >= self.total_steps and self.cfg.eval_.every > 0:
+            # The last record carries the evaluation of the weights the run ends with.
+            self._get(self.rollouter.finish_eval.remote(self.published), self.cfg.cluster.step_timeout_s,
+                      "the final evaluation")  # fmt: skip
         metrics.update(self._side_metrics())
         self._last_step_end = time.monotonic()
         return metrics

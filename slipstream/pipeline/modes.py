@@ -431,15 +431,25 @@ def _check_data_files(key: str, files: list[str]) -> None:
 
 
 def make_missing_data(cfg: Config) -> list[Path]:
-    """Write every missing file of ``data.train_files`` with ``datagen`` (offline); return those made."""
+    """Write every missing file of ``data.train_files`` and ``data.val_files`` with ``datagen`` (offline);
+    return those made. Validation files hold the task's held-out problems, training files then none."""
     if cfg.datagen.task is None:
         return []
     from slipstream.agents.datagen import make_rows, write_rows
 
+    g = cfg.datagen
+    train_split = "train" if cfg.data.val_files else "all"
     made = []
-    for name in cfg.data.train_files:
-        path = Path(name)
-        if not path.exists():
-            write_rows(make_rows(cfg.datagen.task, cfg.datagen.n, cfg.datagen.seed), path)
-            made.append(path)
+    for names, n, seed, split in (
+        (cfg.data.train_files, g.n, g.seed, train_split),
+        (cfg.data.val_files, g.val_n, g.seed + 1, "heldout"),
+    ):
+        for name in names:
+            path = Path(name)
+            if not path.exists():
+                try:
+                    write_rows(make_rows(g.task, n, seed, split), path)
+                except ValueError as err:
+                    raise ConfigError(f"datagen: {path}: {err}") from None
+                made.append(path)
     return made
