@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
         "weightsync": ("slipstream.weightsync.bench", "weight sync GB/s vs raw transport and naive"),
         "e2e": ("slipstream.bench_e2e", "samples/s of fully_async vs sync on a long-tail workload"),
         "soak": ("slipstream.bench_soak", "a long run with servers and trainers killed: memory, lost groups"),
+        "simulate": ("slipstream.sim.bench", "simulated step times vs our runs and verl's figures"),
     },
     "models": {
         "prepare": ("slipstream.rollouter.models", "prepare a known model as a local HF checkpoint"),
@@ -39,10 +40,17 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
         "show": ("slipstream.cli", "validate a config and print it resolved"),
     },
     "plot": ("slipstream.plot", "write PNG curves of a run: slipstream plot RUN_DIR"),
+    "profile": ("slipstream.sim.profile", "fit a performance profile to a run: slipstream profile RUN_DIR"),
+    "simulate": ("slipstream.sim.simulate", "a run in virtual time: slipstream simulate CONFIG --profile P"),
     "plan": {
         "memory": ("slipstream.planning.memory", "GPU memory a config needs, per trainer and server GPU"),
+        "capacity": ("slipstream.sim.plan", "fastest pool split and async knobs under the staleness cap"),
     },
 }
+
+# command group -> the sub-command that takes a first argument naming none of its sub-commands
+# (`slipstream plan CONFIG ...` is `slipstream plan capacity CONFIG ...`)
+DEFAULT_SUBCOMMANDS: dict[str, str] = {"plan": "capacity"}
 
 
 def _usage(table: dict, prefix: str) -> str:
@@ -64,6 +72,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0 if argv else 2
         name = argv.pop(0)
         entry = table.get(name)
+        group = prefix.rpartition(" ")[2]
+        if entry is None and table is not COMMANDS and group in DEFAULT_SUBCOMMANDS and name[:1] != "-":
+            argv.insert(0, name)
+            name = DEFAULT_SUBCOMMANDS[group]
+            entry = table[name]
         if entry is None:
             print(f"{prefix}: unknown command `{name}`\n\n{_usage(table, prefix)}", file=sys.stderr)
             return 2

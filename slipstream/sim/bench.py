@@ -1,0 +1,234 @@
+"""`slipstream bench simulate [--runs DIR] [--json]`: how close the simulator comes to measured step times.
+
+Two checks, each a ratio or an error against figures measured elsewhere:
+
+1. **Our own runs.** Short real runs of the quickstart workload in each mode (``sync``, ``one_step_off``,
+   ``fully_async``; made here with ``slipstream bench e2e``'s settings, or recorded runs given ``--runs DIR``,
+   one run directory per mode beneath it). The ``sync`` run is profiled (:func:`profile_from_run`); every
+   run's own config is simulated with that one profile for as many steps as it ran, and the mean step time
+   (between two steps' records, the first step left out: it includes warm-up) and the idle ratios are compared with the measured ones.
+   ``own_runs_max_rel_err`` is the largest relative step-time error over the modes.
+2. **verl's published 128-GPU figures** (Qwen2.5-Math-7B DAPO on H20; research notes §2): the profile
+   shipped in ``profiles/verl_qwen25_math7b_h20.yaml`` is completed from the colocated sync figures only:
+   the length distribution's sigma is fitted so that the simulated sync step's generation takes the
+   published 177.85 s, and the trainer's rate so that training takes 53.92 + 113.81 s. The asynchronous
+   runs (64 rollout : 64 trainer GPUs, ``configs/recipes/qwen2.5-7b-dapo-math-64x64.yaml``, 512 prompts per
+   push) skip the old-logprob pass as verl's async recipe does. Reported: sync step time over each
+   asynchronous one, published and simulated. A second set (``verl_async_trainer``) takes the trainer's
+   rate from the published staleness-0.5 run instead (150.63 s less its 33.14 s of waiting) and compares
+   the other async runs with that one.
+
+The last line with ``--json`` is ``{"own_runs_max_rel_err", "verl_ratio_published", "verl_ratio_simulated",
+"seconds", ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from slipstream.sim.profile import Profile, load_profile, profile_from_run
+from slipstream.sim.simulate import sim_config, simulate
+
+ROOT = Path(__file__).resolve().parents[2]
+VERL_PROFILE = Path(__file__).with_name("profiles") / "verl_qwen25_math7b_h20.yaml"
+VERL_RECIPE = ROOT / "configs" / "recipes" / "qwen2.5-7b-dapo-math-64x64.yaml"
+# verl fully-async README, 128 H20 GPUs: seconds per 512 prompts (one push of the async runs)
+VERL_STEP_S = {"sync": 356.30, "stream": 231.34, "s0.1": 171.30, "s0.3": 146.11, "s0.5": 150.63}
+VERL_SYNC_GEN_S, VERL_OLD_LOGPROB_S, VERL_UPDATE_S = 177.85, 53.92, 113.81
+VERL_ASYNC_WAIT_S = 33.14  # the s=0.5 run's "gen" column: the trainer waiting for samples
+VERL_ASYNC = {"stream": 0.0, "s0.1": 0.1, "s0.3": 0.3, "s0.5": 0.5}
+VERL_SYNC_OVERRIDES = ["async.mode=sync", "rollout.num_servers=32", "trainer.num_ranks=128",
+                       "trainer.batch_groups=512"]  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- own runs
+def _mean(xs: list[float]) -> float:
+    return statistics.fmean(xs[1:] if len(xs) > 1 else xs)
+
+
+def compare_run(run_dir: Path, profile: Profile) -> dict[str, Any]:
+    """One recorded run against its simulation with ``profile`` (first step left out of both)."""
+    from slipstream.metrics import read_metrics
+
+    records = read_metrics(run_dir)
+    cfg = sim_config(str(run_dir / "config.yaml"))
+    res = simulate(cfg, profile, steps=len(records))
+    # a step's time is the time between two records (perf/step_wall_s leaves the push out)
+    elapsed = [r["perf/elapsed_s"] for r in records]
+    measured = statistics.fmean(b - a for a, b in zip(elapsed, elapsed[1:], strict=False))
+    simulated = _mean(res.step_s)
+    return {
+        "mode": cfg.async_.mode,
+        "steps": len(records),
+        "step_s_measured": round(measured, 3),
+        "step_s_simulated": round(simulated, 3),
+        "step_rel_err": round(abs(simulated - measured) / measured, 4),
+        "trainer_idle_measured": round(_mean([r.get("trainer/idle_ratio", 0.0) for r in records]), 3),
+        "trainer_idle_simulated": round(_mean(res.trainer_idle), 3),
+        "rollouter_idle_measured": round(_mean([r.get("rollouter/idle_ratio", 0.0) for r in records]), 3),
+        "rollouter_idle_simulated": round(_mean(res.rollouter_idle), 3),
+    }
+
+
+def find_runs(root: Path) -> dict[str, Path]:
+    """Mode -> run directory, for every run directory beneath ``root`` (its config names the mode)."""
+    import yaml
+
+    runs = {}
+    for metrics in sorted(root.glob("*/metrics.jsonl")):
+        config = metrics.parent / "config.yaml"
+        if config.is_file():
+            mode = (yaml.safe_load(config.read_text()).get("async") or {}).get("mode", "fully_async")
+            runs[mode] = metrics.parent
+    return runs
+
+
+def make_runs(out: Path, steps: int) -> dict[str, Path]:
+    """Short real runs of each mode with bench e2e's workload (minutes on a 2-core machine)."""
+    from slipstream import bench_e2e
+
+    argv = ["--modes", "sync,one_step_off,fully_async", "--steps", str(steps), "--batch-groups", "2",
+            "--n", "4", "--max-new-tokens", "96", "--out", str(out)]  # fmt: skip
+    with contextlib.redirect_stdout(sys.stderr):
+        bench_e2e.main(argv)
+    return find_runs(out)
+
+
+def own_runs(runs: dict[str, Path]) -> dict[str, Any]:
+    if "sync" not in runs:
+        raise SystemExit(f"bench simulate: no sync run among {sorted(runs)}: the profile is made from it")
+    profile = profile_from_run(runs["sync"])
+    rows = [compare_run(path, profile) for _, path in sorted(runs.items())]
+    return {"profile": msgspec.to_builtins(profile), "runs": rows,
+            "max_rel_err": max(r["step_rel_err"] for r in rows)}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- verl
+def _with(profile: Profile, **changes: Any) -> Profile:
+    return msgspec.convert(_merge(msgspec.to_builtins(profile), changes), Profile)
+
+
+def _merge(base: dict, changes: dict) -> dict:
+    out = dict(base)
+    for key, value in changes.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) else value
+    return out
+
+
+def calibrate_verl(profile: Profile, *, steps: int = 4, iters: int = 12) -> Profile:
+    """Fit the length sigma to the sync step's generation time and the trainer's rate to its training time."""
+    cfg = sim_config(str(VERL_RECIPE), VERL_SYNC_OVERRIDES)
+    ranks, samples = cfg.trainer.num_ranks, cfg.trainer.batch_groups * cfg.rollout.n
+
+    def gen_s(sigma: float) -> tuple[float, float]:
+        res = simulate(cfg, _with(profile, lengths={"sigma": sigma}), steps=steps)
+        waits = [i * s for i, s in zip(res.trainer_idle, res.step_s, strict=True)]
+        return statistics.fmean(waits), res.tokens_per_s * res.seconds / res.steps
+
+    lo, hi = 0.05, 1.5
+    for _ in range(iters):  # generation time grows with the tail
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if gen_s(mid)[0] < VERL_SYNC_GEN_S else (lo, mid)
+    sigma = round((lo + hi) / 2, 4)
+    tokens = gen_s(sigma)[1]
+    rate = tokens / ((VERL_OLD_LOGPROB_S + VERL_UPDATE_S) * ranks)
+    assert samples == 8192
+    return _with(profile, lengths={"sigma": sigma}, trainer={"tokens_per_s_per_rank": round(rate, 2)})
+
+
+def _async_step_s(profile: Profile, threshold: float, steps: int) -> dict[str, float]:
+    cfg = sim_config(str(VERL_RECIPE), [f"async.staleness_threshold={threshold}"])
+    res = simulate(cfg, profile, steps=steps)
+    return {"s_per_512": round(res.step_s_steady * cfg.async_.sync_every, 2),
+            "trainer_idle": round(res.trainer_idle_ratio, 3), "rollouter_idle": round(res.rollouter_idle_ratio, 3),
+            "staleness_mean": round(res.staleness_mean, 3)}  # fmt: skip
+
+
+def verl(*, steps: int = 32, sensitivity: bool = True) -> dict[str, Any]:
+    base = load_profile(VERL_PROFILE)
+    cal = calibrate_verl(base)
+    sync = simulate(sim_config(str(VERL_RECIPE), VERL_SYNC_OVERRIDES), cal, steps=6)
+    bypass = VERL_UPDATE_S / (VERL_OLD_LOGPROB_S + VERL_UPDATE_S)  # verl's async trains without old logprobs
+    async_prof = _with(cal, trainer={"tokens_per_s_per_rank": cal.trainer.tokens_per_s_per_rank / bypass})
+    runs = {name: _async_step_s(async_prof, s, steps) for name, s in VERL_ASYNC.items()}
+    published = {k: round(VERL_STEP_S["sync"] / VERL_STEP_S[k], 3) for k in VERL_ASYNC}
+    simulated = {k: round(sync.step_s_steady / runs[k]["s_per_512"], 3) for k in VERL_ASYNC}
+    # the trainer's rate from the published s=0.5 run instead: async runs against that one
+    tokens_512 = sync.tokens_per_s * sync.seconds / sync.steps
+    trained = VERL_STEP_S["s0.5"] - VERL_ASYNC_WAIT_S
+    fast = _with(cal, trainer={"tokens_per_s_per_rank": round(tokens_512 / (trained * 64), 2)})
+    fast_runs = {name: _async_step_s(fast, s, steps) for name, s in VERL_ASYNC.items()}
+    out: dict[str, Any] = {
+        "sigma": cal.lengths.sigma,
+        "sync_step_s_simulated": round(sync.step_s_steady, 2),
+        "published": published,
+        "simulated": simulated,
+        "rel_err": {k: round(abs(simulated[k] - published[k]) / published[k], 3) for k in VERL_ASYNC},
+        "async_runs": runs,
+        "verl_async_trainer": {
+            "published_vs_s0.5": {k: round(VERL_STEP_S[k] / VERL_STEP_S["s0.5"], 3) for k in VERL_ASYNC},
+            "simulated_vs_s0.5": {
+                k: round(fast_runs[k]["s_per_512"] / fast_runs["s0.5"]["s_per_512"], 3) for k in VERL_ASYNC
+            },
+            "runs": fast_runs,
+        },
+    }
+    if sensitivity:  # the decode rate at full concurrency is assumed: halve and double it
+        out["decode_sensitivity"] = {}
+        for factor in (0.5, 2.0):
+            curve = {"tokens_per_s": [base.decode.tokens_per_s[0], base.decode.tokens_per_s[1] * factor]}
+            c2 = calibrate_verl(_with(base, decode=curve))
+            s2 = simulate(sim_config(str(VERL_RECIPE), VERL_SYNC_OVERRIDES), c2, steps=6)
+            a2 = _with(c2, trainer={"tokens_per_s_per_rank": c2.trainer.tokens_per_s_per_rank / bypass})
+            out["decode_sensitivity"][f"x{factor:g}"] = {
+                k: round(s2.step_s_steady / _async_step_s(a2, s, steps)["s_per_512"], 3)
+                for k, s in VERL_ASYNC.items()
+            }
+    return out
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="slipstream bench simulate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", help="recorded runs, one directory per mode beneath it (else made here)")
+    p.add_argument("--out", help="where runs made here go (default: a temporary directory)")
+    p.add_argument("--steps", type=int, default=5, help="steps of each real run made here")
+    p.add_argument("--verl-steps", type=int, default=32, help="simulated steps of each verl async run")
+    p.add_argument("--no-sensitivity", action="store_true", help="skip the decode-rate sensitivity runs")
+    p.add_argument("--skip-verl", action="store_true", help="only the own-runs check")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    t0 = time.monotonic()
+    if args.runs:
+        runs = find_runs(Path(args.runs))
+    else:
+        out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="slipstream-simbench-"))
+        runs = make_runs(out, args.steps)
+    own = own_runs(runs)
+    ver = (
+        {"published": None, "simulated": None}
+        if args.skip_verl
+        else verl(steps=args.verl_steps, sensitivity=not args.no_sensitivity)
+    )
+    row = {
+        "own_runs_max_rel_err": own["max_rel_err"],
+        "verl_ratio_published": ver["published"],
+        "verl_ratio_simulated": ver["simulated"],
+        "seconds": round(time.monotonic() - t0, 1),
+        "own_runs": own["runs"],
+        "verl": ver,
+    }
+    if args.json:
+        print(json.dumps(row))
+    else:
+        print(json.dumps(row, indent=2))
+    return 0
