@@ -336,7 +336,8 @@ class Pipeline:
 
         try:
             return ray.get(ref, timeout=CALL_TIMEOUT_S)
-        except ray.exceptions.RayActorError as err:
+        # OutOfMemoryError: Ray's memory monitor killed the rank's worker (it is no RayActorError).
+        except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as err:
             raise _TrainerDied(f"a trainer rank died: {_first_line(err)}") from err
         except ray.exceptions.RayTaskError as err:
             if self.cfg.cluster.restart_trainer:
@@ -410,7 +411,7 @@ class Pipeline:
         refs = [getattr(r, method).remote(*args) for r in self.ranks]
         try:
             return ray.get(refs, timeout=timeout_s)
-        except ray.exceptions.RayActorError as err:
+        except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as err:
             raise _TrainerDied(f"a trainer rank died during {method}: {_first_line(err)}") from err
         except ray.exceptions.GetTimeoutError as err:
             raise PartFailed(f"trainer {method} did not finish within {timeout_s:.0f} s") from err
