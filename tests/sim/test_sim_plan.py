@@ -1,0 +1,63 @@
+"""plan capacity: the search returns the fastest candidate within the staleness cap; bench simulate on
+recorded runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers_sim import QUICKSTART, flat_profile
+from test_sim_profile import write_run
+
+from slipstream.sim import bench, plan
+from slipstream.sim.profile import save_profile
+
+
+def test_search_ranks_the_fastest_within_the_cap_first(tmp_path):
+    # Long responses and a fast trainer: higher thresholds are faster but max_staleness 0 drops what they
+    # generate ahead, so the best within the cap is not simply the highest threshold.
+    prof = flat_profile(lengths={"mean": 200, "samples": [200]}, trainer={"tokens_per_s_per_rank": 400})
+    overrides = ["trainer.batch_groups=2", "rollout.n=4", "rollout.sampling.max_new_tokens=256",
+                 "async.max_staleness=0", "cluster.gpus_per_server=1", "eval.every=0"]  # fmt: skip
+    ranked, ref = plan.search(QUICKSTART, overrides, prof, 4, thresholds=[0.0, 1.0, 3.0], sync_every=[1],
+                              concurrency=[1.0], steps=6, refine=1)  # fmt: skip
+    within = [c for c in ranked if c.within_cap]
+    assert within and ranked[0] is within[0]
+    assert all(ranked[0].result.step_s_steady <= c.result.step_s_steady for c in within)
+    assert any(not c.within_cap for c in ranked)  # the cap did bind somewhere
+    assert all(c.rollout_gpus + c.trainer_gpus == 4 for c in ranked)
+    assert ref.mode == "sync" and ref.result.steps == 6
+    assert f"trainer.num_ranks={ranked[0].ranks}" in ranked[0].overrides()
+
+
+def test_plan_command_prints_the_best_overrides_and_draws_the_frontier(tmp_path, capsys):
+    save_profile(flat_profile(), tmp_path / "p.yaml")
+    png = tmp_path / "frontier.png"
+    argv = [QUICKSTART, "trainer.batch_groups=2", "rollout.n=4", "eval.every=0", "--profile",
+            str(tmp_path / "p.yaml"), "--gpus", "3", "--steps", "4", "--thresholds", "0,1", "--sync-every", "1",
+            "--concurrency", "1", "--refine", "1", "--png", str(png)]  # fmt: skip
+    from slipstream.cli import main
+
+    assert main(["plan", *argv]) == 0  # `plan CONFIG` is `plan capacity CONFIG`
+    out = capsys.readouterr().out
+    assert "best: rollout.num_servers=" in out
+    assert png.stat().st_size > 0
+
+
+def test_bench_simulate_on_recorded_runs(tmp_path, capsys):
+    write_run(tmp_path / "runs" / "sync", "sync")
+    write_run(tmp_path / "runs" / "async", "fully_async", wait_s=1.0, cycle_s=6.0)
+    assert bench.main(["--runs", str(tmp_path / "runs"), "--skip-verl", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(row) >= {"own_runs_max_rel_err", "verl_ratio_published", "verl_ratio_simulated", "seconds"}
+    modes = {r["mode"]: r for r in row["own_runs"]}
+    assert set(modes) == {"sync", "fully_async"}
+    assert modes["sync"]["step_rel_err"] < 0.15  # the profiled run itself
+    assert row["own_runs_max_rel_err"] == max(r["step_rel_err"] for r in row["own_runs"])
+
+
+@pytest.mark.slow
+def test_verl_profile_calibrates_to_the_published_sync_step():
+    cal = bench.calibrate_verl(bench.load_profile(bench.VERL_PROFILE))
+    sync = bench.simulate(bench.sim_config(str(bench.VERL_RECIPE), bench.VERL_SYNC_OVERRIDES), cal, steps=6)
+    assert sync.step_s_steady == pytest.approx(bench.VERL_STEP_S["sync"], rel=0.03)
