@@ -73,6 +73,7 @@ class LoadBalancer:
         self._sticky: OrderedDict[str, str] = OrderedDict()
         self._where: dict[str, str] = {}
         self._rr = 0
+        self._ring_cache: list[str] | None = None
         self._changed = asyncio.Event()
         for client in clients:
             self.add(client)
@@ -85,12 +86,14 @@ class LoadBalancer:
         self._clients[url] = client
         self._alive.add(url)
         self._outstanding.setdefault(url, 0)
+        self._ring_cache = None
         self._changed.set()
 
     def remove(self, base_url: str) -> ServerClient | None:
         """Take a server out of the pool; returns its client (the caller closes it). In-flight requests end
         normally."""
         self._alive.discard(base_url)
+        self._ring_cache = None
         self._changed.set()
         return self._clients.pop(base_url, None)
 
@@ -98,10 +101,11 @@ class LoadBalancer:
         if base_url in self._alive:
             log.warning("inference server %s marked dead; its requests move to other servers", base_url)
         self._alive.discard(base_url)
+        self._ring_cache = None
         self._changed.set()
 
     def alive(self) -> list[str]:
-        return [url for url in self._clients if url in self._alive]
+        return list(self._ring())
 
     def outstanding(self) -> dict[str, int]:
         return {url: self._outstanding.get(url, 0) for url in self._clients}
@@ -119,6 +123,7 @@ class LoadBalancer:
                 self._alive.add(url)
             else:
                 self.mark_dead(url)
+        self._ring_cache = None
         self._changed.set()
         return dict(zip(urls, results, strict=True))
 
@@ -200,20 +205,40 @@ class LoadBalancer:
     # ------------------------------------------------------------------ internals
 
     def _pick(self, session_id: str | None, exclude: set[str]) -> str | None:
-        alive = self.alive()
-        if not alive:
+        """The server for the next request, or None when every candidate is at capacity.
+
+        One pass over the live servers, starting one further round the ring at each call, keeping the first
+        with the fewest outstanding requests (so ties go round-robin); it stops early at an idle server. This
+        runs for every request, so it does O(1) work per server: no list is rebuilt or searched inside it.
+        """
+        ring = self._ring()
+        if not ring:
             raise NoServerAvailable("no live inference server (every server is marked dead)")
-        candidates = [u for u in alive if u not in exclude] or alive
+        # Excluded servers (already tried by this request) are used only when nothing else is left.
+        skip = exclude if exclude and any(u not in exclude for u in ring) else ()
         cap = self.max_concurrent_per_server
         sticky = self._sticky.get(session_id) if session_id is not None else None
-        if sticky in candidates:
+        if sticky is not None and sticky in self._alive and sticky not in skip:
             return sticky if self._outstanding[sticky] < cap else None
-        free = [u for u in candidates if self._outstanding[u] < cap]
-        if not free:
-            return None
-        n = len(alive)
+        n = len(ring)
         self._rr += 1
-        return min(free, key=lambda u: (self._outstanding[u], (alive.index(u) - self._rr) % n))
+        start = self._rr % n
+        best, best_load = None, cap
+        outstanding = self._outstanding
+        for k in range(n):
+            url = ring[(start + k) % n]
+            load = outstanding[url]
+            if load < best_load and url not in skip:
+                best, best_load = url, load
+                if load == 0:
+                    break
+        return best
+
+    def _ring(self) -> list[str]:
+        """Live servers in the order they were added (cached: rebuilt only when the pool changes)."""
+        if self._ring_cache is None:
+            self._ring_cache = [url for url in self._clients if url in self._alive]
+        return self._ring_cache
 
     async def _acquire(self, session_id: str | None, exclude: set[str]) -> str:
         while True:

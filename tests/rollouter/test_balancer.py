@@ -202,3 +202,29 @@ def test_balancer_from_config():
     assert kinds == [VLLMClient, VLLMClient] and timeouts == [160.0, 160.0]
     assert lb.max_concurrent_per_server == 3 and lb.request_timeout_s == 100.0
     assert lb.alive() == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+
+
+def test_many_servers_fill_evenly_and_dead_ones_leave_the_ring():
+    async def main():
+        clients = [FakeClient(f"http://s{i}") for i in range(256)]
+        lb = LoadBalancer(clients, max_concurrent_per_server=3)
+        tasks = [asyncio.create_task(lb.generate([1], SP, rid=f"r{i}")) for i in range(256 * 3 + 1)]
+        await _settle()
+        full = lb.outstanding()
+        lb.mark_dead("http://s7")
+        lb.add(FakeClient("http://late"))  # a new server takes the request that waited for capacity
+        await _settle()
+        late = lb.outstanding()["http://late"]
+        for c in clients:
+            c.release.set()
+        lb._clients["http://late"].release.set()
+        await asyncio.gather(*tasks)
+        dead_started = len(clients[7].started)
+        more = [await lb.generate([1], SP, rid=f"x{i}") for i in range(600)]
+        return full, late, dead_started, len(clients[7].started), {o.server for o in more}
+
+    full, late, dead_before, dead_after, servers = run(main())
+    assert set(full.values()) == {3}  # 768 requests: exactly 3 on each of 256 servers, one left waiting
+    assert late == 1
+    assert dead_after == dead_before  # a dead server gets nothing new
+    assert "http://s7" not in servers and len(servers) == 256  # the 255 live ones and the late one
