@@ -121,9 +121,12 @@ class WeightPublisher:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="weight-publisher", daemon=True)
         self._thread.start()
-        self._http: httpx.AsyncClient = self._run(self._make_http())
+        # One HTTP client per server: a shared one scans its whole pool on every call (O(servers) per call,
+        # O(servers^2) per push) and, at httpx's default limits, queues calls past 100 connections and
+        # reconnects all but 20 servers at each push.
+        self._http: dict[str, httpx.AsyncClient] = {}
         for url in server_urls:
-            self.servers[url.rstrip("/")] = self._adapter_cls(url, cfg, self._http)
+            self.servers[url.rstrip("/")] = self._adapter(url)
 
     # -- public API
 
@@ -136,14 +139,18 @@ class WeightPublisher:
         """Add a server (or a restarted one); it gets the last published version now, if there is one."""
         url = url.rstrip("/")
         with self._lock:
-            self.servers[url] = self._adapter_cls(url, self.cfg, self._http)
+            self.servers[url] = self._adapter(url)
             self.down.pop(url, None)
             return self._run(self._catch_up([url]))
 
     def remove_server(self, url: str) -> None:
+        url = url.rstrip("/")
         with self._lock:
-            self.servers.pop(url.rstrip("/"), None)
-            self.down.pop(url.rstrip("/"), None)
+            self.servers.pop(url, None)
+            self.down.pop(url, None)
+            client = self._http.pop(url, None)
+            if client is not None:
+                self._run(client.aclose())
 
     def close(self) -> None:
         with self._lock:
@@ -158,6 +165,14 @@ class WeightPublisher:
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _adapter(self, url: str) -> ServerAdapter:
+        url = url.rstrip("/")
+        old = self._http.pop(url, None)
+        if old is not None:
+            self._run(old.aclose())
+        self._http[url] = self._run(self._make_http())
+        return self._adapter_cls(url, self.cfg, self._http[url])
 
     async def _make_http(self) -> httpx.AsyncClient:
         return httpx.AsyncClient(timeout=self.cfg.timeout_s, headers=bearer_headers(self._token))
@@ -326,7 +341,8 @@ class WeightPublisher:
         try:
             await self._drop_link()
         finally:
-            await self._http.aclose()
+            await asyncio.gather(*(c.aclose() for c in self._http.values()), return_exceptions=True)
+            self._http.clear()
 
 
 async def _all(adapters: list[ServerAdapter], call: Callable) -> None:
