@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
     "bench": {
         "queue": ("slipstream.queue.bench", "TransferQueue throughput and latency vs Ray and memcpy"),
         "rollout": ("slipstream.rollouter.bench", "embedded server tokens/s vs transformers generate"),
+        "gateway": ("slipstream.rollouter.bench_gateway", "agent gateway latency overhead and exact recording"),
         "train": ("slipstream.trainer.bench", "training tokens/s, packed vs padded"),
         "logprob": ("slipstream.trainer.bench_logprob", "logprob+entropy peak memory, full logits vs chunked"),
         "weightsync": ("slipstream.weightsync.bench", "weight sync GB/s vs raw transport and naive"),

@@ -110,9 +110,9 @@ class DataGenConfig(ConfigStruct):
     are made. With `data.val_files` set, the training files leave out a fixed tenth of the problems and the
     validation files hold only those (agents/datagen.py, `--split`), so the evaluation is on held-out data."""
 
-    # Generator of agents/datagen.py (`arithmetic`, `countdown`); null never makes a file (a missing file
-    # is then a config error).
-    task: Literal["arithmetic", "countdown"] | None = None
+    # Generator of agents/datagen.py (`arithmetic`, `multiply`, `countdown`); null never makes a file (a
+    # missing file is then a config error).
+    task: Literal["arithmetic", "multiply", "countdown"] | None = None
     # Prompts per file.
     n: Annotated[int, msgspec.Meta(ge=1)] = 2000
     seed: int = 0

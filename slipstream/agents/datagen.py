@@ -1,10 +1,12 @@
 """`slipstream data make`: verifiable synthetic datasets, made offline in verl's format.
 
 Runs never download data, so the quickstart and the tests need tasks whose answers a program can check.
-Two generators:
+Three generators:
 
 * ``arithmetic``: "What is a + b? Reply with only the number." with a, b in 1..20; the ground truth is
   the sum (the quickstart task, see design.md §4).
+* ``multiply``: "What is a * b?" with a, b in 100..999 (the agentic quickstart: a small model solves it
+  only with a calculator tool).
 * ``countdown``: reach a target with +, -, *, / using each of 3-4 given numbers once (TinyZero's task);
   the target is the value of a random expression over the numbers, so every prompt has a solution.
 
@@ -78,8 +80,21 @@ def _random_expression(rng: random.Random, values: list[Fraction]) -> tuple[Frac
     return value, text[1:-1] if text.startswith("(") and text.endswith(")") else text
 
 
+def multiply_row(rng: random.Random, index: int) -> dict[str, Any]:
+    """A product of two three-digit numbers: too hard for a small model alone, easy with a calculator tool
+    (the agentic quickstart, configs/quickstart_agent.yaml)."""
+    a, b = rng.randint(100, 999), rng.randint(100, 999)
+    return {
+        "prompt": [{"role": "user", "content": f"What is {a} * {b}?"}],
+        "data_source": "arithmetic",
+        "reward_model": {"style": "rule", "ground_truth": str(a * b)},
+        "extra_info": {"index": index, "a": a, "b": b},
+    }
+
+
 GENERATORS: dict[str, Callable[[random.Random, int], dict[str, Any]]] = {
     "arithmetic": arithmetic_row,
+    "multiply": multiply_row,
     "countdown": countdown_row,
 }
 

@@ -8,10 +8,10 @@ when its first integer is the task's ground truth, else 0.0. Run by the loop as 
 comes as JSON on stdin, the reward goes to ``$SLIPSTREAM_REWARD_FILE``) or as a callable
 (``agent.external.callable: slipstream.agents.examples.calculator_harness:episode``).
 
-``make_data`` writes the agentic quickstart's prompts: products of two three-digit numbers, which a
-135M-parameter model cannot compute by itself but can with the calculator::
-
-    python -m slipstream.agents.examples.calculator_harness --make-data data/multiply_train.jsonl --n 2000
+The agentic quickstart (configs/quickstart_agent.yaml) trains on products of two three-digit numbers
+(``slipstream data make multiply``), which a 135M-parameter model cannot compute by itself but can with the
+calculator. Three worked exchanges precede the question: without them SmolLM2-135M-Instruct never wrote a
+well-formed call in 16 tries; with them about half of its first attempts are right, which leaves RL room.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import re
 import sys
 from pathlib import Path
@@ -27,9 +26,23 @@ from typing import Any
 
 SYSTEM = (
     "You are a careful assistant with a calculator tool. For any arithmetic, call the calculator first, "
-    'for example <tool_call>{"name": "calculator", "arguments": {"expression": "12 * 34"}}</tool_call>, '
     "then reply with only the number it returned."
 )
+
+
+# Worked exchanges before the question (few-shot prompting): small models copy their shape.
+def _exchange(a: int, b: int) -> list[dict[str, Any]]:
+    call = {"name": "calculator", "arguments": json.dumps({"expression": f"{a} * {b}"})}
+    return [
+        {"role": "user", "content": f"What is {a} * {b}?"},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": f"call_{a}", "type": "function", "function": call}]},
+        {"role": "tool", "tool_call_id": f"call_{a}", "content": str(a * b)},
+        {"role": "assistant", "content": str(a * b)},
+    ]  # fmt: skip
+
+
+EXAMPLES = [m for a, b in ((12, 34), (56, 78), (91, 23)) for m in _exchange(a, b)]
 CALCULATOR = {
     "type": "function",
     "function": {
@@ -68,7 +81,7 @@ def episode(task: dict[str, Any], base_url: str | None = None, api_key: str | No
     from openai import OpenAI
 
     client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
-    messages: list[Any] = [{"role": "system", "content": SYSTEM}, *task["messages"]]
+    messages: list[Any] = [{"role": "system", "content": SYSTEM}, *EXAMPLES, *task["messages"]]
     calls = 0
     answer = ""
     for _ in range(MAX_TURNS):
@@ -86,29 +99,8 @@ def episode(task: dict[str, Any], base_url: str | None = None, api_key: str | No
     return {"reward": correct, "components": {"correct": correct, "tool_calls": float(calls)}}
 
 
-def make_data(out: Path, n: int, seed: int = 0) -> None:
-    rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        a, b = rng.randint(100, 999), rng.randint(100, 999)
-        rows.append({
-            "prompt": [{"role": "user", "content": f"What is {a} * {b}?"}],
-            "data_source": "arithmetic",
-            "reward_model": {"style": "rule", "ground_truth": str(a * b)},
-            "extra_info": {"index": i, "a": a, "b": b},
-        })  # fmt: skip
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--make-data", type=Path, help="write the quickstart's prompts (jsonl) and exit")
-    parser.add_argument("--n", type=int, default=2000)
-    args = parser.parse_args(argv)
-    if args.make_data:
-        make_data(args.make_data, args.n)
-        return 0
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     task = json.load(sys.stdin)
     result = episode(task, os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"])
     Path(os.environ["SLIPSTREAM_REWARD_FILE"]).write_text(json.dumps(result))
