@@ -18,7 +18,7 @@ from slipstream.rollouter.launch import launch_server
 from slipstream.rollouter.partial import PartialRolloutClient
 
 ENGINE = EmbeddedServerConfig(
-    num_threads=1, max_model_len=1024, kv_cache_tokens=8192, kv_page_size=64, max_batch_tokens=512, seed=0
+    num_threads=1, max_model_len=2048, kv_cache_tokens=8192, kv_page_size=64, max_batch_tokens=512, seed=0
 )
 SAMPLE = Sample(index=0, messages=[{"role": "user", "content": "What is 123 * 456?"}], data_source="arithmetic",
                 ground_truth="56088")  # fmt: skip
@@ -47,7 +47,7 @@ def server(tiny_model_path, tmp_path_factory):
 def run_episodes(server, tok, external: ExternalAgentConfig, n: int = 1):
     async def main():
         raw = SGLangClient(server.url)
-        cfg = AgentConfig(name="external", max_total_tokens=1000, external=external)
+        cfg = AgentConfig(name="external", max_total_tokens=2000, external=external)
         loop = make_agent_loop(cfg, PartialRolloutClient(raw, max_in_flight=4), tok)
         try:
             return await asyncio.gather(*(loop.run(SAMPLE, SAMPLING, uid=f"x-{i}") for i in range(n)))
