@@ -438,6 +438,7 @@ async def _row(n: int, args: argparse.Namespace, tokenizer: Any) -> dict[str, An
         "resumes": rollouter.client.resumes,
         "groups_total": pusher.acked,
         "sim_requests": sim_counts.get("generate", 0),
+        "loadavg_1m": round(os.getloadavg()[0], 1),  # the machine's, others' work included
     }
 
 
@@ -478,7 +479,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="slipstream bench scale", description=__doc__.split("\n\n")[0])
     p.add_argument("--servers", type=lambda s: [int(x) for x in s.split(",")], default=DEFAULT_SERVERS,
                    help="server counts, comma-separated (default 8,32,128,256)")  # fmt: skip
-    p.add_argument("--tokens-per-s", type=float, default=8.0, help="decode rate of one request")
+    p.add_argument("--tokens-per-s", type=float, default=4.0, help="decode rate of one request")
     p.add_argument("--median-tokens", type=int, default=24, help="median response length")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=4, help="rollout.max_concurrent_per_server")
@@ -487,8 +488,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--buckets", type=int, default=2, help="update calls per server and push")
     p.add_argument("--partial-rollout", choices=["abort", "in_place"], default="abort")
     p.add_argument("--servers-per-proc", type=int, default=128)
-    p.add_argument("--warmup-s", type=float, default=10.0)
-    p.add_argument("--seconds", type=float, default=15.0)
+    p.add_argument("--warmup-s", type=float, default=20.0)
+    p.add_argument("--seconds", type=float, default=30.0)
     p.add_argument("--profile", default="", help="directory for a cProfile of the controller per row")
     p.add_argument("--json", action="store_true", help="print the result as one JSON line")
     p.add_argument("--role", default="controller", help=argparse.SUPPRESS)
