@@ -20,6 +20,7 @@ Per server count N, a fresh set of processes runs ``--warmup-s`` then ``--second
   per bucket, ``/pause_generation``, ``/end_weight_update``, ``/continue_generation``) over a link that
   sends no bytes. The trainers' acks drive the pushes: every ``batch_groups`` acked groups is one version;
   with ``async.partial_rollout = abort`` every push aborts what is in flight and the rollouter resumes it;
+  ``fanout_idle_s``: the same push before generation starts (median of three), the fan-out on its own;
 * ``controller_cpu``: CPU seconds of the rollouter process (with its reward workers) and of the queue
   server over the window's wall seconds (1.0 = one core); ``rss_mb``: their peak resident memory.
 
@@ -161,7 +162,12 @@ async def _trainers(address: str, consumers: int, lease_groups: int) -> None:
 
     for client in clients:
         await client.ping()  # connected (and imports done) before the controller starts its clock
-    _emit({"ready": True})
+    idle = []  # pushes before any generation (version 0 again: the servers' version does not move)
+    for _ in range(3):
+        t0 = time.perf_counter()
+        await asyncio.to_thread(publisher.publish, 0, list(tensors))
+        idle.append(time.perf_counter() - t0)
+    _emit({"ready": True, "idle_push_s": sorted(idle)[1]})
     tasks = [asyncio.create_task(trainer(c)) for c in clients[:-1]]
     tasks += [asyncio.create_task(pinger(clients[-1])), asyncio.create_task(pusher())]
     await loop.run_in_executor(None, sys.stdin.read)
@@ -366,8 +372,10 @@ async def _row(n: int, args: argparse.Namespace, tokenizer: Any) -> dict[str, An
             "pause_mode": "in_place" if args.partial_rollout == "in_place" else "abort",
         }
         trainers.stdin.write((json.dumps(setup) + "\n").encode())
-        if not await trainers.stdout.readline():
+        ready = await trainers.stdout.readline()
+        if not ready:
             raise RuntimeError("the trainers' process exited before it was ready")
+        idle_push_s = json.loads(ready)["idle_push_s"]
         queue = _TimedQueue(AsyncQueueClient(handle.address))
         balancer = balancer_from_config(cfg.rollout, urls)
         rollouter = Rollouter(cfg, balancer, queue, tokenizer, _prompts())
@@ -427,6 +435,7 @@ async def _row(n: int, args: argparse.Namespace, tokenizer: Any) -> dict[str, An
         "ack_p99_us": round(_pct(acks, 0.99) * 1e6, 1),
         "ping_p99_us": round(_pct(pings, 0.99) * 1e6, 1),
         "fanout_max_s": round(max(fanouts), 4) if fanouts else None,
+        "fanout_idle_s": round(idle_push_s, 4),
         "pushes": len(pusher.pushes),
         "rollouter_cpu": round((cpu1["rollouter"] - cpu0["rollouter"]) / wall, 3),
         "queue_cpu": round((cpu1["queue"] - cpu0["queue"]) / wall, 3),
