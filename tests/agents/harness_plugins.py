@@ -26,3 +26,13 @@ def raises_on_bad_request(task, base_url, api_key):
 
 def returns_text(task, base_url, api_key):
     return "great"
+
+
+def first_sample_wins(task, base_url, api_key):
+    """Sample 0 of a group scores 0.75 after one request; every other sample crashes."""
+    if not task["uid"].endswith("-0"):
+        raise RuntimeError("harness bug")
+    OpenAI(base_url=base_url, api_key=api_key, max_retries=0).completions.create(
+        model="policy", prompt="Hi", max_tokens=3
+    )
+    return 0.75

@@ -119,3 +119,53 @@ def test_malformed_requests_cost_only_themselves(server, tok):
 def test_config_needs_exactly_one_harness(tok):
     with pytest.raises(ValueError, match="exactly one"):
         make_agent_loop(AgentConfig(name="external"), None, tok)
+
+
+class _Queue:
+    def __init__(self):
+        self.groups = []
+
+    async def put(self, group, *, partition="train", timeout_s=None) -> bool:
+        self.groups.append(group)
+        return True
+
+    async def pop_dropped(self, max_groups=1024):
+        return []
+
+
+def test_rollouter_trains_on_the_harness_reward_and_keeps_a_failure_reason(server, tok):
+    """Through the rollouter: the harness's reward replaces the reward function, and a crashing sample is
+    one failed trajectory of the group (its reason kept, nothing of it trained), not a failed group."""
+    from slipstream.agents.data import PromptSource
+    from slipstream.config import load_config
+    from slipstream.rollouter.rollouter import Rollouter
+
+    overrides = {
+        "agent.name": "external",
+        "agent.external.callable": "harness_plugins:first_sample_wins",
+        "agent.max_total_tokens": 512,
+        "rollout.n": 2,
+        "rollout.sampling.max_new_tokens": 4,
+        "trainer.batch_groups": 1,
+        "data.max_prompt_tokens": 512,
+    }
+    cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()])
+    queue = _Queue()
+
+    async def main():
+        client = SGLangClient(server.url)
+        rollouter = Rollouter(cfg, client, queue, tok, PromptSource([SAMPLE], shuffle=False))
+        try:
+            await rollouter.run()
+        finally:
+            await rollouter.agent.aclose()
+            await client.aclose()
+        return rollouter.metrics()
+
+    metrics = asyncio.run(asyncio.wait_for(main(), 240))
+    (group,) = queue.groups
+    won, crashed = group.to_trajectories()
+    assert won.reward == 0.75 and "reward_error" not in won.extra and 1 in won.loss_mask
+    assert crashed.reward == 0.0 and "harness bug" in crashed.extra["reward_error"]
+    assert crashed.loss_mask == [0] * len(crashed.response_ids)
+    assert metrics["rollouter/reward_errors"] == 1
