@@ -100,6 +100,10 @@ class AgentLoop(ABC):
     async def run(self, sample: Sample, sampling_params: SamplingParams, *, uid: str = "") -> AgentLoopOutput:
         """Run one episode. ``uid`` names the trajectory: requests use it as rid prefix and session id."""
 
+    def metrics(self) -> dict[str, float]:
+        """Running totals of the loop itself (the rollouter reports them as ``rollouter/<name>``)."""
+        return {}
+
     def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 

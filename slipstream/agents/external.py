@@ -83,6 +83,14 @@ class ExternalAgentLoop(AgentLoop):
         self._slots = asyncio.Semaphore(ext.max_concurrent) if ext.max_concurrent else None
         self.failed_episodes = 0
 
+    def metrics(self) -> dict[str, float]:
+        """Totals since the start: episodes failed, and the gateway's sessions, requests, errors (answered
+        with an error status), divergences (new segments) and resumed aborts."""
+        out = {"failed_episodes": float(self.failed_episodes)}
+        if self.gateway is not None:
+            out.update({f"gateway_{k}": float(v) for k, v in self.gateway.counters.items()})
+        return out
+
     def prompt_ids(self, sample: Sample) -> list[int]:
         return self.renderer.prompt_ids(sample.messages)
 

@@ -225,6 +225,7 @@ class Rollouter:
             "gate_admitted": self.gate.admitted,
             "gate_budget": self.gate.budget,
             "version": self.version,
+            **self.agent.metrics(),
         }
         out = self.stats.collect(
             tokens=self.client.generated_tokens, busy_s=self.client.busy_seconds(), gauges=gauges

@@ -157,10 +157,10 @@ def test_rollouter_trains_on_the_harness_reward_and_keeps_a_failure_reason(serve
         rollouter = Rollouter(cfg, client, queue, tok, PromptSource([SAMPLE], shuffle=False))
         try:
             await rollouter.run()
+            return rollouter.metrics()
         finally:
             await rollouter.agent.aclose()
             await client.aclose()
-        return rollouter.metrics()
 
     metrics = asyncio.run(asyncio.wait_for(main(), 240))
     (group,) = queue.groups
@@ -168,4 +168,5 @@ def test_rollouter_trains_on_the_harness_reward_and_keeps_a_failure_reason(serve
     assert won.reward == 0.75 and "reward_error" not in won.extra and 1 in won.loss_mask
     assert crashed.reward == 0.0 and "harness bug" in crashed.extra["reward_error"]
     assert crashed.loss_mask == [0] * len(crashed.response_ids)
-    assert metrics["rollouter/reward_errors"] == 1
+    assert metrics["rollouter/reward_errors"] == 1 and metrics["rollouter/failed_episodes"] == 1
+    assert metrics["rollouter/gateway_sessions"] == 2 and metrics["rollouter/gateway_requests"] == 1

@@ -24,6 +24,7 @@ Worked example (a tool round-trip extends one segment)::
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from typing import Any
@@ -70,8 +71,6 @@ class Session:
     """
 
     def __init__(self, uid: str, api_key: str) -> None:
-        import asyncio
-
         self.uid = uid
         self.api_key = api_key
         self.sid = ""  # the URL's session part (set by the gateway)
