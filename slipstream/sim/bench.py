@@ -11,7 +11,9 @@ Two checks, each a ratio or an error against figures measured elsewhere:
 2. **verl's published 128-GPU figures** (Qwen2.5-Math-7B DAPO on H20; research notes §2): the profile
    shipped in ``profiles/verl_qwen25_math7b_h20.yaml`` is completed from the colocated sync figures: the
    length distribution's sigma is fitted so that the simulated 128-GPU sync step's generation takes the
-   published 177.85 s, and the trainer's rate so that its training takes 53.92 + 113.81 s. The asynchronous
+   published 177.85 s (32 servers of 4 GPUs: the tail decides it), the decode rate at full concurrency so
+   that the 32-GPU run's takes 357.41 s (8 servers: throughput decides it), and the trainer's rate so that
+   the 128-GPU run's training takes 53.92 + 113.81 s. The asynchronous
    runs (64 rollout : 64 trainer GPUs, ``configs/recipes/qwen2.5-7b-dapo-math-64x64.yaml``, 512 prompts per
    push) skip the old-logprob pass as verl's async recipe does, and push in 1 s (separate pools: no
    colocated switch). Their trainer's rate on 64 ranks comes from the 64-GPU colocated sync run (365.28 s
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -52,6 +55,7 @@ VERL_STEP_S = {"sync": 356.30, "stream": 231.34, "s0.1": 171.30, "s0.3": 146.11,
 VERL_SYNC_GEN_S, VERL_OLD_LOGPROB_S, VERL_UPDATE_S = 177.85, 53.92, 113.81
 # The colocated sync run on 64 GPUs (the async runs' trainer size): step and generation seconds.
 VERL_SYNC64_STEP_S, VERL_SYNC64_GEN_S = 365.28, 150.72
+VERL_SYNC32_GEN_S = 357.41  # ... and on 32 GPUs (8 servers), where generation is throughput-bound
 VERL_ASYNC_WAIT_S = 33.14  # the s=0.5 run's "gen" column: the trainer waiting for samples
 # A push between separate pools: verl measured its NCCL weight sync of a 7B model "mostly <300 ms"; with the
 # servers' pause, abort and resume, 1 s. (The sync step's 10.72 s rest is the colocated engines' switch.)
@@ -141,25 +145,54 @@ def _merge(base: dict, changes: dict) -> dict:
     return out
 
 
-def calibrate_verl(profile: Profile, *, steps: int = 4, iters: int = 12) -> Profile:
-    """Fit the length sigma to the sync step's generation time and the trainer's rate to its training time."""
-    cfg = sim_config(str(VERL_RECIPE), VERL_SYNC_OVERRIDES)
-    ranks, samples = cfg.trainer.num_ranks, cfg.trainer.batch_groups * cfg.rollout.n
+def _sync_gen_s(profile: Profile, overrides: list[str], steps: int) -> tuple[float, float]:
+    """Mean seconds a simulated sync step waits for generation, and tokens trained per step."""
+    res = simulate(sim_config(str(VERL_RECIPE), overrides), profile, steps=steps)
+    waits = [i * s for i, s in zip(res.trainer_idle, res.step_s, strict=True)]
+    return statistics.fmean(waits), res.tokens_per_s * res.seconds / res.steps
 
-    def gen_s(sigma: float) -> tuple[float, float]:
-        res = simulate(cfg, _with(profile, lengths={"sigma": sigma}), steps=steps)
-        waits = [i * s for i, s in zip(res.trainer_idle, res.step_s, strict=True)]
-        return statistics.fmean(waits), res.tokens_per_s * res.seconds / res.steps
 
-    lo, hi = 0.05, 1.5
-    for _ in range(iters):  # generation time grows with the tail
+def _bisect(lo: float, hi: float, too_low, iters: int) -> float:
+    for _ in range(iters):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if gen_s(mid)[0] < VERL_SYNC_GEN_S else (lo, mid)
-    sigma = round((lo + hi) / 2, 4)
-    tokens = gen_s(sigma)[1]
-    rate = tokens / ((VERL_OLD_LOGPROB_S + VERL_UPDATE_S) * ranks)
-    assert samples == 8192
-    return _with(profile, lengths={"sigma": sigma}, trainer={"tokens_per_s_per_rank": round(rate, 2)})
+        lo, hi = (mid, hi) if too_low(mid) else (lo, mid)
+    return (lo + hi) / 2
+
+
+def calibrate_verl(profile: Profile, *, fit_peak: bool = True, steps: int = 4, iters: int = 12) -> Profile:
+    """Fit the profile to the colocated sync figures: the length sigma to the 128-GPU generation time (32
+    servers: the tail decides it), the decode rate at full concurrency to the 32-GPU generation time (8
+    servers: throughput decides it; unless ``fit_peak`` is False), then the trainer's rate to the 128-GPU
+    training time."""
+    sync128 = VERL_SYNC_OVERRIDES
+    sync32 = [
+        *VERL_SYNC_OVERRIDES[:1],
+        "rollout.num_servers=8",
+        "trainer.num_ranks=32",
+        VERL_SYNC_OVERRIDES[3],
+    ]
+
+    def fit_sigma(prof: Profile) -> Profile:
+        sigma = _bisect(
+            0.05, 1.5, lambda x: _sync_gen_s(_with(prof, lengths={"sigma": x}), sync128, steps)[0] < VERL_SYNC_GEN_S,
+            iters,
+        )  # fmt: skip
+        return _with(prof, lengths={"sigma": round(sigma, 4)})
+
+    def peak(prof: Profile, f: float) -> Profile:
+        return _with(prof, decode={"tokens_per_s": [prof.decode.tokens_per_s[0], round(f, 1)]})
+
+    prof = fit_sigma(profile)
+    if fit_peak:
+        for _ in range(2):  # the two fits touch each other a little: twice is enough
+            logf = _bisect(
+                math.log(1e3), math.log(1e5),
+                lambda x, p=prof: _sync_gen_s(peak(p, math.exp(x)), sync32, steps)[0] > VERL_SYNC32_GEN_S, iters,
+            )  # fmt: skip
+            prof = fit_sigma(peak(prof, math.exp(logf)))
+    tokens = _sync_gen_s(prof, sync128, steps)[1]
+    rate = tokens / ((VERL_OLD_LOGPROB_S + VERL_UPDATE_S) * 128)
+    return _with(prof, trainer={"tokens_per_s_per_rank": round(rate, 2)})
 
 
 def _async_step_s(profile: Profile, threshold: float, steps: int) -> dict[str, float]:
@@ -218,11 +251,12 @@ def verl(*, steps: int = 32, sensitivity: bool = True) -> dict[str, Any]:
             "runs": fast_runs,
         },
     }
-    if sensitivity:  # the decode rate at full concurrency is assumed: halve and double it
+    out["decode_peak_tokens_per_s"] = cal.decode.tokens_per_s[-1]
+    if sensitivity:  # the fitted decode rate at full concurrency halved and doubled (sigma refitted)
         out["decode_sensitivity"] = {}
         for factor in (0.5, 2.0):
-            curve = {"tokens_per_s": [base.decode.tokens_per_s[0], base.decode.tokens_per_s[1] * factor]}
-            c2 = calibrate_verl(_with(base, decode=curve))
+            curve = {"tokens_per_s": [cal.decode.tokens_per_s[0], cal.decode.tokens_per_s[1] * factor]}
+            c2 = calibrate_verl(_with(base, decode=curve), fit_peak=False)
             s2 = simulate(sync_cfg, c2, steps=6)
             p2 = _async_profiles(c2, s2.tokens_per_s * s2.seconds / s2.steps)["sync64"]
             out["decode_sensitivity"][f"x{factor:g}"] = _ratios(s2.step_s_steady, p2, steps)[0]
