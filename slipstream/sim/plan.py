@@ -80,7 +80,7 @@ class Candidate:
             "sync_every": self.sync_every,
             "concurrency": self.concurrency,
             "step_s": round(r.step_s_steady, 3),
-            "samples_per_s": round(r.samples_per_s, 4),
+            "samples_per_s": round(r.samples_per_step / r.step_s_steady, 4),  # steady, as ranked
             "trainer_idle": round(r.trainer_idle_ratio, 3),
             "rollouter_idle": round(r.rollouter_idle_ratio, 3),
             "staleness_mean": round(r.staleness_mean, 3),
@@ -177,14 +177,16 @@ def draw_frontier(ranked: list[Candidate], path: str) -> None:
         by_split.setdefault(c.rollout_gpus, []).append(c)
     for rollout, cands in sorted(by_split.items()):
         pts = sorted(
-            (c.result.staleness_mean, c.result.samples_per_s, c.within_cap) for c in cands if c.result
+            (c.result.staleness_mean, c.result.samples_per_step / c.result.step_s_steady, c.within_cap)
+            for c in cands
+            if c.result
         )
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{rollout} rollout / "
                 f"{cands[0].trainer_gpus} trainer GPUs")  # fmt: skip
         over = [p for p in pts if not p[2]]
         ax.scatter([p[0] for p in over], [p[1] for p in over], marker="x", color="red", zorder=3)
     ax.set_xlabel("mean staleness of trained groups (trainer steps)")
-    ax.set_ylabel("samples / s (simulated)")
+    ax.set_ylabel("samples / s (simulated, steady)")
     ax.set_title("throughput vs staleness per pool split (red x: over max_staleness)")
     ax.legend(fontsize=7)
     fig.tight_layout()

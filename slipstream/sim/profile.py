@@ -332,7 +332,7 @@ def fit_decode(cfg: Any, prof: Profile, wait_s: float, *, steps: int, skip_first
         return statistics.fmean(waits or [0.0])
 
     lo, hi = math.log(1e-3), math.log(1e6)
-    for _ in range(40):  # waiting shrinks as decoding speeds up
+    for _ in range(30):  # waiting shrinks as decoding speeds up
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if sim_wait(math.exp(mid)) > wait_s else (lo, mid)
     return with_speed(round(math.exp((lo + hi) / 2), 4))

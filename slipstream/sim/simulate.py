@@ -129,6 +129,7 @@ class SimResult:
     tokens_per_s: float
     step_s_mean: float
     step_s_steady: float  # mean over the second half of the steps
+    samples_per_step: int
     trainer_idle_ratio: float  # mean over steps of lease wait / step window (trainer/idle_ratio)
     rollouter_idle_ratio: float  # mean over steps of the share with no request in flight
     staleness_mean: float  # trained groups: trainer step - oldest token version
@@ -453,6 +454,7 @@ class Simulation:
             tokens_per_s=self.trained_tokens / secs,
             step_s_mean=statistics.fmean(self.step_walls),
             step_s_steady=statistics.fmean(half),
+            samples_per_step=self.batch * self.n,
             trainer_idle_ratio=statistics.fmean(self.idle_ratios),
             rollouter_idle_ratio=statistics.fmean(self.rollouter_idle),
             staleness_mean=statistics.fmean(self.staleness) if self.staleness else 0.0,
