@@ -232,10 +232,15 @@ def fit_lengths(
 
 
 def profile_from_run(run_dir: str | Path, *, skip_first: int = 1) -> Profile:
-    """Fit a profile to a run: see docs/benchmarks.md ("Capacity planning") for what each field comes from.
+    """Fit a profile to a run (docs/tuning.md, "Planning before a run").
 
-    The first ``skip_first`` steps are left out of the rate fits (they include compiling and warm-up)
-    when the run has more steps than that."""
+    From the metrics: prompt length (trained tokens per sample less the response mean), the clipped
+    log-normal of response lengths (:func:`fit_lengths`) and its drift, the trainer's rate (compute = step
+    less lease wait, against tokens), push seconds per byte, the controller's own time per step. The decode
+    rate is then fitted with the simulator (:func:`fit_decode`) to the time the trainer waited for batches;
+    a run whose trainer never waited gives only a lower bound, so profile a ``sync`` run (or one whose
+    trainer waited). The first ``skip_first`` steps are left out of the fits (start-up and warm-up) when the
+    run has more steps than that."""
     run = Path(run_dir)
     cfg = _run_config(run)
     all_records = _records(run)

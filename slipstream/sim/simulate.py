@@ -29,8 +29,8 @@ sampling, multi-turn tools, the dropped-group poll interval (1 s), prefill conte
 that does not slow other requests).
 
 Output (``--json``): steps/s, samples/s, tokens/s, trainer and rollouter idle ratios (defined as the run's
-metrics define them), the staleness of trained groups (in steps and in versions), dropped groups, time to
-the steps asked for.
+metrics define them), the staleness of trained groups (in steps and in versions), dropped groups, and
+``time_to_steps_s``, the virtual seconds to the end of the steps asked for.
 
 Worked example::
 
@@ -148,6 +148,7 @@ class SimResult:
         out = asdict(self)
         for key in ("step_s", "trainer_idle", "rollouter_idle"):
             out.pop(key)
+        out["time_to_steps_s"] = out.pop("seconds")  # from the start to the end of the last step
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
 
 
