@@ -317,3 +317,48 @@ def test_sessions_are_isolated_and_bad_requests_cost_only_themselves(server, tok
     assert b.requests == 0 and b.segments == [] and b.errors == 0
     assert a.errors == 3 and len(a.segments) == 2  # a chat segment, then a completion segment
     assert a.segments[1].loss_mask == [1] * len(a.segments[1].response_ids)
+
+
+class FailsOnce(Recording):
+    """The first generate fails as an unreachable server would."""
+
+    failed = False
+
+    async def generate(self, input_ids, sampling, *, rid=None, session_id=None):
+        if not self.failed:
+            self.failed = True
+            raise ConnectionError("server went away")
+        return await super().generate(input_ids, sampling, rid=rid, session_id=session_id)
+
+
+def test_a_failed_generation_records_nothing_and_a_retry_continues_the_segment(server, tok):
+    from openai import InternalServerError
+
+    async def main():
+        raw = SGLangClient(server.url)
+        rec = Recording(raw)
+        flaky = FailsOnce(rec)
+        flaky.failed = True  # the first turn goes through
+        gw = Gateway(
+            flaky, tok, sampling=SamplingParams(max_new_tokens=6, temperature=1.0), max_total_tokens=1024
+        )
+        await gw.start()
+        try:
+            session = gw.open_session("ep-retry")
+            client = _openai(session)
+            history = [{"role": "user", "content": "Hello."}]
+            first = await client.chat.completions.create(model="p", messages=history)
+            history += [{"role": "assistant", "content": first.choices[0].message.content}]
+            history += [{"role": "user", "content": "Again."}]
+            flaky.failed = False
+            with pytest.raises(InternalServerError, match="server went away"):
+                await client.chat.completions.create(model="p", messages=history)
+            await client.chat.completions.create(model="p", messages=history)  # the harness retries
+            return await gw.close_session(session), rec
+        finally:
+            await gw.stop()
+            await raw.aclose()
+
+    episode, rec = asyncio.run(asyncio.wait_for(main(), 120))
+    assert len(episode.segments) == 1 and episode.divergences == 0 and episode.errors == 1
+    _assert_segment_matches(episode.segments[0], rec.calls)

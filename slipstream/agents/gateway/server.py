@@ -275,6 +275,12 @@ class Gateway:
                 session.errors += 1
             self.counters["errors"] += 1
             return _error(err)
+        except Exception as err:  # a bug here must cost one request, not the rollouter
+            log.exception("gateway request failed")
+            if session is not None:
+                session.errors += 1
+            self.counters["errors"] += 1
+            return _error(GatewayError(500, f"internal error: {type(err).__name__}: {err}", "server_error"))
         return self._respond(body, result, chat)
 
     # ------------------------------------------------------------------ one turn
@@ -447,7 +453,7 @@ def _is_ids(value: Any) -> bool:
 
 
 def check_common(body: dict[str, Any]) -> None:
-    if body.get("n", 1) != 1:
+    if body.get("n") not in (None, 1):
         raise GatewayError(400, "n must be 1: an episode is one conversation")
     if body.get("stop"):
         raise GatewayError(400, "stop strings are not supported: the model's end-of-turn token ends a reply")
