@@ -14,18 +14,17 @@ from slipstream import gpucheck
 def test_the_cpu_run_of_the_checks_writes_results_and_figures(tmp_path):
     out = tmp_path / "results.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "slipstream.gpucheck", "--device", "cpu", "--only", "env,train,push_dtype,weightsync",
+        [sys.executable, "-m", "slipstream.gpucheck", "--device", "cpu", "--only", "env,push_dtype",
          "--out", str(out)],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["passed"] and set(report["checks"]) == {"env", "train", "push_dtype", "weightsync"}
+    assert report["passed"] and set(report["checks"]) == {"env", "push_dtype"}
     assert all(check["ok"] and check["seconds"] >= 0 for check in report["checks"].values())
     figures = report["figures"]
-    assert figures["torch"] and figures["train_packed_tok_s"] > 0
+    assert figures["torch"]
     assert figures["push_bytes_per_param"] == 2.0  # a bf16-served model pushes two bytes a parameter
-    assert figures["weightsync_ipc_gbps"] > 0 and figures["weightsync_ipc_copy_gbps"] > 0
     assert json.loads(proc.stdout.strip().splitlines()[-1])["figures"] == figures
 
 

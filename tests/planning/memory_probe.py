@@ -26,10 +26,10 @@ def nll(out, mb):
 
 def main(workdir: str, checkpointing: str) -> None:
     torch.set_num_threads(1)
-    path = make_tiny_model(f"{workdir}/model", hidden_size=384, num_layers=6, num_heads=6, num_kv_heads=2,
+    path = make_tiny_model(f"{workdir}/model", hidden_size=384, num_layers=4, num_heads=6, num_kv_heads=2,
                            intermediate_size=1024)  # fmt: skip
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
-    tokens = 6144
+    tokens = 4096
     cfg = load_config(None, [f"model.path={path}", "trainer.device=cpu", f"trainer.micro_batch_tokens={tokens}",
                              f"trainer.activation_checkpointing={checkpointing}"])  # fmt: skip
     engine = FSDPEngine(cfg)
