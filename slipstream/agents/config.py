@@ -21,19 +21,61 @@ class DataConfig(ConfigStruct):
     epochs: Annotated[int, msgspec.Meta(ge=1)] = 1
 
 
+class RewardServiceConfig(ConfigStruct):
+    """A served judge or reward model, used by data sources mapped to `service` in reward.sources
+    (agents/rewards/service.py states both wire protocols). The servers are yours: the run starts none and
+    pushes no weights to them."""
+
+    # Base URLs of the servers (`http://host:port`); requests go round-robin, a retry to the next one.
+    urls: list[str] = []
+    # `judge`: OpenAI-compatible POST /v1/chat/completions, one sample per request, the score read from the
+    # reply text. `score`: POST /score with a batch of samples, {"scores": [...]} back.
+    protocol: Literal["judge", "score"] = "judge"
+    # Model name sent in each request (servers that serve one model ignore it).
+    model: str = "judge"
+    # Environment variable holding a bearer token for the servers ("": none).
+    api_key_env: str = ""
+    # Requests in flight at once, over all servers.
+    max_concurrent: Annotated[int, msgspec.Meta(ge=1)] = 8
+    # Samples per request of the `score` protocol (the judge protocol sends one).
+    batch_size: Annotated[int, msgspec.Meta(ge=1)] = 16
+    # Seconds one request may take; then it is retried.
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
+    # Retries of a request that timed out, could not connect, got 408/429/5xx or a malformed reply; the
+    # n-th waits backoff_s * 2**(n-1) seconds (at most backoff_max_s). A sample still failing scores
+    # reward.service.failure_score with its reason recorded as a reward error.
+    retries: Annotated[int, msgspec.Meta(ge=0)] = 3
+    backoff_s: Annotated[float, msgspec.Meta(ge=0)] = 0.5
+    backoff_max_s: Annotated[float, msgspec.Meta(ge=0)] = 8.0
+    failure_score: float = 0.0
+    # Judge prompt, formatted with {question} (extra_info's `question` or `prompt`), {response} and
+    # {ground_truth}; the judge's reply must end with `Score: <number>` in [0, judge_max_score].
+    judge_template: str = (
+        "Grade the response to the question against the reference answer.\n\nQuestion:\n{question}\n\n"
+        "Reference answer:\n{ground_truth}\n\nResponse:\n{response}\n\nReply with one line "
+        "`Score: <number>`, from 0 (wrong) to 1 (fully correct)."
+    )
+    judge_max_score: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    judge_max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 512
+    judge_temperature: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+
+
 class RewardConfig(ConfigStruct):
     # Worker processes scoring responses off the event loop.
     num_workers: Annotated[int, msgspec.Meta(ge=1)] = 2
     # A reward call taking longer than this scores 0 and counts as a reward error.
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
-    # data_source -> reward function (a name registered in agents/rewards, or `package.module:function`
-    # for your own). Sources not listed here use the function registered under their own name or alias.
+    # data_source -> reward function (a name registered in agents/rewards, `package.module:function`
+    # for your own, or `service` for the served judge / reward model below). Sources not listed here use
+    # the function registered under their own name or alias.
     sources: dict[str, str] = {}
     # Overlong reward shaping (DAPO): a response longer than rollout.sampling.max_new_tokens minus
     # `overlong_buffer_len` tokens gets a penalty growing linearly from 0 to `overlong_penalty_factor` at
     # max_new_tokens, added to its reward (agents/rewards/overlong.py). 0 turns shaping off.
     overlong_buffer_len: Annotated[int, msgspec.Meta(ge=0)] = 0
     overlong_penalty_factor: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    # The judge / reward-model service that scores data sources mapped to `service` in `sources`.
+    service: RewardServiceConfig = msgspec.field(default_factory=RewardServiceConfig)
 
 
 class ExternalAgentConfig(ConfigStruct):
@@ -63,9 +105,10 @@ class ExternalAgentConfig(ConfigStruct):
 
 
 class AgentConfig(ConfigStruct):
-    # Agent loop (registry in agents/): single_turn, tool, external.
+    # Agent loop (registry in agents/): single_turn, tool, external, or `package.module:Class` (an AgentLoop).
     name: str = "single_turn"
-    # Tools offered to the `tool` loop (registry in agents/tools): python, calculator.
+    # Tools offered to the `tool` loop (registry in agents/tools): python, calculator, or
+    # `package.module:Class` (a Tool subclass).
     tools: list[str] = []
     max_turns: Annotated[int, msgspec.Meta(ge=1)] = 4
     # Prompt + every generated and tool token of one episode.

@@ -2,7 +2,9 @@
 
 To add a loop: subclass :class:`~slipstream.agents.base.AgentLoop` in a small module of this package
 (constructor ``(cfg, client, tokenizer)``, ``prompt_ids(sample)``, ``async run(sample, sampling_params,
-*, uid)``) and add it to :data:`AGENT_LOOPS`.
+*, uid)``) and add it to :data:`AGENT_LOOPS`. A user's own loop needs no edit here: ``agent.name:
+package.module:ClassName`` names any subclass of ``AgentLoop`` (checked by :mod:`slipstream.agents.plugins`
+when the config is checked; ``slipstream/agents/examples/plugins.py`` has one).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 from slipstream.agents.base import AgentLoop
 from slipstream.agents.config import AgentConfig
 from slipstream.agents.external import ExternalAgentLoop
+from slipstream.agents.plugins import lookup
 from slipstream.agents.protocol import InferenceClient
 from slipstream.agents.single_turn import SingleTurnAgentLoop
 from slipstream.agents.tool_agent import ToolAgentLoop
@@ -23,10 +26,12 @@ AGENT_LOOPS: dict[str, type[AgentLoop]] = {
 }
 
 
+def agent_loop_class(name: str) -> type[AgentLoop]:
+    """The loop class ``name`` names: a key of :data:`AGENT_LOOPS` or ``package.module:ClassName``.
+    Raises :class:`~slipstream.agents.plugins.PluginError` (a ValueError) naming ``agent.name``."""
+    return lookup(AGENT_LOOPS, name, key="agent.name", what="agent loop", plural="loops", kind=AgentLoop)
+
+
 def make_agent_loop(cfg: AgentConfig, client: InferenceClient, tokenizer: Any) -> AgentLoop:
     """The loop ``cfg.name`` names; an unknown name raises ValueError listing the known ones."""
-    if cfg.name not in AGENT_LOOPS:
-        raise ValueError(
-            f"agent.name: unknown agent loop `{cfg.name}`; known loops: {', '.join(AGENT_LOOPS)}"
-        )
-    return AGENT_LOOPS[cfg.name](cfg, client, tokenizer)
+    return agent_loop_class(cfg.name)(cfg, client, tokenizer)

@@ -130,17 +130,9 @@ def check_config(cfg: Config, *, environment: bool = True) -> None:
 
 
 def _check_registries(cfg: Config) -> None:
-    from slipstream.agents.registry import AGENT_LOOPS
-    from slipstream.agents.tools import TOOLS
     from slipstream.trainer.algos import ADVANTAGES, POLICY_LOSSES, REJECTIONS
 
-    if cfg.agent.name not in AGENT_LOOPS:
-        raise ConfigError(
-            f"agent.name: unknown agent loop `{cfg.agent.name}`; known: {', '.join(AGENT_LOOPS)}"
-        )
-    for tool in cfg.agent.tools:
-        if tool not in TOOLS:
-            raise ConfigError(f"agent.tools: unknown tool `{tool}`; known: {', '.join(TOOLS)}")
+    _check_plugins(cfg)
     algo = cfg.trainer.algorithm
     for key, registry, name in (
         ("adv_estimator", ADVANTAGES, algo.adv_estimator),
@@ -151,6 +143,26 @@ def _check_registries(cfg: Config) -> None:
             raise ConfigError(
                 f"trainer.algorithm.{key}: unknown name `{name}`; choose one of {', '.join(registry.names())}"
             )
+
+
+def _check_plugins(cfg: Config) -> None:
+    """Agent loop, tools and reward functions: registered names, or ``module:name`` plug-ins imported here
+    and checked for their kind, so a typo fails before any process starts."""
+    from slipstream.agents.plugins import PluginError, is_plugin_path, load_plugin
+    from slipstream.agents.registry import agent_loop_class
+    from slipstream.agents.rewards.service import check_service
+    from slipstream.agents.tools import tool_class
+
+    try:
+        agent_loop_class(cfg.agent.name)
+        for tool in cfg.agent.tools:
+            tool_class(tool)
+        for source, name in sorted(cfg.reward.sources.items()):
+            if is_plugin_path(name):
+                load_plugin(f"reward.sources.{source}", name)
+        check_service(cfg.reward)
+    except (PluginError, ValueError) as err:
+        raise ConfigError(str(err)) from None
 
 
 def _check_model(cfg: Config) -> None:

@@ -7,7 +7,8 @@ without stalling the rollouter.
 
 Lookup (:func:`resolve`) is explicit and fails loudly: the run's ``reward.sources`` mapping first
 (``data_source -> name``), then :data:`REWARD_FNS` by name, then :data:`DATA_SOURCE_ALIASES` (common dataset
-names). A name ``package.module:function`` imports a user's own function.
+names). A name ``package.module:function`` imports a user's own function; the name ``service`` sends the
+response to the served judge or reward model of ``reward.service`` (:mod:`.service`) instead of a worker.
 
 To add a reward: write ``fn(response: str, ground_truth, extra_info: dict) -> float | dict[str, float]``
 in a small module here and add it to :data:`REWARD_FNS`.
@@ -21,10 +22,10 @@ Worked example::
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from slipstream.agents.plugins import PluginError, load_plugin
 from slipstream.agents.rewards.arithmetic import arithmetic_reward
 from slipstream.agents.rewards.countdown import countdown_reward
 from slipstream.agents.rewards.exact_match import exact_match_reward
@@ -39,6 +40,9 @@ REWARD_FNS: dict[str, RewardFn] = {
     "math": math_reward,
     "math_signed": math_signed_reward,
 }
+
+# The name (in reward.sources) of the served judge / reward model of reward.service (rewards/service.py).
+SERVICE_REWARD = "service"
 
 # Dataset names seen in verl-format data, mapped to the reward that scores them.
 DATA_SOURCE_ALIASES: dict[str, str] = {
@@ -71,18 +75,16 @@ def reward_name(data_source: str, sources: Mapping[str, str] | None = None) -> s
 def resolve(data_source: str, sources: Mapping[str, str] | None = None) -> RewardFn:
     """The reward function for ``data_source`` (see the module docstring for the lookup order)."""
     name = reward_name(data_source, sources)
+    if name == SERVICE_REWARD:
+        raise KeyError(f"`{SERVICE_REWARD}` is scored by reward.service's servers, not by a function")
     if name in REWARD_FNS:
         return REWARD_FNS[name]
     if ":" not in name:
         raise KeyError(f"unknown reward function `{name}`; registered: {', '.join(REWARD_FNS)}")
-    module_name, _, attr = name.partition(":")
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise KeyError(f"cannot import reward function `{name}`: {err}") from None
-    if not callable(fn):
-        raise KeyError(f"reward function `{name}` is not callable")
-    return fn
+        return load_plugin(f"reward.sources.{data_source}", name)
+    except PluginError as err:
+        raise KeyError(str(err)) from None
 
 
-__all__ = ["DATA_SOURCE_ALIASES", "REWARD_FNS", "RewardFn", "resolve", "reward_name"]
+__all__ = ["DATA_SOURCE_ALIASES", "REWARD_FNS", "SERVICE_REWARD", "RewardFn", "resolve", "reward_name"]

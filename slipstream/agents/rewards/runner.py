@@ -12,6 +12,9 @@ own run time rather than time spent queued, and
   pool are retried once on the new one, since they were not at fault;
 * a worker that dies (segfault, out of memory) breaks the pool the same way and is handled alike.
 
+Data sources mapped to ``service`` skip the pool: a served judge or reward model scores them
+(:class:`~slipstream.agents.rewards.service.RewardService`, with its own timeouts and retries).
+
 ``concurrent.futures`` has no public way to kill the workers of a pool before Python 3.14
 (``terminate_workers``), so :func:`_kill_workers` reads the executor's ``_processes`` table.
 
@@ -25,7 +28,6 @@ Worked example::
 from __future__ import annotations
 
 import asyncio
-import math
 import multiprocessing
 import os
 from collections.abc import Iterable, Mapping
@@ -33,22 +35,13 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-import msgspec
-
 from slipstream.agents.config import RewardConfig
-from slipstream.agents.rewards import resolve, reward_name
+from slipstream.agents.rewards import SERVICE_REWARD, resolve, reward_name
+from slipstream.agents.rewards.result import RewardResult, normalise
+from slipstream.agents.rewards.service import RewardService
 from slipstream.utils.logging import get_logger
 
 log = get_logger(__name__)
-
-
-class RewardResult(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """The score to train on, its named parts, and why it is 0 when the function failed."""
-
-    score: float
-    components: dict[str, float] = {}
-    # Empty when the function returned normally; otherwise "timeout", "worker died" or the exception text.
-    error: str = ""
 
 
 def _worker_init() -> None:
@@ -64,22 +57,9 @@ def _score_in_worker(
     not survive the trip back)."""
     try:
         value = resolve(name)(response, ground_truth, extra_info)
-        return (*_normalise(value), "")
+        return (*normalise(value), "")
     except Exception as err:  # a reward function's failure is data, never a crash
         return 0.0, {}, f"{type(err).__name__}: {err}"[:500]
-
-
-def _normalise(value: Any) -> tuple[float, dict[str, float]]:
-    if isinstance(value, Mapping):
-        if "score" not in value:
-            raise ValueError(f"a reward dict needs a `score` entry, got keys {sorted(value)}")
-        components = {str(k): float(v) for k, v in value.items() if k != "score"}
-        score = float(value["score"])
-    else:
-        score, components = float(value), {}
-    if not math.isfinite(score):
-        raise ValueError(f"reward is {score}, not a finite number")
-    return score, components
 
 
 def _kill_workers(pool: ProcessPoolExecutor) -> None:
@@ -102,6 +82,8 @@ class RewardRunner:
         self.sources = dict(self.cfg.sources if sources is None else sources)
         self._pool: ProcessPoolExecutor | None = None
         self._slots: asyncio.Semaphore | None = None
+        # Data sources mapped to `service` are scored by reward.service's servers, not by the pool.
+        self.service = RewardService(self.cfg.service)
         self.calls = 0
         self.errors = 0
         self.timeouts = 0
@@ -109,6 +91,12 @@ class RewardRunner:
     def check(self, data_sources: Iterable[str]) -> None:
         """Raise KeyError naming the first data source that has no reward function."""
         for source in sorted(set(data_sources)):
+            if reward_name(source, self.sources) == SERVICE_REWARD:
+                if not self.cfg.service.urls:
+                    raise KeyError(
+                        f"data source `{source}` is scored by `service`, but reward.service.urls is empty"
+                    )
+                continue
             resolve(source, self.sources)
 
     def _current_pool(self) -> ProcessPoolExecutor:
@@ -133,6 +121,11 @@ class RewardRunner:
             name = reward_name(data_source, self.sources)
         except KeyError as err:
             return self._failed(str(err.args[0]))
+        if name == SERVICE_REWARD:
+            self.calls += 1
+            result = await self.service.score(response, ground_truth, extra_info)
+            self.errors += bool(result.error)
+            return result
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.cfg.num_workers)
         self.calls += 1
@@ -164,6 +157,7 @@ class RewardRunner:
         return RewardResult(score=0.0, error=error)
 
     def close(self) -> None:
+        self.service.close()
         if self._pool is not None:
             _kill_workers(self._pool)
             self._pool = None

@@ -2,7 +2,9 @@
 
 To add a tool: subclass :class:`~slipstream.agents.tools.base.Tool` in a small module here (name,
 description, JSON-schema parameters, ``async call(arguments) -> str``, constructor taking the
-:class:`~slipstream.agents.config.AgentConfig`) and add it to :data:`TOOLS`.
+:class:`~slipstream.agents.config.AgentConfig`) and add it to :data:`TOOLS`. A user's own tool needs no
+edit here: an ``agent.tools`` entry ``package.module:ClassName`` names any ``Tool`` subclass; the model
+calls it by its ``name`` attribute (``slipstream/agents/examples/plugins.py`` has one).
 
 Worked example::
 
@@ -14,6 +16,7 @@ Worked example::
 from __future__ import annotations
 
 from slipstream.agents.config import AgentConfig
+from slipstream.agents.plugins import lookup
 from slipstream.agents.tools.base import Tool, ToolArgumentError
 from slipstream.agents.tools.calculator import CalculatorTool
 from slipstream.agents.tools.python import PythonTool
@@ -24,15 +27,24 @@ TOOLS: dict[str, type[Tool]] = {
 }
 
 
+def tool_class(name: str) -> type[Tool]:
+    """The tool class ``name`` names: a key of :data:`TOOLS` or ``package.module:ClassName``. Raises
+    :class:`~slipstream.agents.plugins.PluginError` (a ValueError) naming ``agent.tools``."""
+    return lookup(TOOLS, name, key="agent.tools", what="tool", plural="tools", kind=Tool)
+
+
 def make_tools(names: list[str], cfg: AgentConfig | None = None) -> dict[str, Tool]:
-    """Instantiate the named tools, in order; an unknown name raises ValueError listing the known ones."""
+    """Instantiate the named tools, in order, keyed by the name the model calls them by; an unknown name
+    raises ValueError listing the known ones, and so do two tools of one name."""
     cfg = cfg or AgentConfig()
     tools: dict[str, Tool] = {}
     for name in names:
-        if name not in TOOLS:
-            raise ValueError(f"agent.tools: unknown tool `{name}`; known tools: {', '.join(TOOLS)}")
-        tools[name] = TOOLS[name](cfg)
+        cls = tool_class(name)
+        called = getattr(cls, "name", "") or name
+        if called in tools:
+            raise ValueError(f"agent.tools: two tools are called `{called}` (the second is `{name}`)")
+        tools[called] = cls(cfg)
     return tools
 
 
-__all__ = ["TOOLS", "Tool", "ToolArgumentError", "make_tools"]
+__all__ = ["TOOLS", "Tool", "ToolArgumentError", "make_tools", "tool_class"]
