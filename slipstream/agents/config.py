@@ -39,8 +39,9 @@ class RewardServiceConfig(ConfigStruct):
     max_concurrent: Annotated[int, msgspec.Meta(ge=1)] = 8
     # Samples per request of the `score` protocol (the judge protocol sends one).
     batch_size: Annotated[int, msgspec.Meta(ge=1)] = 16
-    # Seconds one request may take; then it is retried.
-    timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
+    # Seconds one request may take; then it is retried. reward.timeout_s bounds a sample's whole call
+    # (waiting for a slot, every retry), so it must be at least this.
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
     # Retries of a request that timed out, could not connect, got 408/429/5xx or a malformed reply; the
     # n-th waits backoff_s * 2**(n-1) seconds (at most backoff_max_s). A sample still failing scores
     # reward.service.failure_score with its reason recorded as a reward error.

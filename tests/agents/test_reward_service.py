@@ -241,3 +241,17 @@ def test_runner_routes_service_sources_and_keeps_rule_rewards_in_the_pool(server
     asyncio.run(main())
     with pytest.raises(KeyError, match="reward.service.urls is empty"):
         RewardRunner(RewardConfig(sources={"judged": "service"})).check(["judged"])
+
+
+def test_reward_timeout_bounds_the_whole_call(server):
+    # Six attempts of 0.2 s each cannot end within 0.5 s, whatever the load: the runner's bound ends it.
+    async def main():
+        service = service_cfg(server.url, retries=5, timeout_s=0.2, failure_score=-1.0)
+        cfg = RewardConfig(timeout_s=0.5, sources={"judged": "service"}, service=service)
+        with RewardRunner(cfg) as runner:
+            result = await runner.score("judged", "hang", "x", {})
+            await runner.service.aclose()
+        assert result.score == -1.0 and result.error == "reward service: no score within reward.timeout_s=0.5"
+        assert runner.timeouts == 1 and runner.errors == 1
+
+    asyncio.run(main())

@@ -123,7 +123,15 @@ class RewardRunner:
             return self._failed(str(err.args[0]))
         if name == SERVICE_REWARD:
             self.calls += 1
-            result = await self.service.score(response, ground_truth, extra_info)
+            try:  # reward.timeout_s bounds the whole call (queueing, retries), as it bounds a function's
+                result = await asyncio.wait_for(
+                    self.service.score(response, ground_truth, extra_info), self.cfg.timeout_s
+                )
+            except TimeoutError:
+                self.timeouts += 1
+                self.errors += 1
+                error = f"reward service: no score within reward.timeout_s={self.cfg.timeout_s:g}"
+                return RewardResult(score=self.cfg.service.failure_score, error=error)
             self.errors += bool(result.error)
             return result
         if self._slots is None:

@@ -30,6 +30,8 @@ the next free slot takes up to ``batch_size`` of the waiting samples at once. A 
 retried on the next URL after ``backoff_s * 2**(n-1)`` seconds (at most ``backoff_max_s``), up to
 ``retries`` times; only the items of a batch that failed are sent again. Another 4xx is not retried. A
 sample that still fails scores ``failure_score`` with its reason as the reward error: the run goes on.
+:class:`~slipstream.agents.rewards.runner.RewardRunner` also bounds a sample's whole call (waiting for a
+slot, every retry) by ``reward.timeout_s``, as it bounds a reward function.
 
 Worked example::
 
@@ -86,6 +88,11 @@ def check_service(cfg: RewardConfig) -> None:
         raise ValueError(
             f"reward.service.urls: empty, but reward.sources maps `{users[0]}` to `{SERVICE_REWARD}`; list the "
             "base URLs of your judge or reward-model servers"
+        )
+    if cfg.timeout_s < s.timeout_s:
+        raise ValueError(
+            f"reward.timeout_s: {cfg.timeout_s:g} s bounds a served reward's whole call (waiting, retries) and "
+            f"is below one request's reward.service.timeout_s={s.timeout_s:g}; raise it"
         )
     for url in s.urls:
         if not url.startswith(("http://", "https://")):
