@@ -159,7 +159,9 @@ class WeightReceiver:
         group = self.groups.pop(req.group_name, None)
         if group is None:
             return WeightUpdateResp(success=False, message=f"no group `{req.group_name}`")
-        await asyncio.to_thread(group.close, min(10.0, self.wait_s))
+        # No barrier: the trainer side never joins one (SGLang's protocol has none), and gloo keeps an unmet
+        # barrier running until the group's timeout, its destructor waiting for it with the event loop blocked.
+        await asyncio.to_thread(group.close, 0)
         return WeightUpdateResp(success=True, message=f"left `{req.group_name}`")
 
     # -- versions

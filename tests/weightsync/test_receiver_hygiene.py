@@ -197,3 +197,20 @@ def test_a_version_older_than_the_serving_one_is_refused_before_anything_is_stag
         assert staging(url)["applied"] == [6]
     finally:
         pub.close()
+
+
+def test_leaving_a_group_meets_no_barrier_the_trainer_never_joins():
+    import asyncio
+
+    from slipstream.weightsync.types import DestroyWeightsUpdateGroupReq
+
+    class Group:
+        closed_with: list[float] = []
+
+        def close(self, barrier_timeout_s: float = 10.0) -> None:
+            self.closed_with.append(barrier_timeout_s)
+
+    receiver = WeightReceiver(DictTarget(mixed_tensors(0)), WeightSyncConfig(device="cpu", timeout_s=30))
+    receiver.groups["w"] = group = Group()
+    reply = asyncio.run(receiver.destroy_group(DestroyWeightsUpdateGroupReq(group_name="w")))
+    assert reply.success and group.closed_with == [0] and "w" not in receiver.groups
