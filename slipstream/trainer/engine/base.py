@@ -19,7 +19,9 @@ layout of ``slipstream.queue.batch.collate`` (flat token tensors, ``cu_seqlens``
 ``loss_fn(outputs, micro_batch) -> (loss, metrics)`` on each, where ``outputs`` holds flat ``logprobs`` [t]
 (log-probability of each token given the tokens before it, under logits divided by the sampling
 temperature; 0 at each sample's first token), ``entropy`` [t] when ``loss_fn.needs_entropy`` is true, or
-``values`` [t] for a value-head engine. The loss a micro-batch returns must already be its share of the
+``values`` [t] for a value-head engine. ``logprobs`` and ``entropy`` are defined at the tokens of the data's
+``loss_mask`` (where it has one); an engine may skip the others (0 there), since every loss, metric and
+reference or proximal pass reads them through that mask. The loss a micro-batch returns must already be its share of the
 *global* mini-batch loss (``algos/aggregation.py``); the engine handles data-parallel averaging.
 """
 

@@ -293,7 +293,8 @@ class FSDPEngine(ModelEngine):
             values[starts] = 0.0
             return {"values": values}
         if self._head is not None:
-            logp_next, ent_next = self._head_forward(ids, pos, cu, pad_to, entropy)
+            rows = _scored_rows(mb) if self._sp == 1 else None
+            logp_next, ent_next = self._head_forward(ids, pos, cu, pad_to, entropy, rows)
         else:
             logp_next, ent_next = self._full_logits_forward(ids, pos, cu, pad_to, entropy)
         out = {"logprobs": _align_next(logp_next, starts)}
@@ -301,16 +302,30 @@ class FSDPEngine(ModelEngine):
             out["entropy"] = _align_next(ent_next, starts)
         return out
 
-    def _head_forward(self, ids, pos, cu, pad_to, entropy):  # noqa: ANN001, ANN202
-        """Logprobs (and entropy) of tokens 1.. computed chunk by chunk inside the model's forward."""
+    def _head_forward(self, ids, pos, cu, pad_to, entropy, rows=None):  # noqa: ANN001, ANN202
+        """Logprobs (and entropy) of tokens 1.. computed chunk by chunk inside the model's forward.
+
+        ``rows`` (see :func:`_scored_rows`): the only rows to score; the others come back as zeros. The
+        output layer and the log-softmax over the vocabulary then run on the response tokens alone, which
+        in RL batches are a fraction of the tokens (the prompts are scored by no loss).
+        """
         if self._sp > 1:
             return self._sequence_parallel_forward(ids, pos, cu, entropy)
         src = None
         if pad_to:
             _, attn, _ = _padded_grid(ids, cu, pad_to)
             src = attn.flatten().nonzero()[:-1, 0]  # flat grid rows of every real token but the last
-        with self._head.request(targets=ids[1:], src=src, entropy=entropy):
-            return self._run_model(ids, pos, cu, pad_to, raw=True)
+        targets = ids[1:]
+        if rows is not None:
+            targets = targets.index_select(0, rows)
+            src = rows if src is None else src.index_select(0, rows)
+        with self._head.request(targets=targets, src=src, entropy=entropy):
+            logp, ent = self._run_model(ids, pos, cu, pad_to, raw=True)
+        if rows is None:
+            return logp, ent
+        n = ids.numel() - 1
+        scatter = lambda x: None if x is None else x.new_zeros(n).index_put((rows,), x)  # noqa: E731
+        return scatter(logp), scatter(ent)
 
     def _sequence_parallel_forward(self, ids, pos, cu, entropy):  # noqa: ANN001, ANN202
         """This rank's 1/n of the packed row through the model (attention all-to-all inside, see
@@ -490,6 +505,18 @@ class FSDPEngine(ModelEngine):
         layers, hidden = self._arch
         tokens = sum(lengths)
         return 6.0 * self._num_params * tokens + 6.0 * layers * hidden * sum(n * n for n in lengths)
+
+
+def _scored_rows(mb: TensorDict) -> torch.Tensor | None:
+    """Rows j of the packed row whose next token j + 1 is in ``mb``'s loss mask (row j scores token j + 1),
+    or None (score every row) when the micro-batch has no loss mask. Every consumer of the logprobs and
+    entropy (losses, KL, metrics, the proximal and reference passes) reads them through that mask, so the
+    rows left out are never read. At least one row is kept, so that the output layer takes part in the
+    backward of a micro-batch without response tokens as it does in every other."""
+    if "loss_mask" not in mb.keys() or mb["loss_mask"].numel() < 2:
+        return None
+    rows = mb["loss_mask"][1:].bool().nonzero()[:, 0]
+    return rows if rows.numel() else rows.new_zeros(1)
 
 
 def _align_next(per_next: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
