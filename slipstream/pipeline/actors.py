@@ -31,10 +31,15 @@ import os
 import secrets
 import signal
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from slipstream.queue.base import Lease, QueueConsumer
 from slipstream.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    from slipstream.queue.client import QueueClient
 
 log = get_logger(__name__)
 
@@ -300,23 +305,29 @@ class RolloutWorker:
 
 
 # ------------------------------------------------------------------------------------------ trainer
-class _TrackedQueue:
+class _TrackedQueue(QueueConsumer):
     """The trainer's queue client, plus two things the controller needs: the time spent waiting for
     batches (the trainer's idle time) and a file naming the leases held, so that after a crash the
-    restarted rank 0 gives them back at once instead of waiting for their expiry."""
+    restarted rank 0 gives them back at once instead of waiting for their expiry. The trainer sees only
+    the consumer side of the client (:class:`~slipstream.queue.base.QueueConsumer`)."""
 
     PARK_S = 0.05
 
-    def __init__(self, client: Any, lease_file: Path) -> None:
+    def __init__(self, client: QueueClient, lease_file: Path) -> None:
         self.client = client
         self.lease_file = lease_file
         self.wait_s = 0.0
         self._held: set[str] = set()
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.client, name)
-
-    def lease(self, n_groups: int, *, timeout_s: float | None = None, **kwargs: Any) -> Any:
+    def lease(
+        self,
+        n_groups: int,
+        *,
+        partition: str = "train",
+        timeout_s: float | None = None,
+        min_groups: int | None = None,
+        consumer_version: int | None = None,
+    ) -> Lease | None:
         """The client's lease, waiting in server-side parks of at most ``PARK_S`` (no sleeping: each park
         ends the moment groups are ready). Why: a lease request parked at the server outlives a consumer
         that dies, and groups arriving later are handed to the dead consumer, where they sit until the
@@ -327,7 +338,13 @@ class _TrackedQueue:
         try:
             while True:
                 park = max(0.0, min(self.PARK_S, deadline - time.monotonic()))
-                lease = self.client.lease(n_groups, timeout_s=park, **kwargs)
+                lease = self.client.lease(
+                    n_groups,
+                    partition=partition,
+                    timeout_s=park,
+                    min_groups=min_groups,
+                    consumer_version=consumer_version,
+                )
                 if lease is not None or time.monotonic() >= deadline:
                     break
         finally:
@@ -337,13 +354,19 @@ class _TrackedQueue:
             self._write()
         return lease
 
-    def ack(self, lease: Any, **kwargs: Any) -> None:
-        self.client.ack(lease, **kwargs)
+    def ack(self, lease: Lease | str, *, dropped: Sequence[str] = ()) -> None:
+        self.client.ack(lease, dropped=dropped)
         self._forget(lease)
 
-    def nack(self, lease: Any) -> None:
+    def nack(self, lease: Lease | str) -> None:
         self.client.nack(lease)
         self._forget(lease)
+
+    def snapshot(self, name: str) -> dict:
+        return self.client.snapshot(name)
+
+    def restore(self, name: str) -> dict:
+        return self.client.restore(name)
 
     def release_stale_leases(self) -> int:
         """Nack the leases a previous rank 0 held when it died (unknown or expired ones are skipped)."""
@@ -361,7 +384,7 @@ class _TrackedQueue:
         self.lease_file.unlink()
         return released
 
-    def _forget(self, lease: Any) -> None:
+    def _forget(self, lease: Lease | str) -> None:
         self._held.discard(lease if isinstance(lease, str) else lease.lease_id)
         self._write()
 

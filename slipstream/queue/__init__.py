@@ -1,7 +1,8 @@
 """TransferQueue: producers put whole groups, consumers lease and ack them (design.md §3).
 
 The public names are importable from here; they load on first use, so ``import slipstream.queue.types``
-stays cheap for processes that only need the data types.
+stays cheap for processes that only need the data types. The roles that use the queue are typed against
+:class:`QueueProducer` (the rollouter) and :class:`QueueConsumer` (the trainer), in :mod:`slipstream.queue.base`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from typing import Any
 _EXPORTS = {
     "QueueClient": "slipstream.queue.client",
     "AsyncQueueClient": "slipstream.queue.client",
-    "Lease": "slipstream.queue.client",
+    "Lease": "slipstream.queue.base",
+    "QueueConsumer": "slipstream.queue.base",
+    "QueueProducer": "slipstream.queue.base",
     "QueueError": "slipstream.queue.client",
     "QueueFull": "slipstream.queue.client",
     "QueueStats": "slipstream.queue.protocol",

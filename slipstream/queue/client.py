@@ -46,10 +46,11 @@ import zmq
 
 from slipstream.queue import ops
 from slipstream.queue import protocol as P
+from slipstream.queue.base import Lease, QueueConsumer, QueueProducer
 from slipstream.queue.clientbase import ClientBase
 from slipstream.queue.codec import send_frames
 from slipstream.queue.errors import QueueUnreachable
-from slipstream.queue.ops import CONTROLLER, Call, Lease, QueueError, QueueFull, Session
+from slipstream.queue.ops import CONTROLLER, Call, QueueError, QueueFull, Session
 from slipstream.queue.protocol import QueueStats
 from slipstream.queue.types import GroupMeta, TrajectoryGroup
 from slipstream.utils.logging import get_logger
@@ -65,8 +66,8 @@ def _lease_id(lease: Lease | str) -> str:
     return lease.lease_id if isinstance(lease, Lease) else lease
 
 
-class QueueClient(ClientBase):
-    """Blocking client (the trainer's).
+class QueueClient(ClientBase, QueueConsumer):
+    """Blocking client (the trainer's): a :class:`~slipstream.queue.base.QueueConsumer`, and it puts too.
 
     ``owner``: the secret the server binds this client's leases and credits to (random by default). Give a
     consumer that takes over after a crash the secret of the one that died, and it can nack their leases.
@@ -298,8 +299,9 @@ def ops_ping() -> ops.Op:
     yield Call(CONTROLLER, P.MsgType.PING, P.PingRequest(0))
 
 
-class AsyncQueueClient(ClientBase):
-    """The asyncio twin of :class:`QueueClient` (same methods, ``async``), for the rollouter's event loop.
+class AsyncQueueClient(ClientBase, QueueProducer):
+    """The asyncio twin of :class:`QueueClient` (same methods, ``async``), for the rollouter's event loop: a
+    :class:`~slipstream.queue.base.QueueProducer`.
 
     Any number of coroutines may call it at once: requests share the sockets, and each reply is routed to
     its waiting coroutine by ``req_id``. Cancelling a ``lease`` call gives back a lease that the server grants

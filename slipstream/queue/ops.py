@@ -20,6 +20,7 @@ import torch
 from slipstream.queue import direct
 from slipstream.queue import protocol as P
 from slipstream.queue.arena import ArenaMapping
+from slipstream.queue.base import Lease
 from slipstream.queue.codec import (
     DTYPE_NAMES,
     as_buffer,
@@ -36,20 +37,6 @@ from slipstream.utils.logging import get_logger
 log = get_logger(__name__)
 
 CONTROLLER = -1
-
-
-@dataclass
-class Lease:
-    """Groups handed to one consumer until it acks (consumed) or nacks (returned) them, or ``deadline``
-    (``time.time()`` seconds) passes, after which the server returns them to the ready set.
-
-    Tensors of groups that came through shared memory are views of the server's arena: they are valid until
-    the lease is acked, nacked or expired, and must be copied to be kept (``collate`` copies).
-    """
-
-    lease_id: str
-    groups: list[TrajectoryGroup]
-    deadline: float
 
 
 @dataclass

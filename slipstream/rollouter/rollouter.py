@@ -64,7 +64,8 @@ from slipstream.agents.registry import make_agent_loop
 from slipstream.agents.rewards.overlong import shape
 from slipstream.agents.rewards.runner import RewardResult, RewardRunner
 from slipstream.config import Config
-from slipstream.queue.client import AsyncQueueClient, QueueFull
+from slipstream.queue.base import QueueProducer
+from slipstream.queue.errors import QueueFull
 from slipstream.queue.types import Trajectory, TrajectoryGroup
 from slipstream.rollouter.evaluation import Evaluator
 from slipstream.rollouter.gate import StalenessGate
@@ -114,7 +115,7 @@ class Rollouter:
         self,
         cfg: Config,
         client: InferenceClient,
-        queue: AsyncQueueClient,
+        queue: QueueProducer,
         tokenizer: Any,
         prompts: PromptSource,
         val_samples: list[Sample] | None = None,

@@ -39,7 +39,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,7 @@ from slipstream.utils.logging import get_logger
 
 if TYPE_CHECKING:
     from slipstream.config import Config
+    from slipstream.queue.base import QueueConsumer
 
 log = get_logger(__name__)
 
@@ -80,7 +81,7 @@ class Trainer:
         self,
         cfg: Config,
         engine: ModelEngine,
-        queue: Any,
+        queue: QueueConsumer | None,
         *,
         rank: int,
         world_size: int,

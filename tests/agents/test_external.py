@@ -12,6 +12,8 @@ from slipstream.agents.config import AgentConfig, ExternalAgentConfig
 from slipstream.agents.data import Sample
 from slipstream.agents.protocol import SamplingParams
 from slipstream.agents.registry import make_agent_loop
+from slipstream.queue.base import QueueProducer
+from slipstream.queue.types import GroupMeta, TrajectoryGroup
 from slipstream.rollouter.clients import SGLangClient
 from slipstream.rollouter.config import EmbeddedServerConfig, RolloutConfig
 from slipstream.rollouter.launch import launch_server
@@ -121,15 +123,17 @@ def test_config_needs_exactly_one_harness(tok):
         make_agent_loop(AgentConfig(name="external"), None, tok)
 
 
-class _Queue:
+class _Queue(QueueProducer):
     def __init__(self):
-        self.groups = []
+        self.groups: list[TrajectoryGroup] = []
 
-    async def put(self, group, *, partition="train", timeout_s=None) -> bool:
+    async def put(
+        self, group: TrajectoryGroup, *, partition: str = "train", timeout_s: float | None = None
+    ) -> bool:
         self.groups.append(group)
         return True
 
-    async def pop_dropped(self, max_groups=1024):
+    async def pop_dropped(self, max_groups: int = 1024) -> list[GroupMeta]:
         return []
 
 

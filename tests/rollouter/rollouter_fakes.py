@@ -7,6 +7,8 @@ import asyncio
 
 from slipstream.agents.protocol import GenerateOutput
 from slipstream.agents.rewards.runner import RewardResult
+from slipstream.queue.base import QueueProducer
+from slipstream.queue.types import GroupMeta, TrajectoryGroup
 
 
 class ControlledClient:
@@ -55,20 +57,22 @@ class ControlledClient:
         self.finish(rid, "abort")
 
 
-class RecordingQueue:
+class RecordingQueue(QueueProducer):
     """Stores put groups (dedup by group id, like the real queue) and hands out drops the test adds."""
 
     def __init__(self):
-        self.groups = {}
-        self.dropped = []
+        self.groups: dict[str, TrajectoryGroup] = {}
+        self.dropped: list[GroupMeta] = []
 
-    async def put(self, group, *, partition="train", timeout_s=None) -> bool:
+    async def put(
+        self, group: TrajectoryGroup, *, partition: str = "train", timeout_s: float | None = None
+    ) -> bool:
         if group.group_id in self.groups:
             return False
         self.groups[group.group_id] = group
         return True
 
-    async def pop_dropped(self, max_groups=1024):
+    async def pop_dropped(self, max_groups: int = 1024) -> list[GroupMeta]:
         out, self.dropped = self.dropped[:max_groups], self.dropped[max_groups:]
         return out
 

@@ -1,9 +1,12 @@
-"""An in-process stand-in for the queue client with the same lease/ack/nack/snapshot/restore contract, and a
-reference collate in the documented packed layout, for trainer tests that need no server process."""
+"""An in-process stand-in for the trainer's side of the queue (a :class:`QueueConsumer`: the same
+lease/ack/nack/snapshot/restore contract), and a reference collate in the documented packed layout, for
+trainer tests that need no server process."""
 
 from __future__ import annotations
 
 import itertools
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,19 +14,14 @@ import msgspec
 import torch
 from tensordict import TensorDict
 
+from slipstream.queue.base import Lease, QueueConsumer
 from slipstream.queue.types import Trajectory, TrajectoryGroup
 
 
 @dataclass
-class FakeLease:
-    lease_id: str
-    groups: list[TrajectoryGroup]
-
-
-@dataclass
-class FakeQueue:
+class FakeQueue(QueueConsumer):
     ready: list[TrajectoryGroup] = field(default_factory=list)
-    leased: dict[str, FakeLease] = field(default_factory=dict)
+    leased: dict[str, Lease] = field(default_factory=dict)
     acked: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
     _ids: itertools.count = field(default_factory=itertools.count)
@@ -33,34 +31,44 @@ class FakeQueue:
     def put(self, group: TrajectoryGroup) -> None:
         self.ready.append(group)
 
-    def lease(self, n_groups, *, partition="train", timeout_s=None, min_groups=None, consumer_version=None):
+    def lease(
+        self,
+        n_groups: int,
+        *,
+        partition: str = "train",
+        timeout_s: float | None = None,
+        min_groups: int | None = None,
+        consumer_version: int | None = None,
+    ) -> Lease | None:
         if not self.ready:
             return None
         take, self.ready = self.ready[:n_groups], self.ready[n_groups:]
-        lease = FakeLease(f"L{next(self._ids)}", take)
+        lease = Lease(f"L{next(self._ids)}", take, math.inf)
         self.leased[lease.lease_id] = lease
         return lease
 
-    def ack(self, lease, *, dropped=()):
-        self.leased.pop(lease.lease_id)
-        self.acked.extend(g.group_id for g in lease.groups if g.group_id not in set(dropped))
+    def ack(self, lease: Lease | str, *, dropped: Sequence[str] = ()) -> None:
+        held = self.leased.pop(lease if isinstance(lease, str) else lease.lease_id)
+        self.acked.extend(g.group_id for g in held.groups if g.group_id not in set(dropped))
         self.dropped.extend(dropped)
 
-    def nack(self, lease):
-        self.ready = self.leased.pop(lease.lease_id).groups + self.ready
+    def nack(self, lease: Lease | str) -> None:
+        self.ready = self.leased.pop(lease if isinstance(lease, str) else lease.lease_id).groups + self.ready
 
-    def snapshot(self, name):
+    def snapshot(self, name: str) -> dict:
         groups = [t for lease in self.leased.values() for g in lease.groups for t in g.to_trajectories()]
         groups += [t for g in self.ready for t in g.to_trajectories()]
         (self.snapshot_dir / name).write_bytes(msgspec.json.encode(groups))
+        return {"groups": len(self.ready) + sum(len(lease.groups) for lease in self.leased.values())}
 
-    def restore(self, name):
+    def restore(self, name: str) -> dict:
         trajs = msgspec.json.decode((self.snapshot_dir / name).read_bytes(), type=list[Trajectory])
         by_group: dict[str, list[Trajectory]] = {}
         for t in trajs:
             by_group.setdefault(t.group_id, []).append(t)
         self.ready = [TrajectoryGroup.from_trajectories(ts) for ts in by_group.values()]
         self.leased = {}
+        return {"groups": len(self.ready)}
 
 
 def make_group(gid: str, n: int, *, version: int, vocab: int = 200, seed: int = 0) -> TrajectoryGroup:
