@@ -46,6 +46,8 @@ import tempfile
 import time
 from typing import Any
 
+from slipstream.queue.base import QueueProducer
+
 DEFAULT_SERVERS = [8, 32, 128, 256]
 SAMPLES_PER_GROUP = 4
 
@@ -181,7 +183,7 @@ async def _trainers(address: str, consumers: int, lease_groups: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------- controller side
-class _TimedQueue:
+class _TimedQueue(QueueProducer):
     """The rollouter's queue client, timing each put (the request's round trip as the rollouter sees it)."""
 
     def __init__(self, client: Any) -> None:
