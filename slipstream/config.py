@@ -27,6 +27,7 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 
 import msgspec
 import yaml
+from msgspec import Meta
 
 from slipstream.agents.config import AgentConfig, DataConfig, RewardConfig
 from slipstream.config_base import ConfigError, ConfigStruct, check_finite
@@ -60,27 +61,59 @@ class AsyncConfig(ConfigStruct):
         ``sync_every`` trainer steps while generation continues (partial rollouts).
     """
 
-    mode: Mode = "fully_async"
-    # Admission control: the rollouter may start at most (1 + staleness_threshold) * batch_groups *
-    # sync_every groups per weight version (verl's budget; AReaL's max_head_offpolicyness in batches).
-    staleness_threshold: Annotated[float, msgspec.Meta(ge=0.0)] = 0.5
-    # Hard cap, in weight versions (pushes), checked by the trainer when it takes a group: the pushes made
-    # since the oldest token of the group was generated, (trainer step - min(token versions)) // sync_every.
-    # With sync_every k a version spans k trainer steps, so the cap is max_staleness * k steps.
-    max_staleness: Annotated[int, msgspec.Meta(ge=0)] = 4
-    # What the trainer does with a group over `max_staleness`: `drop` it (the prompt is generated again)
-    # or `keep` it (train on it; the off-policy correction handles the gap).
-    stale_policy: Literal["drop", "keep"] = "drop"
-    # Times one prompt may be dropped as too stale: its next group is marked to be trained on whatever its
-    # staleness (rollouter/stale_kept_groups counts them), so a prompt whose responses always take longer
-    # than the cap to generate is not regenerated forever.
-    max_stale_drops: Annotated[int, msgspec.Meta(ge=0)] = 2
-    # Trainer steps between weight pushes.
-    sync_every: Annotated[int, msgspec.Meta(ge=1)] = 1
-    # In-flight requests at a weight push: `abort` (return partial tokens, re-submit prompt + partial after
-    # the update, KV recomputed), `in_place` (generation pauses and continues on the old KV cache), or
-    # `off` (wait for in-flight requests to finish before the update).
-    partial_rollout: Literal["abort", "in_place", "off"] = "abort"
+    mode: Annotated[
+        Mode,
+        Meta(
+            description="Preset of the one code path: `sync` (one batch per weight version, staleness 0; "
+            "the baseline), `one_step_off` (generation of step k+1 overlaps training of step k) or "
+            "`fully_async` (admission bounded by `staleness_threshold`, pushes every `sync_every` steps "
+            "while generation goes on).",
+        ),
+    ] = "fully_async"
+    staleness_threshold: Annotated[
+        float,
+        Meta(
+            ge=0.0,
+            description="Admission control: the rollouter may start at most (1 + staleness_threshold) * "
+            "batch_groups * sync_every groups per weight version (verl's budget; AReaL's "
+            "max_head_offpolicyness in batches).",
+        ),
+    ] = 0.5
+    max_staleness: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="Hard cap, in weight versions (pushes), checked by the trainer when it takes a "
+            "group: the pushes made since the oldest token of the group was generated, (trainer step - "
+            "min(token versions)) // sync_every. With sync_every k a version spans k trainer steps, so the "
+            "cap is max_staleness * k steps.",
+        ),
+    ] = 4
+    stale_policy: Annotated[
+        Literal["drop", "keep"],
+        Meta(
+            description="What the trainer does with a group over `max_staleness`: `drop` it (the prompt is "
+            "generated again) or `keep` it (train on it; the off-policy correction handles the gap).",
+        ),
+    ] = "drop"
+    max_stale_drops: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="Times one prompt may be dropped as too stale: its next group is marked to be "
+            "trained on whatever its staleness (rollouter/stale_kept_groups counts them), so a prompt whose "
+            "responses always take longer than the cap to generate is not regenerated forever.",
+        ),
+    ] = 2
+    sync_every: Annotated[int, Meta(ge=1, description="Trainer steps between weight pushes.")] = 1
+    partial_rollout: Annotated[
+        Literal["abort", "in_place", "off"],
+        Meta(
+            description="In-flight requests at a weight push: `abort` (return partial tokens, re-submit "
+            "prompt + partial after the update, KV recomputed), `in_place` (generation pauses and continues "
+            "on the old KV cache), or `off` (wait for in-flight requests to finish before the update).",
+        ),
+    ] = "abort"
 
     def staleness(self, trainer_step: int, min_version: int) -> int:
         """Weight versions (pushes) between the oldest token of a group and the trainer at ``trainer_step``:
@@ -91,17 +124,34 @@ class AsyncConfig(ConfigStruct):
 class RunConfig(ConfigStruct):
     """Identity and bookkeeping of one run."""
 
-    name: str = "run"
-    # Every run writes metrics.jsonl, checkpoints and logs under output_dir/name.
-    output_dir: str = "runs"
-    seed: int = 0
-    # Trainer steps to run; 0 means one pass over the training data.
-    total_steps: Annotated[int, msgspec.Meta(ge=0)] = 0
-    # Resume from the latest checkpoint under output_dir/name when one exists.
-    resume: bool = True
-    # Append the uids each trainer step trained on to output_dir/name/trained_uids.jsonl: an audit that no
-    # sample is lost or trained twice across restarts (one line per step, about 20 bytes per sample).
-    record_uids: bool = False
+    name: Annotated[
+        str,
+        Meta(description="Name of the run: its files go under output_dir/name, and it names the wandb run."),
+    ] = "run"
+    output_dir: Annotated[
+        str, Meta(description="Every run writes metrics.jsonl, checkpoints and logs under output_dir/name.")
+    ] = "runs"
+    seed: Annotated[
+        int,
+        Meta(
+            description="Seed of the prompt order (each epoch is shuffled from it) and of the Megatron "
+            "engine's random state.",
+        ),
+    ] = 0
+    total_steps: Annotated[
+        int, Meta(ge=0, description="Trainer steps to run; 0 means one pass over the training data.")
+    ] = 0
+    resume: Annotated[
+        bool, Meta(description="Resume from the latest checkpoint under output_dir/name when one exists.")
+    ] = True
+    record_uids: Annotated[
+        bool,
+        Meta(
+            description="Append the uids each trainer step trained on to "
+            "output_dir/name/trained_uids.jsonl: an audit that no sample is lost or trained twice across "
+            "restarts (one line per step, about 20 bytes per sample).",
+        ),
+    ] = False
 
 
 class DataGenConfig(ConfigStruct):
@@ -110,77 +160,198 @@ class DataGenConfig(ConfigStruct):
     are made. With `data.val_files` set, the training files leave out a fixed tenth of the problems and the
     validation files hold only those (agents/datagen.py, `--split`), so the evaluation is on held-out data."""
 
-    # Generator of agents/datagen.py (`arithmetic`, `multiply`, `countdown`); null never makes a file (a
-    # missing file is then a config error).
-    task: Literal["arithmetic", "multiply", "countdown"] | None = None
-    # Prompts per file.
-    n: Annotated[int, msgspec.Meta(ge=1)] = 2000
-    seed: int = 0
-    # Prompts per file of data.val_files (made with seed + 1).
-    val_n: Annotated[int, msgspec.Meta(ge=1)] = 32
+    task: Annotated[
+        Literal["arithmetic", "multiply", "countdown"] | None,
+        Meta(
+            description="Generator of agents/datagen.py (`arithmetic`, `multiply`, `countdown`); null never "
+            "makes a file (a missing file is then a config error).",
+        ),
+    ] = None
+    n: Annotated[int, Meta(ge=1, description="Prompts per file.")] = 2000
+    seed: Annotated[
+        int, Meta(description="Seed of the training files (the same seed makes the same problems).")
+    ] = 0
+    val_n: Annotated[
+        int, Meta(ge=1, description="Prompts per file of data.val_files (made with seed + 1).")
+    ] = 32
 
 
 class ModelConfig(ConfigStruct):
     """The policy model: a local HF checkpoint directory or a name known to `slipstream models`."""
 
-    path: str = "smollm2-135m-instruct"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    trust_remote_code: bool = False
+    path: Annotated[
+        str,
+        Meta(
+            description="The policy: a local HF checkpoint directory or a model name known to `slipstream "
+            "models prepare`.",
+        ),
+    ] = "smollm2-135m-instruct"
+    dtype: Annotated[
+        Literal["float32", "bfloat16", "float16"],
+        Meta(
+            description="Dtype the trainer loads the weights in without mixed precision, and the servers' "
+            "default when no server dtype is given.",
+        ),
+    ] = "float32"
+    trust_remote_code: Annotated[
+        bool,
+        Meta(
+            description="Let transformers run the checkpoint's own modelling code (tokenizer and model); "
+            "only for checkpoints you trust.",
+        ),
+    ] = False
 
 
 class WandbConfig(ConfigStruct):
     """Metrics logging; every run also writes a local metrics.jsonl."""
 
-    mode: Literal["offline", "online", "disabled"] = "offline"
-    project: str = "slipstream"
-    entity: str | None = None
-    tags: list[str] = []
+    mode: Annotated[
+        Literal["offline", "online", "disabled"],
+        Meta(
+            description="wandb mode: `offline` (files under the run directory, sync later), `online`, or "
+            "`disabled`.",
+        ),
+    ] = "offline"
+    project: Annotated[str, Meta(description="wandb project the run is logged to.")] = "slipstream"
+    entity: Annotated[str | None, Meta(description="wandb team or user; null uses your default entity.")] = (
+        None
+    )
+    tags: Annotated[list[str], Meta(description="Tags attached to the wandb run.")] = []
 
 
 class ClusterConfig(ConfigStruct):
     """Where the parts run. On one machine Ray starts locally; on a cluster it joins `ray_address`."""
 
-    # Ray address to join (`auto` on a node started by scripts/launch_*_cluster.sh); null starts Ray locally.
-    ray_address: str | None = None
-    # Custom Ray resources that mark the two node pools (see scripts/launch_*_cluster.sh).
-    rollout_resource: str = "rollout_pool"
-    trainer_resource: str = "trainer_pool"
-    # Restart a dead inference server (re-pushing current weights) instead of failing the run.
-    restart_servers: bool = True
-    # Restart the trainer ranks from the latest checkpoint when one dies, while the queue, the rollouter and
-    # the servers keep running (the queue rolls back what was consumed since that checkpoint). Off: a dead
-    # trainer rank fails the run, and `run.resume` continues it from the checkpoint in a new run.
-    restart_trainer: bool = False
-    # Restarts allowed per part (each server, the trainer) before its death fails the run.
-    max_restarts: Annotated[int, msgspec.Meta(ge=0)] = 3
-    # Seconds between health checks of every part.
-    health_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
-    # A server answering no /health for this many checks in a row is treated as dead (killed, restarted).
-    unhealthy_checks: Annotated[int, msgspec.Meta(ge=1)] = 3
-    # GPUs per inference server (its tensor-parallel size) and per trainer rank; 0 on CPU machines.
-    gpus_per_server: Annotated[int, msgspec.Meta(ge=0)] = 0
-    gpus_per_trainer_rank: Annotated[int, msgspec.Meta(ge=0)] = 0
-    # GiB of memory per GPU, for the memory check before launch (`slipstream plan memory` shows the estimate).
-    gpu_memory_gib: Annotated[float, msgspec.Meta(gt=0)] = 80.0
-    # Trainer ranks and inference servers share GPUs (a one-GPU machine): server i runs on the GPU of trainer
-    # rank i, each taking half of it in Ray's accounting (the engines' own memory settings split the memory:
-    # rollout.embedded / --gpu-memory-utilization). Needs gpus_per_server = gpus_per_trainer_rank = 1 and no
-    # more servers than ranks. Off: the two pools own separate GPUs (separate nodes on a cluster).
-    colocate: bool = False
-    # Longest wait for the pools' placement groups (every GPU part reserved before any model loads); a
-    # config that cannot fit fails after it, naming what it asked for and what the cluster has.
-    placement_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
-    # Address inference servers bind. Loopback by default; on a multi-node cluster set 0.0.0.0 (the pipeline
-    # then hands out each server's node address).
-    server_host: str = "127.0.0.1"
-    # Torch threads per trainer rank on CPU; 0 divides the machine's cores among the ranks. The embedded
-    # servers' threads are rollout.embedded.num_threads.
-    trainer_threads: Annotated[int, msgspec.Meta(ge=0)] = 0
-    # Longest wait for start-up (parts created, models loaded, servers healthy) and for one trainer step
-    # (batch wait included) before the run fails; and for shutdown before processes are killed.
-    start_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 1800.0
-    step_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 7200.0
-    shutdown_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
+    ray_address: Annotated[
+        str | None,
+        Meta(
+            description="Ray address to join (`auto` on a node started by scripts/launch_*_cluster.sh); "
+            "null starts Ray locally.",
+        ),
+    ] = None
+    rollout_resource: Annotated[
+        str,
+        Meta(
+            description="Custom Ray resource that marks the rollout node pool (see "
+            "scripts/launch_*_cluster.sh).",
+        ),
+    ] = "rollout_pool"
+    trainer_resource: Annotated[
+        str,
+        Meta(
+            description="Custom Ray resource that marks the trainer node pool (see "
+            "scripts/launch_*_cluster.sh).",
+        ),
+    ] = "trainer_pool"
+    restart_servers: Annotated[
+        bool,
+        Meta(
+            description="Restart a dead inference server (re-pushing current weights) instead of failing "
+            "the run.",
+        ),
+    ] = True
+    restart_trainer: Annotated[
+        bool,
+        Meta(
+            description="Restart the trainer ranks from the latest checkpoint when one dies, while the "
+            "queue, the rollouter and the servers keep running (the queue rolls back what was consumed "
+            "since that checkpoint). Off: a dead trainer rank fails the run, and `run.resume` continues it "
+            "from the checkpoint in a new run.",
+        ),
+    ] = False
+    max_restarts: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="Restarts allowed per part (each server, the trainer) before its death fails the "
+            "run.",
+        ),
+    ] = 3
+    health_interval_s: Annotated[
+        float, Meta(gt=0, description="Seconds between health checks of every part.")
+    ] = 5.0
+    unhealthy_checks: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="A server answering no /health for this many checks in a row is treated as dead "
+            "(killed, restarted).",
+        ),
+    ] = 3
+    gpus_per_server: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="GPUs per inference server (its tensor-parallel size); 0 on CPU machines.",
+        ),
+    ] = 0
+    gpus_per_trainer_rank: Annotated[
+        int, Meta(ge=0, description="GPUs per trainer rank; 0 on CPU machines.")
+    ] = 0
+    gpu_memory_gib: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="GiB of memory per GPU, for the memory check before launch (`slipstream plan "
+            "memory` shows the estimate).",
+        ),
+    ] = 80.0
+    colocate: Annotated[
+        bool,
+        Meta(
+            description="Trainer ranks and inference servers share GPUs (a one-GPU machine): server i runs "
+            "on the GPU of trainer rank i, each taking half of it in Ray's accounting (the engines' own "
+            "memory settings split the memory: rollout.embedded / --gpu-memory-utilization). Needs "
+            "gpus_per_server = gpus_per_trainer_rank = 1 and no more servers than ranks. Off: the two pools "
+            "own separate GPUs (separate nodes on a cluster).",
+        ),
+    ] = False
+    placement_timeout_s: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="Longest wait for the pools' placement groups (every GPU part reserved before any "
+            "model loads); a config that cannot fit fails after it, naming what it asked for and what the "
+            "cluster has.",
+        ),
+    ] = 30.0
+    server_host: Annotated[
+        str,
+        Meta(
+            description="Address inference servers bind. Loopback by default; on a multi-node cluster set "
+            "0.0.0.0 (the pipeline then hands out each server's node address).",
+        ),
+    ] = "127.0.0.1"
+    trainer_threads: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="Torch threads per trainer rank on CPU; 0 divides the machine's cores among the "
+            "ranks. The embedded servers' threads are rollout.embedded.num_threads.",
+        ),
+    ] = 0
+    start_timeout_s: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="Longest wait for start-up (parts created, models loaded, servers healthy) before "
+            "the run fails.",
+        ),
+    ] = 1800.0
+    step_timeout_s: Annotated[
+        float,
+        Meta(
+            gt=0, description="Longest wait for one trainer step (batch wait included) before the run fails."
+        ),
+    ] = 7200.0
+    shutdown_timeout_s: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="Longest wait for the parts to stop at the end of a run before their processes are "
+            "killed.",
+        ),
+    ] = 60.0
 
 
 class Config(ConfigStruct):

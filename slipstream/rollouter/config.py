@@ -5,54 +5,107 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 import msgspec
+from msgspec import Meta
 
 from slipstream.config_base import ConfigStruct
 
 
 class SamplingConfig(ConfigStruct):
-    max_new_tokens: Annotated[int, msgspec.Meta(ge=1)] = 256
-    temperature: Annotated[float, msgspec.Meta(ge=0)] = 1.0
-    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
-    # -1 disables top-k.
-    top_k: Annotated[int, msgspec.Meta(ge=-1)] = -1
+    """Sampling parameters of training generation requests."""
+
+    max_new_tokens: Annotated[
+        int, Meta(ge=1, description="Most tokens generated per response (per turn of a multi-turn loop).")
+    ] = 256
+    temperature: Annotated[float, Meta(ge=0, description="Sampling temperature (0: greedy).")] = 1.0
+    top_p: Annotated[
+        float,
+        Meta(
+            gt=0,
+            le=1,
+            description="Nucleus sampling: keep the smallest set of tokens whose probability reaches this "
+            "(1 disables).",
+        ),
+    ] = 1.0
+    top_k: Annotated[
+        int, Meta(ge=-1, description="Sample among the k most likely tokens; -1 disables top-k.")
+    ] = -1
 
 
 class EmbeddedServerConfig(ConfigStruct):
     """The embedded server (transformers continuous batching) used on CPU, in tests and the quickstart."""
 
-    # Largest number of tokens processed in one forward step of the batch.
-    max_batch_tokens: Annotated[int, msgspec.Meta(ge=16)] = 2048
-    # Torch threads for the server process; 0 leaves torch's default.
-    num_threads: Annotated[int, msgspec.Meta(ge=0)] = 0
-    # Largest prompt + response the server accepts, in tokens. Longer prompts get a 400; a larger
-    # max_new_tokens is clamped to what fits (the request then finishes with `length`).
-    max_model_len: Annotated[int, msgspec.Meta(ge=16)] = 4096
-    device: str = "cpu"
-    # Weights and KV cache dtype. float32 keeps returned logprobs within 1e-3 of a teacher-forced pass.
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    # Attention kernel: sdpa on CPU; flash_attention_2 on GPUs that have it.
-    attn_implementation: Literal["sdpa", "paged|eager", "flash_attention_2", "flash_attention_3"] = "sdpa"
-    # Tokens the paged KV cache holds in total (all requests together); at least max_model_len. When full,
-    # the scheduler evicts a request's cache and recomputes it later, so this bounds memory, not correctness.
-    kv_cache_tokens: Annotated[int, msgspec.Meta(ge=16)] = 32768
-    # Tokens per KV cache page.
-    kv_page_size: Annotated[int, msgspec.Meta(ge=4)] = 128
-    # Most requests decoded together in one step.
-    max_running_requests: Annotated[int, msgspec.Meta(ge=1)] = 256
-    # Sampling seed of the server; -1 picks a random one.
-    seed: int = -1
-    # Watchdog: with requests in flight (not paused in place) and no token generated for this many seconds,
-    # GET /health answers 503 with the reason, so the pipeline restarts the server after
-    # `cluster.unhealthy_checks` failed checks. 0 turns the watchdog off.
-    stall_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 120.0
-    # Largest HTTP request body accepted, in bytes; a larger one gets a 413 before it is read in full.
-    max_request_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 4 * 1024 * 1024
-    # Largest `n` (samples per request) of the OpenAI routes; more gets a 400.
-    max_n: Annotated[int, msgspec.Meta(ge=1)] = 128
-    # Render a chat template sent with a request (`chat_template`, or `chat_template` inside
-    # `chat_template_kwargs`). Templates are Jinja code run by the server, so by default such requests get a
-    # 400 and only the model's own template is used (vLLM's --trust-request-chat-template).
-    trust_request_chat_template: bool = False
+    max_batch_tokens: Annotated[
+        int, Meta(ge=16, description="Largest number of tokens processed in one forward step of the batch.")
+    ] = 2048
+    num_threads: Annotated[
+        int, Meta(ge=0, description="Torch threads for the server process; 0 leaves torch's default.")
+    ] = 0
+    max_model_len: Annotated[
+        int,
+        Meta(
+            ge=16,
+            description="Largest prompt + response the server accepts, in tokens. Longer prompts get a 400; "
+            "a larger max_new_tokens is clamped to what fits (the request then finishes with `length`).",
+        ),
+    ] = 4096
+    device: Annotated[
+        str, Meta(description="Torch device the server runs on (`cpu`, `cuda`, `cuda:1`, ...).")
+    ] = "cpu"
+    dtype: Annotated[
+        Literal["float32", "bfloat16", "float16"],
+        Meta(
+            description="Weights and KV cache dtype. float32 keeps returned logprobs within 1e-3 of a "
+            "teacher-forced pass.",
+        ),
+    ] = "float32"
+    attn_implementation: Annotated[
+        Literal["sdpa", "paged|eager", "flash_attention_2", "flash_attention_3"],
+        Meta(description="Attention kernel: sdpa on CPU; flash_attention_2 on GPUs that have it."),
+    ] = "sdpa"
+    kv_cache_tokens: Annotated[
+        int,
+        Meta(
+            ge=16,
+            description="Tokens the paged KV cache holds in total (all requests together); at least "
+            "max_model_len. When full, the scheduler evicts a request's cache and recomputes it later, so "
+            "this bounds memory, not correctness.",
+        ),
+    ] = 32768
+    kv_page_size: Annotated[int, Meta(ge=4, description="Tokens per KV cache page.")] = 128
+    max_running_requests: Annotated[
+        int, Meta(ge=1, description="Most requests decoded together in one step.")
+    ] = 256
+    seed: Annotated[int, Meta(description="Sampling seed of the server; -1 picks a random one.")] = -1
+    stall_timeout_s: Annotated[
+        float,
+        Meta(
+            ge=0,
+            description="Watchdog: with requests in flight (not paused in place) and no token generated for "
+            "this many seconds, GET /health answers 503 with the reason, so the pipeline restarts the "
+            "server after `cluster.unhealthy_checks` failed checks. 0 turns the watchdog off.",
+        ),
+    ] = 120.0
+    max_request_bytes: Annotated[
+        int,
+        Meta(
+            ge=1024,
+            description="Largest HTTP request body accepted, in bytes; a larger one gets a 413 before it is "
+            "read in full.",
+        ),
+    ] = 4 * 1024 * 1024
+    max_n: Annotated[
+        int,
+        Meta(ge=1, description="Largest `n` (samples per request) of the OpenAI routes; more gets a 400."),
+    ] = 128
+    trust_request_chat_template: Annotated[
+        bool,
+        Meta(
+            description="Render a chat template sent with a request (`chat_template`, or `chat_template` "
+            "inside `chat_template_kwargs`). Templates are Jinja code run by the server, so by default such "
+            "requests get a 400 and only the model's own template is used (vLLM's "
+            "--trust-request-chat-template).",
+        ),
+    ] = False
 
     def __post_init__(self) -> None:
         if self.kv_cache_tokens < self.max_model_len:
@@ -67,40 +120,88 @@ class DynamicSamplingConfig(ConfigStruct):
     estimators no advantage, so the rollouter drops it before the put and frees its admission slot; the
     trainer's batch fills with informative groups only."""
 
-    enable: bool = False
-    # What must differ within a group: `score` (the reward function's score, before overlong shaping),
-    # `reward` (the trained reward, after it), or the name of a component the reward function returns.
-    metric: str = "score"
-    # Generations of one prompt per pass over the data: a prompt whose group is dropped this many times in a
-    # row is skipped until the next pass (counted in rollouter/prompts_filtered_out), so a data set of
-    # prompts the policy always (or never) solves cannot keep generation spinning. 1 is DAPO's rule: a
-    # dropped prompt is not retried and the next prompt takes its slot.
-    max_attempts: Annotated[int, msgspec.Meta(ge=1)] = 1
+    enable: Annotated[
+        bool,
+        Meta(
+            description="Drop groups whose samples all score the same (see `metric`) and generate others "
+            "instead.",
+        ),
+    ] = False
+    metric: Annotated[
+        str,
+        Meta(
+            description="What must differ within a group: `score` (the reward function's score, before "
+            "overlong shaping), `reward` (the trained reward, after it), or the name of a component the "
+            "reward function returns.",
+        ),
+    ] = "score"
+    max_attempts: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="Generations of one prompt per pass over the data: a prompt whose group is dropped "
+            "this many times in a row is skipped until the next pass (counted in "
+            "rollouter/prompts_filtered_out), so a data set of prompts the policy always (or never) solves "
+            "cannot keep generation spinning. 1 is DAPO's rule: a dropped prompt is not retried and the "
+            "next prompt takes its slot.",
+        ),
+    ] = 1
 
 
 class RolloutConfig(ConfigStruct):
-    # Inference backend: embedded (our server), vllm or sglang.
-    backend: Literal["embedded", "vllm", "sglang"] = "embedded"
-    # Servers to launch; ignored when `server_urls` lists running servers to use instead.
-    num_servers: Annotated[int, msgspec.Meta(ge=1)] = 1
-    server_urls: list[str] = []
-    # Extra command-line arguments for launched vllm/sglang servers.
-    server_args: list[str] = []
-    # Seconds to wait for a launched server to become healthy.
-    launch_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
-    # Samples per prompt; they form one group.
-    n: Annotated[int, msgspec.Meta(ge=1)] = 8
+    """The rollouter and the inference servers it drives: backend, servers, samples per prompt."""
+
+    backend: Annotated[
+        Literal["embedded", "vllm", "sglang"],
+        Meta(description="Inference backend: embedded (our server), vllm or sglang."),
+    ] = "embedded"
+    num_servers: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="Inference servers to launch; ignored when `server_urls` is set.",
+        ),
+    ] = 1
+    server_urls: Annotated[
+        list[str],
+        Meta(
+            description="Running servers to use instead of launching any (`http://host:port`): the run "
+            "pushes weights to them and never restarts them.",
+        ),
+    ] = []
+    server_args: Annotated[
+        list[str], Meta(description="Extra command-line arguments for launched vllm/sglang servers.")
+    ] = []
+    launch_timeout_s: Annotated[
+        float, Meta(gt=0, description="Seconds to wait for a launched server to become healthy.")
+    ] = 600.0
+    n: Annotated[int, Meta(ge=1, description="Samples per prompt; they form one group.")] = 8
     sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
-    # Requests in flight per server at most.
-    max_concurrent_per_server: Annotated[int, msgspec.Meta(ge=1)] = 64
-    # Seconds a single generate request may take before it is retried on another server.
-    request_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 3600.0
+    max_concurrent_per_server: Annotated[
+        int, Meta(ge=1, description="Requests in flight per server at most.")
+    ] = 64
+    request_timeout_s: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="Seconds a single generate request may take before it is retried on another server.",
+        ),
+    ] = 3600.0
     embedded: EmbeddedServerConfig = msgspec.field(default_factory=EmbeddedServerConfig)
-    # Raise the model's position limit (its config.json `max_position_embeddings`) for launched vLLM/SGLang
-    # servers: passed as `--hf-overrides` (vLLM) or `--json-model-override-args` (SGLang). Needed when
-    # prompt + response is longer than the checkpoint says it supports (e.g. Qwen2.5-Math-7B: 4096); the
-    # config check names this key when that happens. Null keeps the checkpoint's value.
-    max_position_embeddings: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    max_position_embeddings: (
+        Annotated[
+            int,
+            Meta(
+                ge=1,
+                description="Raise the model's position limit (its config.json `max_position_embeddings`) "
+                "for launched vLLM/SGLang servers: passed as `--hf-overrides` (vLLM) or "
+                "`--json-model-override-args` (SGLang). Needed when prompt + response is longer than the "
+                "checkpoint says it supports (e.g. Qwen2.5-Math-7B: 4096); the config check names this key "
+                "when that happens. Null keeps the checkpoint's value.",
+            ),
+        ]
+        | None
+    ) = None
     # Drop groups whose rewards are all equal and generate others instead (DAPO).
     dynamic_sampling: DynamicSamplingConfig = msgspec.field(default_factory=DynamicSamplingConfig)
 
@@ -110,17 +211,58 @@ class EvalConfig(ConfigStruct):
     same servers between weight pushes, beside training generation, and reports mean@n and pass@n. Nothing
     it generates is put into the queue or trained on (rollouter/evaluation.py)."""
 
-    # Weight versions between evaluations: version 0 (before training) and then the first version at or past
-    # each multiple of `every`. 0 turns evaluation off. An evaluation still running when the next is due is
-    # finished and the due one skipped (eval/skipped counts them).
-    every: Annotated[int, msgspec.Meta(ge=0)] = 0
-    # Samples per prompt: mean@n averages the reward over all of them, pass@n counts a prompt solved when one
-    # of its n samples is correct (the reward's `acc` component when it has one, else reward > 0).
-    n: Annotated[int, msgspec.Meta(ge=1)] = 4
-    # Sampling of evaluation requests; null takes the training value of rollout.sampling.
-    temperature: Annotated[float, msgspec.Meta(ge=0)] | None = None
-    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
-    max_new_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
-    # Evaluation requests in flight at most (over all servers): the bound that keeps evaluation from taking
-    # the servers away from training generation.
-    max_concurrent: Annotated[int, msgspec.Meta(ge=1)] = 8
+    every: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="Weight versions between evaluations: version 0 (before training) and then the "
+            "first version at or past each multiple of `every`. 0 turns evaluation off. An evaluation still "
+            "running when the next is due is finished and the due one skipped (eval/skipped counts them).",
+        ),
+    ] = 0
+    n: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="Samples per prompt: mean@n averages the reward over all of them, pass@n counts a "
+            "prompt solved when one of its n samples is correct (the reward's `acc` component when it has "
+            "one, else reward > 0).",
+        ),
+    ] = 4
+    temperature: (
+        Annotated[
+            float,
+            Meta(
+                ge=0,
+                description="Sampling temperature of evaluation requests; null takes "
+                "rollout.sampling.temperature.",
+            ),
+        ]
+        | None
+    ) = None
+    top_p: (
+        Annotated[
+            float,
+            Meta(gt=0, le=1, description="top_p of evaluation requests; null takes rollout.sampling.top_p."),
+        ]
+        | None
+    ) = None
+    max_new_tokens: (
+        Annotated[
+            int,
+            Meta(
+                ge=1,
+                description="Most tokens per evaluation response; null takes "
+                "rollout.sampling.max_new_tokens.",
+            ),
+        ]
+        | None
+    ) = None
+    max_concurrent: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="Evaluation requests in flight at most (over all servers): the bound that keeps "
+            "evaluation from taking the servers away from training generation.",
+        ),
+    ] = 8

@@ -4,46 +4,90 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-import msgspec
+from msgspec import Meta
 
 from slipstream.config_base import ConfigStruct
 
 
 class WeightSyncConfig(ConfigStruct):
-    # Transport: `torch_dist` (gloo on CPU, NCCL on GPU), `nixl` (UCX; DRAM or GPU memory), `ipc` (one host:
-    # shared memory, or CUDA IPC on one GPU; embedded servers), `naive` (one broadcast per tensor; the
-    # baseline), or `auto`: `ipc` when every embedded server reports the trainer's host and, for a GPU
-    # trainer, the same physical GPU (NCCL cannot join two processes on one GPU), else `torch_dist`.
-    backend: Literal["auto", "torch_dist", "ipc", "nixl", "naive"] = "torch_dist"
-    # Bucket size in MiB; tensors larger than a bucket are split into chunks. The sender holds two
-    # buckets (one being packed while the other is on the wire); receivers keep one staging copy of the
-    # model.
-    bucket_mb: Annotated[int, msgspec.Meta(ge=1)] = 256
-    # Every wait (rendezvous, each bucket, each HTTP call) gives up after this many seconds; a cut-short
-    # transfer is discarded and the old weights keep serving.
-    timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0
-    # Address the trainer's rendezvous store binds (loopback unless the servers are on other hosts).
-    master_address: str = "127.0.0.1"
-    # Rendezvous port; 0 picks a free one.
-    master_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
-    # Where transfer buffers live: `cpu` (gloo, NIXL DRAM), `cuda` (NCCL, NIXL VRAM), or `auto` (cuda
-    # when a GPU is visible). torch_dist picks gloo for cpu and NCCL for cuda.
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    # How a real SGLang/vLLM server treats in-flight requests while it loads weights (it cannot stage):
-    # `in_place` keeps them on the old KV cache, `abort` returns partial output, `retract` (SGLang) requeues
-    # them. The pipeline sets it from `async.partial_rollout`. Embedded servers stage the new version and
-    # pause only for the final copy, whatever this says.
-    pause_mode: Literal["in_place", "abort", "retract"] = "in_place"
-    # Keep a CPU copy of the last published version on the trainer, so that a server that joins late or
-    # restarts gets the current weights at once, and a push cut short by one dead server is retried for
-    # the others. Costs one model's worth of trainer CPU memory.
-    keep_last: bool = True
-    # Receivers refuse a version that does not cover every parameter they serve (a sender bug would
-    # otherwise leave a model that mixes two versions).
-    require_all_weights: bool = True
-    # Dtype of the pushed weights: the servers' own (`auto`: the embedded server's `rollout.embedded.dtype`,
-    # a vLLM/SGLang `--dtype` in `rollout.server_args`, else the checkpoint's `torch_dtype`), so a bf16 server
-    # gets 2 bytes a parameter even when the trainer keeps fp32 master weights.
-    push_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    # Name of the trainer↔servers process group (several may coexist on one server).
-    group_name: str = "slipstream_weights"
+    """The checkpoint engine that pushes each new weight version from the trainer to the servers."""
+
+    backend: Annotated[
+        Literal["auto", "torch_dist", "ipc", "nixl", "naive"],
+        Meta(
+            description="Transport: `torch_dist` (gloo on CPU, NCCL on GPU), `nixl` (UCX; DRAM or GPU "
+            "memory), `ipc` (one host: shared memory, or CUDA IPC on one GPU; embedded servers), `naive` "
+            "(one broadcast per tensor; the baseline), or `auto`: `ipc` when every embedded server reports "
+            "the trainer's host and, for a GPU trainer, the same physical GPU (NCCL cannot join two "
+            "processes on one GPU), else `torch_dist`.",
+        ),
+    ] = "torch_dist"
+    bucket_mb: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="Bucket size in MiB; tensors larger than a bucket are split into chunks. The sender "
+            "holds two buckets (one being packed while the other is on the wire); receivers keep one "
+            "staging copy of the model.",
+        ),
+    ] = 256
+    timeout_s: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="Every wait (rendezvous, each bucket, each HTTP call) gives up after this many "
+            "seconds; a cut-short transfer is discarded and the old weights keep serving.",
+        ),
+    ] = 300.0
+    master_address: Annotated[
+        str,
+        Meta(
+            description="Address the trainer's rendezvous store binds (loopback unless the servers are on "
+            "other hosts).",
+        ),
+    ] = "127.0.0.1"
+    master_port: Annotated[int, Meta(ge=0, le=65535, description="Rendezvous port; 0 picks a free one.")] = 0
+    device: Annotated[
+        Literal["auto", "cpu", "cuda"],
+        Meta(
+            description="Where transfer buffers live: `cpu` (gloo, NIXL DRAM), `cuda` (NCCL, NIXL VRAM), or "
+            "`auto` (cuda when a GPU is visible). torch_dist picks gloo for cpu and NCCL for cuda.",
+        ),
+    ] = "auto"
+    pause_mode: Annotated[
+        Literal["in_place", "abort", "retract"],
+        Meta(
+            description="How a real SGLang/vLLM server treats in-flight requests while it loads weights (it "
+            "cannot stage): `in_place` keeps them on the old KV cache, `abort` returns partial output, "
+            "`retract` (SGLang) requeues them. The pipeline sets it from `async.partial_rollout`. Embedded "
+            "servers stage the new version and pause only for the final copy, whatever this says.",
+        ),
+    ] = "in_place"
+    keep_last: Annotated[
+        bool,
+        Meta(
+            description="Keep a CPU copy of the last published version on the trainer, so that a server "
+            "that joins late or restarts gets the current weights at once, and a push cut short by one dead "
+            "server is retried for the others. Costs one model's worth of trainer CPU memory.",
+        ),
+    ] = True
+    require_all_weights: Annotated[
+        bool,
+        Meta(
+            description="Receivers refuse a version that does not cover every parameter they serve (a "
+            "sender bug would otherwise leave a model that mixes two versions).",
+        ),
+    ] = True
+    push_dtype: Annotated[
+        Literal["auto", "float32", "bfloat16", "float16"],
+        Meta(
+            description="Dtype of the pushed weights: the servers' own (`auto`: the embedded server's "
+            "`rollout.embedded.dtype`, a vLLM/SGLang `--dtype` in `rollout.server_args`, else the "
+            "checkpoint's `torch_dtype`), so a bf16 server gets 2 bytes a parameter even when the trainer "
+            "keeps fp32 master weights.",
+        ),
+    ] = "auto"
+    group_name: Annotated[
+        str,
+        Meta(description="Name of the trainer↔servers process group (several may coexist on one server)."),
+    ] = "slipstream_weights"
