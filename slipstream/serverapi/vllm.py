@@ -1,0 +1,72 @@
+"""vLLM's API (pinned: vllm 0.33.0, launched with ``VLLM_SERVER_DEV_MODE=1``; inference_apis.md §B).
+
+* Generate, two token-in/token-out routes: ``POST /v1/completions`` (every server) and the native
+  ``POST /inference/v1/generate`` (``--tokens-only``). vLLM renames the engine request of our
+  ``request_id``: ``cmpl-<rid>-0`` and ``generate-tokens-<rid>`` (``entrypoints/scale_out/
+  token_in_token_out/serving.py``); an abort must name that id, sent to the route's own
+  ``abort_requests {request_ids}`` (an empty list aborts every request). Aborted requests come back with
+  ``finish_reason == "abort"`` and their partial tokens.
+* Pause: ``POST /pause?mode=abort|wait|keep`` (``clear_cache=true`` with ``abort`` drops the prefix
+  cache of the old weights), resume ``POST /resume``. In ``abort`` and ``wait`` mode new requests get
+  503 until resume (the client retries them); in ``keep`` mode they are queued. vLLM has no ``retract``:
+  ours maps to ``abort`` (the rollouter re-submits the partial output, which has the same effect).
+* A version: pause → ``/start_weight_update`` → N × ``/update_weights {update_info}`` (after
+  ``/init_weight_transfer_engine`` joined the NCCL group; ``/get_world_size`` counts its ranks) →
+  ``/finish_weight_update {weight_version}`` → resume.
+"""
+
+from __future__ import annotations
+
+from slipstream.serverapi.sglang import get, post
+from slipstream.serverapi.spec import Call, GenerateRoute, PauseMode, ServerAPI, WeightUpdate
+
+_ABORT = PauseMode("abort", in_flight="abort", new_requests="rejected", extra={"clear_cache": "true"})
+_KEEP = PauseMode("keep", in_flight="keep", new_requests="held")
+_WAIT = PauseMode("wait", in_flight="finish", new_requests="rejected")
+
+
+class VLLMAPI(ServerAPI):
+    """vLLM's dev-mode pause, resume and abort requests."""
+
+    def pause_call(self, mode: str) -> Call:
+        m = self.pause_mode(mode)
+        return Call(self.pause.method, self.pause.path, params={"mode": m.server, **m.extra})
+
+    def resume_call(self) -> Call:
+        return Call(self.resume.method, self.resume.path)
+
+    def abort_call(self, rid: str, route: str | None = None) -> Call:
+        r = self.route(route)
+        return Call(r.abort.method, r.abort.path, json={"request_ids": [r.engine_request_id(rid)]})
+
+    def abort_all_call(self) -> Call:
+        abort = self.route().abort
+        return Call(abort.method, abort.path, json={"request_ids": []})
+
+
+VLLM = VLLMAPI(
+    kind="vllm",
+    dist="vllm",
+    version="0.33.0",
+    routes={
+        "completions": GenerateRoute(post("/v1/completions"), post("/abort_requests"), "cmpl-{rid}-0"),
+        "generate": GenerateRoute(
+            post("/inference/v1/generate"), post("/inference/v1/abort_requests"), "generate-tokens-{rid}"
+        ),
+    },
+    pause=post("/pause"),
+    resume=post("/resume"),
+    health=get("/health"),
+    model_info=get("/v1/models"),
+    weight_version=get("/weight_info"),
+    pause_modes={"abort": _ABORT, "in_place": _KEEP, "retract": _ABORT, "wait": _WAIT},
+    weights=WeightUpdate(
+        init_group=post("/init_weight_transfer_engine"),
+        destroy_group=post("/shutdown_weight_transfer_engine"),
+        begin=post("/start_weight_update"),
+        update=post("/update_weights"),
+        end=post("/finish_weight_update"),
+        pause="before",
+        ranks=get("/get_world_size"),
+    ),
+)
