@@ -323,11 +323,11 @@ def account(cfg: Any, run_dir: Path, version: int) -> dict[str, Any]:
     final = latest_checkpoint(checkpoint_root(run_dir))
     if final is None or int(final.name.rsplit("_", 1)[1]) != version:
         raise RuntimeError(f"no checkpoint of the final version {version} in {run_dir}: cannot account")
-    state = read_rollouter_state(final) or {}
+    state = read_rollouter_state(final)
     header, _ = read_snapshot(SnapshotDir(str(checkpoint_root(run_dir)), MAGIC), f"{final.name}/queue")
 
     source = PromptSource.from_config(cfg.data, seed=cfg.run.seed)
-    position = int(state["prompts"]["epoch"]) * len(source.samples) + int(state["prompts"]["offset"])
+    position = state.prompts.epoch * len(source.samples) + state.prompts.offset if state else 0
     admitted = set()
     for _ in range(position):
         ref, _sample = source.next()
@@ -343,7 +343,7 @@ def account(cfg: Any, run_dir: Path, version: int) -> dict[str, Any]:
 
     queued = {g.meta.group_id for g in header.groups}
     owed = {_prompt_key(gid) for gid in queued} | {_prompt_key(m.group_id) for m in header.dropped}
-    owed |= {(int(entry[0]), int(entry[1])) for entry in state.get("pending", [])}  # [epoch, index, ...]
+    owed |= {(p.epoch, p.index) for p in (state.pending if state else [])}
 
     dup_prompts = {key for key, gids in by_prompt.items() if len(gids) > 1}
     dup_prompts |= {_prompt_key(_group_of(u)) for u, c in uid_counts.items() if c > 1}

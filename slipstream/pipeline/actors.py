@@ -2,8 +2,8 @@
 
 The controller (``pipeline/controller.py``) places these on the two node pools with Ray custom resources
 (``cluster.rollout_resource`` / ``cluster.trainer_resource``) and talks to them only through method calls
-whose arguments and results are plain builtins (the config as ``to_dict(cfg)``, metrics as dicts of
-numbers): control goes through Ray, data never does. Trajectories travel rollouter → queue → trainer over
+whose arguments and results are the Structs of ``pipeline/types.py`` (the config travels as ``to_dict(cfg)``):
+control goes through Ray, data never does. Trajectories travel rollouter → queue → trainer over
 ZeroMQ, weights trainer → servers over the checkpoint engine, requests rollouter → servers over HTTP.
 
 * :class:`ServerHost` owns one inference server process on a rollout node (launched with
@@ -35,7 +35,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from slipstream.pipeline.types import (
+    PushReport,
+    RankSetup,
+    RolloutStart,
+    RolloutStatus,
+    ServerHealth,
+    StepReport,
+)
 from slipstream.queue.base import Lease, QueueConsumer
+from slipstream.rollouter.state import RolloutState
 from slipstream.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -134,12 +143,12 @@ class ServerHost:
         log.info("server %d serving at %s (pid %d)", self.index, self.url, self.server.pid)
         return self.url
 
-    def health(self) -> dict[str, Any]:
+    def health(self) -> ServerHealth:
         """Process state and one ``/health`` probe (2 s)."""
         import httpx
 
         if self.server is None:
-            return {"alive": False, "healthy": False, "returncode": None, "pid": None}
+            return ServerHealth(alive=False, healthy=False)
         alive = self.server.is_alive()
         healthy = False
         if alive:
@@ -147,8 +156,7 @@ class ServerHost:
                 healthy = httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200
             except httpx.HTTPError:
                 healthy = False
-        return {"alive": alive, "healthy": healthy, "returncode": self.server.popen.returncode,
-                "pid": self.server.pid}  # fmt: skip
+        return ServerHealth(alive, healthy, self.server.popen.returncode, self.server.pid)
 
     def pid(self) -> int | None:
         return self.server.pid if self.server is not None else None
@@ -210,9 +218,7 @@ class RolloutWorker:
         self._reviver: asyncio.Task | None = None
         self._token = ""
 
-    async def start(
-        self, urls: list[str], queue_address: str, state: dict | None, version: int, token: str = ""
-    ) -> None:
+    async def start(self, start: RolloutStart) -> None:
         from transformers import AutoTokenizer
 
         from slipstream.agents.data import PromptSource
@@ -225,27 +231,25 @@ class RolloutWorker:
             AutoTokenizer.from_pretrained, cfg.model.path, trust_remote_code=cfg.model.trust_remote_code
         )
         prompts = PromptSource.from_config(cfg.data, seed=cfg.run.seed)
-        self._token = token
-        self.balancer = balancer_from_config(cfg.rollout, urls, token)
+        self._token = start.token
+        self.balancer = balancer_from_config(cfg.rollout, start.urls, start.token)
         restarting = cfg.cluster.restart_servers and not cfg.rollout.server_urls
         patience = cfg.rollout.launch_timeout_s + 4 * cfg.cluster.health_interval_s if restarting else 0.0
         client = _WaitForServers(self.balancer, patience)
-        self.queue = AsyncQueueClient(queue_address)
+        self.queue = AsyncQueueClient(start.queue_address)
         self.rollouter = Rollouter(cfg, client, self.queue, tokenizer, prompts)
-        if state is not None:
-            self.rollouter.load_state_dict(state)
-        self.rollouter.set_version(version)
+        if start.state is not None:
+            self.rollouter.load_state_dict(start.state)
+        self.rollouter.set_version(start.version)
         self._task = asyncio.create_task(self.rollouter.run(), name="rollouter")
         self._reviver = asyncio.create_task(self._revive_servers())
 
-    async def status(self) -> dict[str, Any]:
+    async def status(self) -> RolloutStatus:
         """``done`` once every prompt is generated and put; ``error`` names a failure of the rollouter."""
-        if self._task is None:
-            return {"done": False, "error": None}
-        if not self._task.done():
-            return {"done": False, "error": None}
+        if self._task is None or not self._task.done():
+            return RolloutStatus()
         err = None if self._task.cancelled() else self._task.exception()
-        return {"done": True, "error": None if err is None else f"{type(err).__name__}: {err}"}
+        return RolloutStatus(done=True, error=None if err is None else f"{type(err).__name__}: {err}")
 
     async def set_version(self, version: int) -> None:
         self.rollouter.set_version(version)
@@ -262,7 +266,7 @@ class RolloutWorker:
         """Wait for the running evaluation, then evaluate ``version`` if it was not (the end of a run)."""
         await self.rollouter.evaluator.evaluate_now(version)
 
-    async def state_dict(self) -> dict[str, Any]:
+    async def state_dict(self) -> RolloutState:
         # Called between trainer steps, so no new drop arrives until the checkpoint is written; taking the
         # pending drops in first puts them in this state (else one popped while the trainer saves would be
         # in neither this state nor the queue snapshot's dropped list).
@@ -432,7 +436,7 @@ class TrainerRank:
         host = "127.0.0.1" if self.world_size == 1 else _node_ip()
         return host, free_port(host)
 
-    def setup(self, master: tuple[str, int], queue_address: str, resume_path: str | None) -> int:
+    def setup(self, setup: RankSetup) -> int:
         """Join the group, build the engine (rank 0: the queue client), resume; return the version."""
         from datetime import timedelta
 
@@ -450,7 +454,7 @@ class TrainerRank:
         )
         dist.init_process_group(
             "nccl" if use_cuda else "gloo",
-            init_method=f"tcp://{master[0]}:{master[1]}",
+            init_method=f"tcp://{setup.master_host}:{setup.master_port}",
             rank=self.rank,
             world_size=self.world_size,
             timeout=timedelta(seconds=max(600.0, cfg.trainer.batch_timeout_s + 60)),
@@ -459,18 +463,18 @@ class TrainerRank:
         self.engine.initialize()
         aux = make_aux_engines(cfg)
         if self.rank == 0:
-            client = QueueClient(queue_address, owner=_lease_owner(self.run_dir))
+            client = QueueClient(setup.queue_address, owner=_lease_owner(self.run_dir))
             self.queue = _TrackedQueue(client, self.run_dir / "trainer_leases.json")
         self.trainer = Trainer(
             cfg, self.engine, self.queue, rank=self.rank, world_size=self.world_size, **aux
         )
-        if resume_path is not None:
+        if setup.resume_path is not None:
             if self.queue is not None:
                 released = self.queue.release_stale_leases()
                 if released:
                     log.info("gave back %d leases the previous trainer held", released)
-            self.trainer.resume(resume_path)
-            log.info("rank %d resumed from %s at version %d", self.rank, resume_path, self.trainer.version)
+            self.trainer.resume(setup.resume_path)
+            log.info("rank %d resumed from %s at version %d", self.rank, setup.resume_path, self.trainer.version)
         return self.trainer.version
 
     def attach_servers(self, server_urls: list[str], token: str = "") -> None:
@@ -490,21 +494,19 @@ class TrainerRank:
     def pid(self) -> int:
         return os.getpid()
 
-    def step(self) -> dict[str, Any]:
-        """One trainer step; rank 0 adds ``uids`` (the samples trained) and ``lease_wait_s``."""
+    def step(self) -> StepReport:
+        """One trainer step; rank 0's report also names the samples trained and the time it waited for them."""
         self._threads()
         if self.queue is not None:
             self.queue.wait_s = 0.0
-        out: dict[str, Any] = dict(self.trainer.step())
-        if self.rank == 0:
-            out["uids"] = list(self.trainer.last_batch_uids)
-            out["lease_wait_s"] = self.queue.wait_s
-        return out
+        metrics = {k: float(v) for k, v in self.trainer.step().items()}
+        if self.rank != 0:
+            return StepReport(version=self.trainer.version, metrics=metrics)
+        uids = list(self.trainer.last_batch_uids)
+        return StepReport(self.trainer.version, metrics, uids, self.queue.wait_s)
 
-    def publish(self, version: int) -> dict[str, Any]:
+    def publish(self, version: int) -> PushReport:
         """Push the current weights as ``version`` (rank 0 sends; the others drive the all-gathers)."""
-        import msgspec
-
         from slipstream.trainer.trainer import push_dtype
         from slipstream.weightsync.publisher import make_publish_fn
 
@@ -513,21 +515,19 @@ class TrainerRank:
         dtype = push_dtype(self.cfg)
         if self.publisher is None:
             make_publish_fn(None)(version, self.engine.get_per_tensor_param(dtype))
-            return {}
+            return PushReport()
         report = self.publisher.publish(version, self.engine.get_per_tensor_param(dtype))
-        out = msgspec.to_builtins(report)
-        out["wall_s"] = time.monotonic() - t0
-        return out
+        return PushReport(report, time.monotonic() - t0)
 
     def save(self, path: str) -> None:
         self._threads()
         self.trainer.save(path)
 
-    def add_server(self, url: str) -> dict[str, Any] | None:
-        import msgspec
-
+    def add_server(self, url: str) -> PushReport:
+        """Rank 0: bring a restarted server to the last pushed version (``publish`` None: no kept copy yet)."""
+        t0 = time.monotonic()
         report = self.publisher.add_server(url)
-        return None if report is None else msgspec.to_builtins(report)
+        return PushReport(report, time.monotonic() - t0)
 
     def remove_server(self, url: str) -> None:
         self.publisher.remove_server(url)

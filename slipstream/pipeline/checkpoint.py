@@ -14,7 +14,9 @@ the copy (its group id was seen). Taking the snapshot first would instead lose a
 The trainer is between steps, so the snapshot's consumed set is exactly what the saved weights have seen.
 
 Everything is written into ``.staging-step_<version>`` and renamed into place, so a checkpoint exists whole
-or not at all; :func:`slipstream.trainer.trainer.latest_checkpoint` only sees renamed, complete ones.
+or not at all; :func:`slipstream.utils.checkpoints.latest` only sees renamed, complete ones. The directory
+layout itself (names, the ``COMPLETE`` marker, pruning, staging) is ``slipstream.utils.checkpoints``, which
+the trainer's own checkpoints use too; this module adds what only a whole run holds.
 
 ``trained_uids.jsonl`` (``run.record_uids``) has one line per trainer step, ``{"step": s, "uids": [...]}``.
 After a restart from checkpoint ``c`` the steps after ``c`` are trained again and recorded again; the last
@@ -24,50 +26,25 @@ record of a step is the one that counts (:func:`read_trained_uids`).
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
-from typing import Any
 
-CHECKPOINTS = "checkpoints"
+from slipstream.rollouter.state import RolloutState
+from slipstream.utils import checkpoints as layout
+from slipstream.utils.checkpoints import checkpoint_root, commit, latest, prune, staging_dir
+
 ROLLOUTER_STATE = "rollouter.json"
 UIDS_FILE = "trained_uids.jsonl"
-_STAGING = ".staging-"
 
 
-def checkpoint_root(run_dir: str | Path) -> Path:
-    return Path(run_dir) / CHECKPOINTS
+def write_rollouter_state(staging: Path, state: RolloutState) -> None:
+    (staging / ROLLOUTER_STATE).write_bytes(state.encode())
 
 
-def staging_dir(root: Path, version: int) -> Path:
-    """A fresh, empty directory to write the checkpoint of ``version`` into."""
-    path = root / f"{_STAGING}step_{version:08d}"
-    shutil.rmtree(path, ignore_errors=True)
-    path.mkdir(parents=True)
-    return path
-
-
-def write_rollouter_state(staging: Path, state: dict[str, Any]) -> None:
-    (staging / ROLLOUTER_STATE).write_text(json.dumps(state))
-
-
-def read_rollouter_state(checkpoint: Path) -> dict[str, Any] | None:
+def read_rollouter_state(checkpoint: Path) -> RolloutState | None:
+    """The rollouter's state saved in ``checkpoint`` (None when it holds none: a trainer-only checkpoint).
+    Checkpoints written before the state was a Struct decode as they are (``rollouter/state.py``)."""
     path = checkpoint / ROLLOUTER_STATE
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
-def commit(staging: Path) -> Path:
-    """Rename a written checkpoint into place (replacing an older one of the same version)."""
-    final = staging.parent / staging.name.removeprefix(_STAGING)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(staging, final)
-    fd = os.open(staging.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # the rename itself reaches the disk
-    finally:
-        os.close(fd)
-    return final
+    return RolloutState.decode(path.read_bytes()) if path.is_file() else None
 
 
 def salvage(root: Path) -> Path | None:
@@ -79,27 +56,12 @@ def salvage(root: Path) -> Path | None:
     two small files, whose content the directory name gives. A trainer restarted on the live queue must
     resume from it, not from the previous checkpoint.
     """
-    from slipstream.trainer.trainer import COMPLETE_MARKER, STATE_FILE
-
     found = None
-    for staging in sorted(root.glob(f"{_STAGING}step_*")):
+    for staging in layout.staging_dirs(root):
         if (staging / "queue").is_file() and (staging / ROLLOUTER_STATE).is_file():
-            version = int(staging.name.rsplit("_", 1)[1])
-            (staging / STATE_FILE).write_text(json.dumps({"version": version, "format": 1}))
-            (staging / COMPLETE_MARKER).write_text("")
+            layout.mark_complete(staging, layout.version_of(staging))
             found = commit(staging)
     return found
-
-
-def prune(root: Path, keep: int) -> None:
-    """Keep the newest ``keep`` complete checkpoints; remove staging leftovers of a crashed save."""
-    from slipstream.trainer.trainer import COMPLETE_MARKER
-
-    for leftover in root.glob(f"{_STAGING}*"):
-        shutil.rmtree(leftover, ignore_errors=True)
-    complete = sorted(p for p in root.glob("step_*") if (p / COMPLETE_MARKER).is_file())
-    for old in complete[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def record_uids(run_dir: str | Path, step: int, uids: list[str]) -> None:
@@ -118,3 +80,17 @@ def read_trained_uids(run_dir: str | Path) -> dict[int, list[str]]:
             continue
         steps[int(rec["step"])] = list(rec["uids"])
     return dict(sorted(steps.items()))
+
+
+__all__ = [
+    "checkpoint_root",
+    "commit",
+    "latest",
+    "prune",
+    "read_rollouter_state",
+    "read_trained_uids",
+    "record_uids",
+    "salvage",
+    "staging_dir",
+    "write_rollouter_state",
+]

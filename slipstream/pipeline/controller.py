@@ -59,6 +59,8 @@ from slipstream.config import Config, ConfigError, to_dict
 from slipstream.pipeline import checkpoint as ckpt
 from slipstream.pipeline.actors import RolloutWorker, ServerHost, TrainerRank, wait_for_own_children
 from slipstream.pipeline.modes import check_config, check_data, make_missing_data, prepare_config
+from slipstream.pipeline.types import PushReport, RankSetup, RolloutStart, StepReport
+from slipstream.rollouter.state import RolloutState
 from slipstream.utils.http_auth import env_token, new_token
 from slipstream.utils.logging import get_logger
 
@@ -213,11 +215,9 @@ class Pipeline:
         log.info("placement: %s", self.placement.summary())
 
     def _resume_point(self) -> Path | None:
-        from slipstream.trainer.trainer import latest_checkpoint
-
         if self.ckpt_root.is_dir():
             ckpt.prune(self.ckpt_root, self.cfg.trainer.keep_checkpoints)  # staging leftovers of a crash
-        found = latest_checkpoint(self.ckpt_root) if self.cfg.run.resume else None
+        found = ckpt.latest(self.ckpt_root) if self.cfg.run.resume else None
         if found is not None:
             log.info("resuming from %s", found)
         elif (self.run_dir / ckpt.UIDS_FILE).exists():
@@ -277,10 +277,9 @@ class Pipeline:
             .remote(rank_cfg, r, world, str(self.run_dir), threads)
             for r in range(world)
         ]
-        master = self._get(self.ranks[0].endpoint.remote(), CALL_TIMEOUT_S, "trainer rank 0")
-        refs = [
-            r.setup.remote(master, self.queue_address, str(resume) if resume else None) for r in self.ranks
-        ]
+        host, port = self._get(self.ranks[0].endpoint.remote(), CALL_TIMEOUT_S, "trainer rank 0")
+        setup = RankSetup(host, port, self.queue_address, str(resume) if resume else None)
+        refs = [r.setup.remote(setup) for r in self.ranks]
         versions = self._get(refs, cfg.cluster.start_timeout_s, "trainer ranks")
         return int(versions[0])
 
@@ -290,10 +289,9 @@ class Pipeline:
         cls = ray.remote(RolloutWorker).options(**self.placement.options("rollouter"))
         self.rollouter = cls.remote(to_dict(self.cfg), str(self.run_dir))
 
-    def _start_rollouter(self, state: dict | None) -> None:
-        ref = self.rollouter.start.remote(
-            self.urls, self.queue_address, state, self.published, self.server_token
-        )
+    def _start_rollouter(self, state: RolloutState | None) -> None:
+        start = RolloutStart(self.urls, self.queue_address, self.published, state, self.server_token)
+        ref = self.rollouter.start.remote(start)
         self._get(ref, self.cfg.cluster.start_timeout_s, "rollouter")
         self._rollouter_started = True
 
@@ -309,7 +307,7 @@ class Pipeline:
         if self.on_step is not None:
             self.on_step(self, self.version, metrics)
 
-    def _run_step(self) -> list[dict[str, Any]]:
+    def _run_step(self) -> list[StepReport]:
         import ray
 
         refs = [r.step.remote() for r in self.ranks]
@@ -344,14 +342,14 @@ class Pipeline:
                 raise _TrainerDied(f"a trainer step failed: {_first_line(err)}") from err
             raise PartFailed(f"trainer step {self.version + 1} failed: {err}") from err
 
-    def _after_step(self, results: list[dict[str, Any]]) -> dict[str, float]:
+    def _after_step(self, results: list[StepReport]) -> dict[str, float]:
         now = time.monotonic()
-        head = dict(results[0])
-        uids, lease_wait = head.pop("uids", []), float(head.pop("lease_wait_s", 0.0))
-        self.version = int(head["trainer/version"])
+        head = results[0]
+        uids = head.uids
+        self.version = head.version
         window = max(now - self._last_step_end, 1e-9)
-        metrics = {k: float(v) for k, v in head.items() if isinstance(v, int | float)}
-        metrics["trainer/idle_ratio"] = min(1.0, lease_wait / window)
+        metrics = dict(head.metrics)
+        metrics["trainer/idle_ratio"] = min(1.0, head.lease_wait_s / window)
         metrics["perf/step_wall_s"] = window
         metrics["perf/samples_per_s"] = metrics.get("trainer/samples", 0.0) / window
         metrics["perf/trained_tokens_per_s"] = metrics.get("trainer/tokens", 0.0) / window
@@ -384,24 +382,23 @@ class Pipeline:
             timeout = self.cfg.rollout.request_timeout_s * self.cfg.agent.max_turns + 60
             out["sync/drain_s"] = float(self._get(self.rollouter.drain.remote(), timeout, "rollouter drain"))
         timeout = 4 * self.cfg.weightsync.timeout_s + 60
-        reports = self._ranks_call("publish", timeout, version)
-        report = reports[0]
+        report: PushReport = self._ranks_call("publish", timeout, version)[0]
         self.published = version
         if started:
             self._get(self.rollouter.set_version.remote(version), CALL_TIMEOUT_S, "rollouter")
-        joined = [u for u in self._joining if u in report.get("ok", [])]
+        joined = [u for u in self._joining if u in report.ok]
         for url in joined:
             self._get(self.rollouter.add_server.remote(url), CALL_TIMEOUT_S, "rollouter")
             self._joining.remove(url)
             log.info("restarted server %s serves version %d and takes requests again", url, version)
-        if report.get("failed"):
-            log.warning("version %d did not reach %s", version, ", ".join(report["failed"]))
+        if report.failed:
+            log.warning("version %d did not reach %s", version, ", ".join(report.failed))
         out.update({
             "sync/publish_s": time.monotonic() - t0,
             "sync/version": float(version),
-            "sync/servers_ok": float(len(report.get("ok", []))),
-            "sync/servers_failed": float(len(report.get("failed", {}))),
-            "sync/bytes": float(report.get("bytes", 0)),
+            "sync/servers_ok": float(len(report.ok)),
+            "sync/servers_failed": float(len(report.failed)),
+            "sync/bytes": float(report.publish.bytes if report.publish is not None else 0),
         })  # fmt: skip
         return out
 
@@ -431,15 +428,13 @@ class Pipeline:
     def _restart_trainer(self, reason: str) -> None:
         import ray
 
-        from slipstream.trainer.trainer import latest_checkpoint
-
         count = self.restarts.get("trainer", 0)
         salvaged = ckpt.salvage(self.ckpt_root) if self.ckpt_root.is_dir() else None
         if salvaged is not None:
             log.warning(
                 "the trainer died after the queue snapshot of %s; completed that checkpoint", salvaged
             )
-        resume = latest_checkpoint(self.ckpt_root)
+        resume = ckpt.latest(self.ckpt_root)
         why = None
         if not self.cfg.cluster.restart_trainer:
             why = "cluster.restart_trainer is off"
@@ -498,10 +493,8 @@ class Pipeline:
 
     def _check_rollouter(self) -> None:
         status = self._get(self.rollouter.status.remote(), CALL_TIMEOUT_S, "rollouter")
-        if status["error"]:
-            raise PartFailed(
-                f"the rollouter failed: {status['error']} (see {self.run_dir}/logs/rollouter.log)"
-            )
+        if status.error:
+            raise PartFailed(f"the rollouter failed: {status.error} (see {self.run_dir}/logs/rollouter.log)")
 
     def _check_queue(self) -> None:
         if not self._get(self.queue_actor.is_alive.remote(), CALL_TIMEOUT_S, "queue server"):
@@ -515,9 +508,9 @@ class Pipeline:
         except ray.exceptions.RayActorError:
             self._server_died(index, "its host actor died", replace_host=True)
             return
-        if not health["alive"]:
-            self._server_died(index, f"its process exited with code {health['returncode']}")
-        elif health["healthy"]:
+        if not health.alive:
+            self._server_died(index, f"its process exited with code {health.returncode}")
+        elif health.healthy:
             self._unhealthy.pop(index, None)
         else:
             self._unhealthy[index] = self._unhealthy.get(index, 0) + 1
@@ -562,14 +555,14 @@ class Pipeline:
             except Exception as err:
                 raise PartFailed(f"inference server {index} could not be restarted: {err}") from err
             self.urls[index] = url
-            report = self._get(
+            report: PushReport = self._get(
                 self.ranks[0].add_server.remote(url), 4 * self.cfg.weightsync.timeout_s, "trainer"
             )
-            if report is None and self.published > 0:
+            if report.publish is None and self.published > 0:
                 self._joining.append(url)  # no kept copy yet (a restarted trainer): joins after the next push
-            elif report is not None and url not in report.get("ok", []):
+            elif report.publish is not None and url not in report.ok:
                 raise PartFailed(
-                    f"restarted server {url} could not take version {report['version']}: {report}"
+                    f"restarted server {url} could not take version {report.publish.version}: {report.publish}"
                 )
             else:
                 self._get(self.rollouter.add_server.remote(url), CALL_TIMEOUT_S, "rollouter")

@@ -70,6 +70,7 @@ from slipstream.queue.types import Trajectory, TrajectoryGroup
 from slipstream.rollouter.evaluation import Evaluator
 from slipstream.rollouter.gate import StalenessGate
 from slipstream.rollouter.partial import PartialRolloutClient
+from slipstream.rollouter.state import GateCount, PendingPrompt, PromptPosition, RolloutState
 from slipstream.rollouter.stats import RolloutStats
 from slipstream.utils.logging import get_logger
 
@@ -233,7 +234,7 @@ class Rollouter:
         )
         return {**out, **self.evaluator.metrics()}
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> RolloutState:
         """The prompt position, the gate's count and every prompt owed but not yet put.
 
         Groups in flight are saved as pending prompts and their gate units as refunded, so a resumed run
@@ -241,21 +242,19 @@ class Rollouter:
         waiting = [self._waiting] if self._waiting is not None else []
         pending = [*self._in_flight.values(), *waiting, *self._todo]
         gate = self.gate.state_dict()
-        gate["admitted"] -= len(self._in_flight)
-        return {
-            "prompts": self.prompts.state_dict(),
-            "gate": gate,
-            "pending": [[w.ref.epoch, w.ref.index, w.attempt, w.resamples] for w in pending],
-        }
+        return RolloutState(
+            prompts=PromptPosition(**self.prompts.state_dict()),
+            gate=GateCount(admitted=gate["admitted"] - len(self._in_flight), refunded=gate.get("refunded", 0)),
+            pending=[PendingPrompt(w.ref.epoch, w.ref.index, w.attempt, w.resamples) for w in pending],
+        )
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: RolloutState) -> None:
         if self._running:
             raise RuntimeError("load_state_dict must be called before run()")
-        self.prompts.load_state_dict(state["prompts"])
-        self.gate.load_state_dict(state["gate"])
+        self.prompts.load_state_dict(state.prompts.as_dict())
+        self.gate.load_state_dict(state.gate.as_dict())
         self._todo = deque(
-            _Work(ref=PromptRef(int(p[0]), int(p[1])), attempt=int(p[2]), resamples=int(p[3]) if p[3:] else 0)
-            for p in state.get("pending", [])
+            _Work(ref=PromptRef(p.epoch, p.index), attempt=p.attempt, resamples=p.resamples) for p in state.pending
         )
 
     # ------------------------------------------------------------------ admission

@@ -33,9 +33,7 @@ Worked example (one process; ``run_trainer_rank`` does the same for N processes)
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -50,6 +48,7 @@ from slipstream.trainer.batching import partition_for_ranks, sample_lengths, sel
 from slipstream.trainer.dist import broadcast_batch, gather_tokens
 from slipstream.trainer.engine.base import ModelEngine
 from slipstream.trainer.loss import GlobalCounts, PolicyLoss, ValueLoss
+from slipstream.utils import checkpoints
 from slipstream.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -62,8 +61,6 @@ PublishFn = Callable[[int, Iterator[tuple[str, torch.Tensor]]], None]
 # Uids rank 0 remembers having trained, to skip a group delivered again after a lease expiry; covers far more
 # than the groups leased within one lease_timeout_s at any realistic rate.
 _TRAINED_UIDS_KEPT = 1 << 18
-STATE_FILE = "trainer_state.json"
-COMPLETE_MARKER = "COMPLETE"
 
 # Peak dense bf16 TFLOP/s per GPU, by a substring of torch.cuda.get_device_name(); for MFU.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0}
@@ -108,7 +105,7 @@ class Trainer:
         self.version = 0  # weight version = completed trainer steps
         self.last_batch_uids: list[str] = []  # rank 0: the samples the last step trained on
         self._trained: dict[str, None] = {}  # rank 0: recently trained uids, oldest first (see _skip)
-        self.checkpoint_root = Path(cfg.run.output_dir) / cfg.run.name / "checkpoints"
+        self.checkpoint_root = checkpoints.checkpoint_root(Path(cfg.run.output_dir) / cfg.run.name)
 
     # ---------------------------------------------------------------- the loop
     def fit(
@@ -145,7 +142,7 @@ class Trainer:
             metrics["trainer/publish_s"] = time.perf_counter() - t_pub
         every = self.cfg.trainer.checkpoint_every
         if every and self.version % every == 0:
-            self.save(self.checkpoint_root / f"step_{self.version:08d}")
+            self.save(checkpoints.step_dir(self.checkpoint_root, self.version))
             self._prune_checkpoints()
         elapsed = time.perf_counter() - t0
         metrics["trainer/step_s"] = elapsed
@@ -333,8 +330,7 @@ class Trainer:
             self.critic.save_checkpoint(path / "critic")
         if self.rank == 0:
             self.queue.snapshot(self._snapshot_name(path))
-            (path / STATE_FILE).write_text(json.dumps({"version": self.version, "format": 1}))
-            (path / COMPLETE_MARKER).write_text("")
+            checkpoints.mark_complete(path, self.version)
         self._barrier()
         log.info("checkpoint at version %d written to %s", self.version, path)
         return path
@@ -343,14 +339,11 @@ class Trainer:
         """Load a checkpoint written by :meth:`save`; with ``restore_queue`` rank 0 restores the queue's
         unconsumed samples from its snapshot (the samples these weights have not been trained on)."""
         path = Path(path)
-        if not (path / COMPLETE_MARKER).is_file():
-            raise FileNotFoundError(
-                f"{path}: not a complete trainer checkpoint (no {COMPLETE_MARKER} marker)"
-            )
+        version = checkpoints.read_version(path)  # refuses an incomplete checkpoint before loading anything
         self.engine.load_checkpoint(path / "engine")
         if self.critic is not None:
             self.critic.load_checkpoint(path / "critic")
-        self.version = int(json.loads((path / STATE_FILE).read_text())["version"])
+        self.version = version
         self._trained.clear()  # what was trained after this checkpoint is to be trained again
         if self.rank == 0 and restore_queue:
             self.queue.restore(self._snapshot_name(path))
@@ -368,11 +361,8 @@ class Trainer:
             ) from None
 
     def _prune_checkpoints(self) -> None:
-        if self.rank != 0:
-            return
-        complete = sorted(p for p in self.checkpoint_root.glob("step_*") if (p / COMPLETE_MARKER).is_file())
-        for old in complete[: -self.cfg.trainer.keep_checkpoints]:
-            shutil.rmtree(old, ignore_errors=True)
+        if self.rank == 0:
+            checkpoints.prune(self.checkpoint_root, self.cfg.trainer.keep_checkpoints)
 
     # ---------------------------------------------------------------- collectives
     def _comm_device(self) -> torch.device:
@@ -391,10 +381,8 @@ class Trainer:
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
-    """The newest complete ``step_*`` checkpoint under ``root``, or None."""
-    root = Path(root)
-    complete = sorted(p for p in root.glob("step_*") if (p / COMPLETE_MARKER).is_file())
-    return complete[-1] if complete else None
+    """The newest complete checkpoint under ``root``, or None (the layout: ``slipstream.utils.checkpoints``)."""
+    return checkpoints.latest(root)
 
 
 def _accumulate(into: dict[str, float], metrics: dict[str, float]) -> None:

@@ -175,7 +175,7 @@ def test_stop_and_resume_lose_nothing(tok):
         task = asyncio.create_task(rollouter.run())
         await settle()
         # A checkpoint while running lists the four groups in flight and the prompt waiting for the gate.
-        assert [p[:2] for p in rollouter.state_dict()["pending"]] == [[0, i] for i in range(5)]
+        assert [(p.epoch, p.index) for p in rollouter.state_dict().pending] == [(0, i) for i in range(5)]
         first_pending = sorted(client.pending)
         for rid in first_pending[:4]:  # two of the four groups finish
             client.finish(rid)
@@ -185,8 +185,8 @@ def test_stop_and_resume_lose_nothing(tok):
         assert len(queue.groups) == 2 and not client.pending
         state = rollouter.state_dict()
         # Two groups were in flight; prompt 4 was taken from the source and waited for the gate.
-        assert [p[:2] for p in state["pending"]] == [[0, 2], [0, 3], [0, 4]]
-        assert state["gate"]["admitted"] == 2
+        assert [(p.epoch, p.index) for p in state.pending] == [(0, 2), (0, 3), (0, 4)]
+        assert state.gate.admitted == 2
 
         resumed, client2, _ = make(tok, cfg, prompts(6, epochs=2), queue=queue)
         resumed.load_state_dict(state)
