@@ -168,20 +168,21 @@ class _Recorder:
 
 async def _record_clients(rec: _Recorder, errors: list[str]) -> None:
     from slipstream.agents.protocol import SamplingParams
-    from slipstream.rollouter.clients.sglang import SGLANG_PAUSE_MODES, SGLangClient
-    from slipstream.rollouter.clients.vllm import VLLM_PAUSE_MODES, VLLMClient
+    from slipstream.rollouter.clients.sglang import SGLangClient
+    from slipstream.rollouter.clients.vllm import VLLMClient
+    from slipstream.serverapi import SGLANG, VLLM
 
     samplings = [
         SamplingParams(),
         SamplingParams(max_new_tokens=8, temperature=0.7, top_p=0.9, top_k=20, stop_token_ids=[2, 3]),
     ]
     variants: list[tuple[str, str, Any, tuple[str, ...]]] = [
-        ("sglang", "SGLangClient", lambda: SGLangClient("http://upstream"), SGLANG_PAUSE_MODES),
+        ("sglang", "SGLangClient", lambda: SGLangClient("http://upstream"), tuple(SGLANG.pause_modes)),
         (
             "vllm",
             "VLLMClient(api=completions)",
             lambda: VLLMClient("http://upstream"),
-            tuple(VLLM_PAUSE_MODES),
+            tuple(VLLM.pause_modes),
         ),
         ("vllm", "VLLMClient(api=generate)", lambda: VLLMClient("http://upstream", api="generate"), ()),
     ]

@@ -15,6 +15,9 @@ Policy, in order:
 Why not SGLang's router (smg): it balances only SGLang servers, does not route the pause and weight-update
 calls (design.md §3 needs those per server anyway), and moves no request when a worker dies mid-flight.
 
+Pausing is not the balancer's job: weight sync pauses and resumes each server around a version
+(``weightsync/adapters.py``, through ``slipstream.serverapi.ServerControl``); the balancer only aborts.
+
 Worked example::
 
     lb = LoadBalancer([make_client("embedded", u) for u in urls], max_concurrent_per_server=64)
@@ -187,13 +190,6 @@ class LoadBalancer:
     async def abort_all(self) -> None:
         await self._each_alive(lambda c: c.abort_all())
 
-    async def pause(self, mode: str) -> None:
-        """Pause every live server (weight updates are per server; see design.md §3)."""
-        await self._each_alive(lambda c: c.pause(mode))
-
-    async def resume(self) -> None:
-        await self._each_alive(lambda c: c.resume())
-
     async def weight_versions(self) -> dict[str, int]:
         urls = self.alive()
         versions = await asyncio.gather(*(self._clients[u].weight_version() for u in urls))
@@ -278,7 +274,7 @@ class LoadBalancer:
 
 def balancer_from_config(cfg: RolloutConfig, urls: Sequence[str], token: str = "") -> LoadBalancer:
     """A balancer over the servers at ``urls`` with the clients and limits ``cfg`` names; every client
-    sends ``token`` (the servers' control token: aborts and pauses need it).
+    sends ``token`` (the servers' control token: aborts need it).
 
     The HTTP timeout of each client is a minute longer than ``cfg.request_timeout_s``, so the balancer's
     own timeout (abort there, retry elsewhere) is the one that fires.

@@ -14,6 +14,7 @@ from slipstream.rollouter.balancer import LoadBalancer, NoServerAvailable, balan
 from slipstream.rollouter.clients import SGLangClient, VLLMClient
 from slipstream.rollouter.clients.base import ServerClient, ServerUnavailable
 from slipstream.rollouter.config import RolloutConfig
+from slipstream.serverapi import SGLANG
 from tests.rollouter.conftest import run, start_embedded
 
 
@@ -21,6 +22,7 @@ class FakeClient(ServerClient):
     """A server in this process: each generate waits until the test releases it (or fails when dead)."""
 
     kind = "fake"
+    default_api = SGLANG
 
     def __init__(self, url: str) -> None:
         super().__init__(url)
@@ -42,12 +44,6 @@ class FakeClient(ServerClient):
         self.aborted.append(rid)
 
     async def abort_all(self):
-        pass
-
-    async def pause(self, mode):
-        pass
-
-    async def resume(self):
         pass
 
     async def weight_version(self):

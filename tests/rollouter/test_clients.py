@@ -19,6 +19,7 @@ from slipstream.rollouter.clients import SGLangClient, VLLMClient, make_client
 from slipstream.rollouter.clients.base import ServerError, ServerUnavailable, expand_spans, parse_version
 from slipstream.rollouter.clients.sglang import build_generate_payload, parse_generate_response
 from slipstream.rollouter.clients.vllm import build_completions_payload, parse_completions_response
+from slipstream.serverapi import EMBEDDED, SGLANG
 from slipstream.utils.net import free_port
 from tests.rollouter.conftest import run
 
@@ -251,7 +252,7 @@ def test_vllm_client_completions_retries_503_while_paused(fake):
     assert len(fake.bodies("/v1/completions")) == 3
     assert fake.bodies("/v1/completions")[0]["session_id"] == "s1"
     pauses = [r["query"] for r in fake.requests if r["path"] == "/pause"]
-    assert pauses == [{"mode": ["keep"]}, {"mode": ["abort"]}]
+    assert pauses == [{"mode": ["keep"]}, {"mode": ["abort"], "clear_cache": ["true"]}]
     assert fake.bodies("/abort_requests") == [{"request_ids": ["cmpl-r1-0"]}, {"request_ids": []}]
 
 
@@ -324,6 +325,24 @@ def test_make_client_registry():
     assert run(main()) == [SGLangClient, SGLangClient, VLLMClient]
     with pytest.raises(ValueError, match="unknown inference server kind 'tgi'"):
         make_client("tgi", "http://x")
+
+
+def test_each_kind_speaks_its_own_description(fake):
+    """The embedded server has SGLang's routes but its own pause modes (our retract is its abort)."""
+    fake.reply("POST", "/pause_generation", (200, {"message": "ok", "status": "ok"}))
+
+    async def main():
+        embedded, sglang = make_client("embedded", fake.url), make_client("sglang", fake.url)
+        try:
+            await embedded.pause("retract")
+            await sglang.pause("retract")
+            return embedded.server_api, sglang.server_api
+        finally:
+            await embedded.aclose()
+            await sglang.aclose()
+
+    assert run(main()) == (EMBEDDED, SGLANG)
+    assert fake.bodies("/pause_generation") == [{"mode": "abort"}, {"mode": "retract"}]
 
 
 def _live_roundtrip(kind: str, model_path) -> None:

@@ -1,10 +1,14 @@
 """One inference client interface over every server we drive (embedded, SGLang, vLLM).
 
 A :class:`ServerClient` satisfies :class:`slipstream.agents.protocol.InferenceClient` (``generate`` and
-``abort``) and adds the control calls the rollouter and the weight-sync path need: pause/resume in the
-modes of design.md §3, health, weight version. Each client keeps one long-lived ``httpx.AsyncClient``
-(connection pooling, keep-alive), never a connection per request; create and use it inside one event loop
-and ``await aclose()`` at the end.
+``abort``) and adds abort-all, pause/resume in the modes of design.md §3, health and the weight version.
+Each client keeps one long-lived ``httpx.AsyncClient`` (connection pooling, keep-alive), never a
+connection per request; create and use it inside one event loop and ``await aclose()`` at the end.
+
+What the server's API looks like (paths, pause modes, how an abort names a request) comes from its
+:class:`~slipstream.serverapi.ServerAPI` (``server_api``); abort, pause and resume are sent by the
+client's :class:`~slipstream.serverapi.ServerControl` (``control``), the same object weight sync uses,
+over this client's HTTP connection. Subclasses write only the generate route and the info reads.
 
 Errors: :class:`ServerUnavailable` when the server cannot be reached, the connection breaks or it answers
 503 (the load balancer then moves the request to another replica), :class:`ServerError` when it answered
@@ -14,8 +18,8 @@ Control calls (abort, pause, resume) need the server's token when it has one (``
 on the server): :meth:`ServerClient.authorize` makes a client send it as ``Authorization: Bearer`` on every
 request; the rollouter's balancer does this with the run's token.
 
-Pause modes are named as in SGLang (``abort``, ``in_place``, ``retract``) plus vLLM's ``wait``; each
-client maps them to its server's names and raises ``ValueError`` for a mode its server lacks.
+Pause modes are ours (``abort``, ``in_place``, ``retract``, ``wait``); a mode the server lacks raises
+``ValueError`` before anything is sent.
 """
 
 from __future__ import annotations
@@ -26,9 +30,8 @@ from typing import Any, ClassVar
 import httpx
 
 from slipstream.agents.protocol import GenerateOutput, SamplingParams
+from slipstream.serverapi import Call, ServerAPI, ServerControl
 from slipstream.utils.http_auth import bearer_headers
-
-PAUSE_MODES = ("abort", "in_place", "retract", "wait")
 
 
 class ServerError(RuntimeError):
@@ -101,10 +104,21 @@ class ServerClient(ABC):
     """
 
     kind: ClassVar[str]
+    default_api: ClassVar[ServerAPI]
+    route: str | None = None  # the generate route requests go to (None: the description's default)
 
-    def __init__(self, base_url: str, *, timeout_s: float = 3600.0, max_connections: int = 1024) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        server_api: ServerAPI | None = None,
+        timeout_s: float = 3600.0,
+        max_connections: int = 1024,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        self.server_api = server_api or self.default_api
+        self.control = ServerControl(self.server_api, self._send)
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
             timeout=httpx.Timeout(timeout_s, connect=10.0),
@@ -143,6 +157,10 @@ class ServerClient(ABC):
             raise ServerError(self.base_url, response.status_code, error_message(response))
         return response
 
+    async def _send(self, call: Call) -> httpx.Response:
+        """Send a request the server's description built (the control's transport)."""
+        return await self._request(call.method, call.path, json=call.json, params=dict(call.params) or None)
+
     @abstractmethod
     async def generate(
         self,
@@ -154,21 +172,21 @@ class ServerClient(ABC):
     ) -> GenerateOutput:
         """Generate a continuation with per-token logprobs and versions; ``server`` is this base URL."""
 
-    @abstractmethod
     async def abort(self, rid: str) -> None:
         """Stop request ``rid``; its pending generate returns the partial output (finish ``abort``)."""
+        await self.control.abort(rid, self.route)
 
-    @abstractmethod
     async def abort_all(self) -> None:
         """Stop every request on the server."""
+        await self.control.abort_all()
 
-    @abstractmethod
     async def pause(self, mode: str) -> None:
         """Pause generation (``abort``, ``in_place``, ...); new requests wait (or are retried) until resume."""
+        await self.control.pause(mode)
 
-    @abstractmethod
     async def resume(self) -> None:
         """Resume after :meth:`pause`."""
+        await self.control.resume()
 
     @abstractmethod
     async def weight_version(self) -> int:
@@ -181,7 +199,7 @@ class ServerClient(ABC):
     async def health(self) -> bool:
         """True when ``GET /health`` answers 200 within 5 s."""
         try:
-            response = await self._http.get("/health", timeout=5.0)
+            response = await self._http.get(self.server_api.health.path, timeout=5.0)
         except (httpx.TransportError, httpx.TimeoutException):
             return False
         return response.status_code == 200

@@ -1,4 +1,5 @@
-"""Client of SGLang's native API (pinned: sglang 0.5.23), which our embedded server also speaks.
+"""Client of SGLang's native API, which our embedded server also speaks (``slipstream.serverapi.sglang``
+describes the API and pins its release; ``make_client("embedded", ...)`` gets the embedded description).
 
 Request: ``POST /generate`` with ``input_ids``, ``sampling_params`` (``max_new_tokens``, ``temperature``,
 ``top_p``, ``top_k``, ``stop_token_ids``), ``return_logprob: true`` and ``rid``. Response: ``output_ids`` and
@@ -6,9 +7,9 @@ Request: ``POST /generate`` with ``input_ids``, ``sampling_params`` (``max_new_t
 per token) and ``weight_versions`` spans (``{version, start, end}``, end exclusive; SGLang >= 0.5.23).
 A server without spans gets every token stamped with ``meta_info.weight_version``.
 
-Abort is ``POST /abort_request {"rid"}``: SGLang then returns the pending request with its partial output
-and ``finish_reason.type == "abort"``. Pause is ``POST /pause_generation {"mode"}``; during a pause SGLang
-holds new requests until ``/continue_generation`` (no retry needed here).
+Abort, pause and resume are the base class's (sent by the description's control requests): an aborted
+request's pending ``/generate`` returns its partial output with ``finish_reason.type == "abort"``; during a
+pause SGLang holds new requests until ``/continue_generation`` (no retry needed here).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import uuid
 
 from slipstream.agents.protocol import GenerateOutput, SamplingParams
 from slipstream.rollouter.clients.base import ServerClient, ServerError, expand_spans, parse_version
+from slipstream.serverapi import SGLANG
 
-SGLANG_PAUSE_MODES = ("abort", "in_place", "retract")
 _FINISH_TYPES = ("stop", "length", "abort")
 
 
@@ -73,6 +74,7 @@ class SGLangClient(ServerClient):
     """Client of a real SGLang server or of ``slipstream serve`` (same API)."""
 
     kind = "sglang"
+    default_api = SGLANG
 
     async def generate(
         self,
@@ -83,30 +85,18 @@ class SGLangClient(ServerClient):
         session_id: str | None = None,
     ) -> GenerateOutput:
         rid = rid or uuid.uuid4().hex
+        generate = self.server_api.route(self.route).generate
         response = await self._request(
-            "POST", "/generate", json=build_generate_payload(input_ids, sampling, rid)
+            generate.method, generate.path, json=build_generate_payload(input_ids, sampling, rid)
         )
         try:
             return parse_generate_response(response.json(), rid=rid, server=self.base_url)
         except ValueError as err:
             raise ServerError(self.base_url, response.status_code, str(err)) from err
 
-    async def abort(self, rid: str) -> None:
-        await self._request("POST", "/abort_request", json={"rid": rid})
-
-    async def abort_all(self) -> None:
-        await self._request("POST", "/abort_request", json={"rid": "", "abort_all": True})
-
-    async def pause(self, mode: str) -> None:
-        if mode not in SGLANG_PAUSE_MODES:
-            raise ValueError(f"SGLang pause modes are {list(SGLANG_PAUSE_MODES)}, got {mode!r}")
-        await self._request("POST", "/pause_generation", json={"mode": mode})
-
-    async def resume(self) -> None:
-        await self._request("POST", "/continue_generation", json={})
-
     async def model_info(self) -> dict:
-        return (await self._request("GET", "/model_info", timeout=30.0)).json()
+        info = self.server_api.model_info
+        return (await self._request(info.method, info.path, timeout=30.0)).json()
 
     async def weight_version(self) -> int:
         return parse_version((await self.model_info()).get("weight_version", 0))

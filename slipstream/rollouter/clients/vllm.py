@@ -1,20 +1,23 @@
-"""Client of a vLLM server (pinned: vllm 0.33.0), launched with ``VLLM_SERVER_DEV_MODE=1``.
+"""Client of a vLLM server launched with ``VLLM_SERVER_DEV_MODE=1`` (``slipstream.serverapi.vllm``
+describes the API and pins its release).
 
-Two token-in/token-out routes, chosen with ``api=``:
+Two token-in/token-out routes, chosen with ``api=`` (the description's route names):
 
 * ``"completions"`` (default, works on every vLLM server): ``POST /v1/completions`` with ``prompt`` as token
   ids, ``logprobs: 0`` (the sampled token's logprob), ``return_token_ids: true`` (``choices[0].token_ids``)
   and ``return_weight_versions: true`` (``choices[0].weight_versions`` spans). vLLM names the engine
-  request ``cmpl-<request_id>-0``, which is what ``/abort_requests`` needs.
+  request ``cmpl-<request_id>-0``, which is what ``/abort_requests`` needs (the description's
+  ``engine_id``).
 * ``"generate"``: the native ``POST /inference/v1/generate`` (servers started with ``--tokens-only``):
   ``token_ids`` + a vLLM ``sampling_params`` dict; logprobs in ``choices[0].logprobs.content[].logprob``;
   abort with ``/inference/v1/abort_requests``. vLLM names that engine request ``generate-tokens-<request_id>``
   (``entrypoints/scale_out/token_in_token_out/serving.py``), so that is the id an abort must name.
 
-Dev-mode control: ``POST /pause?mode=abort|wait|keep`` (our ``in_place`` is vLLM's ``keep``), ``/resume``,
-``/abort_requests {"request_ids": [...]}`` (empty: all), ``GET /weight_info`` for the version. While
-paused in ``abort``/``wait`` mode vLLM answers new requests with 503; :meth:`VLLMClient.generate` retries
-those with backoff until resume or the client's timeout. Aborted requests come back with
+Dev-mode control (abort, pause, resume: the base class's, from the description): ``POST /pause?mode=
+abort|wait|keep`` (our ``in_place`` is vLLM's ``keep``), ``/resume``, ``/abort_requests {"request_ids":
+[...]}`` (empty: all); ``GET /weight_info`` for the version. While paused in ``abort``/``wait`` mode vLLM
+answers new requests with 503; :meth:`VLLMClient.generate` retries those with backoff until resume or the
+client's timeout. Aborted requests come back with
 ``finish_reason == "abort"`` and their partial tokens. A response without weight-version spans gets every
 token stamped with the version ``/weight_info`` reports right after it.
 
@@ -31,8 +34,8 @@ from typing import Literal
 
 from slipstream.agents.protocol import GenerateOutput, SamplingParams
 from slipstream.rollouter.clients.base import ServerClient, ServerError, expand_spans, parse_version
+from slipstream.serverapi import VLLM, ServerAPI
 
-VLLM_PAUSE_MODES = {"abort": "abort", "in_place": "keep", "keep": "keep", "wait": "wait"}
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
@@ -67,11 +70,6 @@ def build_generate_payload(input_ids: list[int], sampling: SamplingParams, rid: 
         "sampling_params": _vllm_sampling(sampling),
         "stream": False,
     }
-
-
-def engine_request_id(rid: str, api: str = "completions") -> str:
-    """The id vLLM 0.33 gives the engine request of our ``request_id`` (what ``abort_requests`` matches)."""
-    return f"cmpl-{rid}-0" if api == "completions" else f"generate-tokens-{rid}"
 
 
 def _finish(reason: str | None) -> str:
@@ -139,20 +137,25 @@ class VLLMClient(ServerClient):
     """Client of ``vllm serve`` in dev mode (see the module docstring)."""
 
     kind = "vllm"
+    default_api = VLLM
 
     def __init__(
         self,
         base_url: str,
         *,
         api: Literal["completions", "generate"] = "completions",
+        server_api: ServerAPI | None = None,
         timeout_s: float = 3600.0,
         max_connections: int = 1024,
         retry_interval_s: float = 0.05,
     ) -> None:
         if api not in ("completions", "generate"):
             raise ValueError(f"api must be 'completions' or 'generate', got {api!r}")
-        super().__init__(base_url, timeout_s=timeout_s, max_connections=max_connections)
+        super().__init__(
+            base_url, server_api=server_api, timeout_s=timeout_s, max_connections=max_connections
+        )
         self.api = api
+        self.route = api
         self.retry_interval_s = retry_interval_s
 
     async def generate(
@@ -165,9 +168,10 @@ class VLLMClient(ServerClient):
     ) -> GenerateOutput:
         rid = rid or uuid.uuid4().hex
         if self.api == "completions":
-            path, payload, parse = "/v1/completions", build_completions_payload, parse_completions_response
+            payload, parse = build_completions_payload, parse_completions_response
         else:
-            path, payload, parse = "/inference/v1/generate", build_generate_payload, parse_generate_response
+            payload, parse = build_generate_payload, parse_generate_response
+        path = self.server_api.route(self.route).generate.path
         body = payload(input_ids, sampling, rid)
         if session_id is not None and self.api == "completions":
             body["session_id"] = session_id
@@ -194,34 +198,14 @@ class VLLMClient(ServerClient):
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
 
-    async def abort(self, rid: str) -> None:
-        # vLLM aborts by the id it gave the engine request, never by the bare request_id we sent.
-        if self.api == "completions":
-            await self._request("POST", "/abort_requests", json={"request_ids": [engine_request_id(rid)]})
-        else:
-            await self._request(
-                "POST",
-                "/inference/v1/abort_requests",
-                json={"request_ids": [engine_request_id(rid, "generate")]},
-            )
-
-    async def abort_all(self) -> None:
-        await self._request("POST", "/abort_requests", json={"request_ids": []})
-
-    async def pause(self, mode: str) -> None:
-        if mode not in VLLM_PAUSE_MODES:
-            raise ValueError(f"vLLM pause modes are {sorted(VLLM_PAUSE_MODES)}, got {mode!r}")
-        await self._request("POST", "/pause", params={"mode": VLLM_PAUSE_MODES[mode]})
-
-    async def resume(self) -> None:
-        await self._request("POST", "/resume")
-
     async def weight_version(self) -> int:
-        body = (await self._request("GET", "/weight_info", timeout=30.0)).json()
+        info = self.server_api.weight_version
+        body = (await self._request(info.method, info.path, timeout=30.0)).json()
         return parse_version(body.get("weight_version", 0))
 
     async def model_info(self) -> dict:
-        models = (await self._request("GET", "/v1/models", timeout=30.0)).json().get("data") or [{}]
+        info = self.server_api.model_info
+        models = (await self._request(info.method, info.path, timeout=30.0)).json().get("data") or [{}]
         card = models[0]
         return {
             "model_path": card.get("root") or card.get("id"),
