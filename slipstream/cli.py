@@ -2,7 +2,9 @@
 
 Sub-commands are dispatched lazily: only the module of the command that runs is imported (most of them pull
 in torch), so `slipstream --help` is instant. Each target module exposes ``main(argv: list[str]) -> int`` and
-builds its own argparse parser; to add a command, add a row to ``COMMANDS``.
+builds its own argparse parser from the shared parts in cli_args.py; to add a command, add a row to
+``COMMANDS``. The ``config`` commands live here: ``show`` (validate and print), ``docs`` (the key reference,
+docs/config.md) and ``schema`` (JSON schema), all generated from the typed configs' descriptions.
 """
 
 from __future__ import annotations
@@ -20,9 +22,15 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
     "bench": {
         "queue": ("slipstream.queue.bench", "TransferQueue throughput and latency vs Ray and memcpy"),
         "rollout": ("slipstream.rollouter.bench", "embedded server tokens/s vs transformers generate"),
-        "gateway": ("slipstream.rollouter.bench_gateway", "agent gateway latency overhead and exact recording"),
+        "gateway": (
+            "slipstream.rollouter.bench_gateway",
+            "agent gateway latency overhead and exact recording",
+        ),
         "train": ("slipstream.trainer.bench", "training tokens/s, packed vs padded"),
-        "logprob": ("slipstream.trainer.bench_logprob", "logprob+entropy peak memory, full logits vs chunked"),
+        "logprob": (
+            "slipstream.trainer.bench_logprob",
+            "logprob+entropy peak memory, full logits vs chunked",
+        ),
         "weightsync": ("slipstream.weightsync.bench", "weight sync GB/s vs raw transport and naive"),
         "e2e": ("slipstream.bench_e2e", "samples/s of fully_async vs sync on a long-tail workload"),
         "soak": ("slipstream.bench_soak", "a long run with servers and trainers killed: memory, lost groups"),
@@ -39,7 +47,9 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
         "serve": ("slipstream.queue.server", "run a TransferQueue server process"),
     },
     "config": {
-        "show": ("slipstream.cli", "validate a config and print it resolved"),
+        "show": ("slipstream.cli", "validate a config and print it resolved; --help lists every key"),
+        "docs": ("slipstream.cli", "print the key reference (docs/config.md) made from the configs"),
+        "schema": ("slipstream.cli", "print the JSON schema of a config file, descriptions included"),
     },
     "plot": ("slipstream.plot", "write PNG curves of a run: slipstream plot RUN_DIR"),
     "profile": ("slipstream.sim.profile", "fit a performance profile to a run: slipstream profile RUN_DIR"),
@@ -87,26 +97,71 @@ def main(argv: list[str] | None = None) -> int:
             break
         table = entry
     module_name = entry[0]
-    if module_name == __name__:
-        return config_show(argv)
+    if module_name == "slipstream.cli":  # also when run as `python -m slipstream.cli`
+        return _CONFIG_COMMANDS[name](argv)
     module = importlib.import_module(module_name)
     return int(module.main(argv) or 0)
 
 
 def config_show(argv: list[str]) -> int:
     """`slipstream config show CONFIG [key=value ...]`: validate and print the resolved YAML."""
-    from slipstream.config import ConfigError, load_config, to_yaml
+    from slipstream.cli_args import config_overrides, config_parser
+    from slipstream.config import Config, ConfigError, load_config, to_yaml
 
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: slipstream config show CONFIG [key=value ...]")
-        return 0 if argv else 2
+    parser, keys = config_parser(
+        "slipstream config show",
+        "Validate a config (a preset plus overrides) and print it resolved, as YAML.",
+        Config,
+        epilog="Example: slipstream config show configs/quickstart.yaml trainer.lr=2e-5",
+    )
     try:
-        cfg = load_config(argv[0], argv[1:])
+        ns = parser.parse_intermixed_args(argv)
+    except SystemExit as stop:  # --help (0) or a bad command line (2)
+        return int(stop.code or 0)
+    try:
+        cfg = load_config(ns.config, [*ns.overrides, *config_overrides(ns, keys)])
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
     print(to_yaml(cfg), end="")
     return 0
+
+
+def config_docs(argv: list[str]) -> int:
+    """`slipstream config docs`: the key reference in Markdown (`slipstream config docs > docs/config.md`)."""
+    from slipstream.cli_args import command_parser
+    from slipstream.config import Config
+    from slipstream.config_doc import markdown
+
+    parser = command_parser("slipstream config docs", config_docs.__doc__.split(": ", 1)[1])
+    try:
+        parser.parse_args(argv)
+    except SystemExit as stop:
+        return int(stop.code or 0)
+    print(markdown(Config), end="")
+    return 0
+
+
+def config_schema(argv: list[str]) -> int:
+    """`slipstream config schema`: the JSON schema of a config file, each key's description included, for
+    editors that check YAML against a schema."""
+    import json
+
+    import msgspec
+
+    from slipstream.cli_args import command_parser
+    from slipstream.config import Config
+
+    parser = command_parser("slipstream config schema", "Print the JSON schema of a config file.")
+    try:
+        parser.parse_args(argv)
+    except SystemExit as stop:
+        return int(stop.code or 0)
+    print(json.dumps(msgspec.json.schema(Config), indent=2))
+    return 0
+
+
+_CONFIG_COMMANDS = {"show": config_show, "docs": config_docs, "schema": config_schema}
 
 
 if __name__ == "__main__":

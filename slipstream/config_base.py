@@ -14,7 +14,7 @@ from typing import Annotated, Any, get_args, get_origin
 import msgspec
 
 ALLOW_INF = "allow_inf"
-"""Key of ``msgspec.Meta(extra=...)`` that lets a float field hold ``inf`` (say what it means in its comment)."""
+"""Key of ``msgspec.Meta(extra=...)`` that lets a float field hold ``inf`` (its description says what it means)."""
 
 
 class ConfigError(ValueError):
@@ -24,10 +24,17 @@ class ConfigError(ValueError):
 class ConfigStruct(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Base of every config section: keyword-only fields, unknown keys rejected.
 
-    Document each field with a comment above it; cross-field rules go in ``__post_init__`` and raise
-    ``ValueError`` with a message that names the field (msgspec adds the section path). Floats must be
-    finite unless the field is annotated ``Annotated[float, msgspec.Meta(extra={ALLOW_INF: True})]``;
-    ``nan`` is never accepted.
+    Every field says what it means in ``Meta(description=...)``, next to its bounds, and every section
+    has a class docstring: ``--help``, docs/config.md and the JSON schema are generated from them
+    (config_doc.py), and tests/test_config_doc.py fails on a field without one::
+
+        class TrainerConfig(ConfigStruct):
+            # (a class docstring here)
+            lr: Annotated[float, Meta(gt=0, description="Peak learning rate of AdamW.")] = 1e-6
+
+    Cross-field rules go in ``__post_init__`` and raise ``ValueError`` with a message that names the field
+    (msgspec adds the section path). Floats must be finite unless the field is annotated
+    ``Annotated[float, msgspec.Meta(extra={ALLOW_INF: True})]``; ``nan`` is never accepted.
     """
 
 

@@ -20,22 +20,22 @@ shortfall.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
+from slipstream.cli_args import config_overrides, config_parser
+from slipstream.config import Config
 from slipstream.pipeline.controller import PartFailed, Pipeline, RunResult
 
 __all__ = ["PartFailed", "Pipeline", "RunResult", "main"]
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="slipstream train",
-        description="Train a model: start every part, run the configured steps, stop everything.",
+    parser, keys = config_parser(
+        "slipstream train",
+        "Train a model: start every part, run the configured steps, stop everything.",
+        Config,
         epilog="Example: slipstream train configs/quickstart.yaml trainer.lr=2e-5 async.mode=sync",
     )
-    parser.add_argument("config", help="a YAML preset (configs/*.yaml)")
-    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. trainer.lr=2e-5")
     parser.add_argument(
         "--check-placement",
         action="store_true",
@@ -43,6 +43,7 @@ def main(argv: list[str]) -> int:
         "everything fits, 1 naming the shortfall (loads no model, reads no data)",
     )
     args = parser.parse_intermixed_args(argv)  # flags may follow the overrides
+    args.overrides = [*args.overrides, *config_overrides(args, keys)]
     from slipstream.config import ConfigError, load_config
 
     if args.check_placement:

@@ -2,8 +2,9 @@
 
 The model is loaded before the port is bound, so ``GET /health`` answering means the server can generate;
 launchers (launch.py) wait for exactly that. Every field of :class:`EmbeddedServerConfig` is also a flag
-(``--max-model-len 2048``, ``--kv-cache-tokens 65536`` ...), generated from the struct so the two never
-drift apart. The server binds loopback unless ``--host`` says otherwise.
+(``--max-model-len 2048``, ``--kv-cache-tokens 65536`` ...), generated from the struct (its descriptions
+are the ``--help`` text, cli_args.py) so the two never drift apart. The server binds loopback unless
+``--host`` says otherwise.
 
 Control and weight-update routes need the token in ``$SLIPSTREAM_SERVER_TOKEN`` (never a flag: the command
 line is visible to every user in ``ps``). Beyond loopback the server refuses to start without one; on
@@ -19,37 +20,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import typing
 
 import msgspec
 
+from slipstream.cli_args import add_config_options, command_parser, doc_paragraph
 from slipstream.rollouter.config import EmbeddedServerConfig
 from slipstream.utils.http_auth import TOKEN_ENV, check_bind, env_token
 from slipstream.utils.net import LOOPBACK
-
-
-def _add_config_flags(parser: argparse.ArgumentParser) -> None:
-    hints = typing.get_type_hints(EmbeddedServerConfig, include_extras=True)
-    for field in msgspec.structs.fields(EmbeddedServerConfig):
-        base = (
-            typing.get_args(hints[field.name])[0]
-            if typing.get_origin(hints[field.name])
-            else hints[field.name]
-        )
-        flag = "--" + field.name.replace("_", "-")
-        hint = f"(default {field.default})"
-        if base is bool:  # `--flag` alone means true; `--flag false` as config_to_args writes it
-            parser.add_argument(flag, dest=field.name, type=_parse_bool, nargs="?", const=True, help=hint)
-            continue
-        kind = base if base in (int, float) else str
-        parser.add_argument(flag, dest=field.name, type=kind, default=None, help=hint)
-
-
-def _parse_bool(text: str) -> bool:
-    try:
-        return msgspec.convert(text, bool, strict=False)
-    except msgspec.ValidationError:
-        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}") from None
 
 
 def config_to_args(cfg: EmbeddedServerConfig) -> list[str]:
@@ -61,7 +38,7 @@ def config_to_args(cfg: EmbeddedServerConfig) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="slipstream serve", description=__doc__.split("\n")[0])
+    parser = command_parser("slipstream serve", doc_paragraph(__doc__))
     parser.add_argument("--model", required=True, help="HF checkpoint directory or a known model name")
     parser.add_argument("--host", default=LOOPBACK, help="address to bind (default loopback)")
     parser.add_argument("--port", type=int, default=30000)
@@ -69,7 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--weight-version", type=int, default=0, help="version stamped on tokens until an update"
     )
     parser.add_argument("--log-level", default="warning", help="uvicorn log level")
-    _add_config_flags(parser)
+    add_config_options(
+        parser,
+        EmbeddedServerConfig,
+        dashed=True,
+        title="server config (rollout.embedded.* in a run's config)",
+    )
     return parser
 
 
