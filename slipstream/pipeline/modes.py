@@ -148,10 +148,10 @@ def _check_registries(cfg: Config) -> None:
 def _check_plugins(cfg: Config) -> None:
     """Agent loop, tools and reward functions: registered names, or ``module:name`` plug-ins imported here
     and checked for their kind, so a typo fails before any process starts."""
-    from slipstream.agents.plugins import PluginError, is_plugin_path, load_plugin
     from slipstream.agents.registry import agent_loop_class
     from slipstream.agents.rewards.service import check_service
     from slipstream.agents.tools import tool_class
+    from slipstream.utils.registry import PluginError, is_plugin_path, load_plugin
 
     try:
         agent_loop_class(cfg.agent.name)

@@ -22,8 +22,8 @@ Backends (``weightsync.backend``), one module each, looked up in :data:`ENGINES`
   * ``nixl``: NIXL (UCX) reads from the sender's registered buffers, DRAM or GPU memory.
   * ``ipc``: one host: receivers copy out of buffers the sender shares (POSIX shared memory, CUDA IPC).
 To add one: write ``weightsync/<name>.py`` with a :class:`CheckpointEngine` subclass decorated with
-``@register_engine("<name>")``, add the module to :data:`_MODULES` and the name to the config's
-``backend`` choices.
+``@ENGINES.register("<name>")``, add ``"<name>": "slipstream.weightsync.<name>:<Class>"`` to the lazy table of
+:data:`ENGINES` and the name to the config's ``backend`` choices.
 
 Worked example (two processes; the rendezvous structs are passed between them as msgpack bytes)::
 
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import importlib
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
@@ -50,6 +49,7 @@ import msgspec
 import torch
 
 from slipstream.utils.logging import get_logger
+from slipstream.utils.registry import Registry
 from slipstream.weightsync.buckets import PackedBucket
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.errors import TransferError
@@ -158,34 +158,24 @@ class CheckpointEngine(ABC):
 
 # ---------------------------------------------------------------------------------------------- registry
 
-ENGINES: dict[str, type[CheckpointEngine]] = {}
-_MODULES = {
-    "torch_dist": "slipstream.weightsync.torch_dist",
-    "naive": "slipstream.weightsync.naive",
-    "nixl": "slipstream.weightsync.nixl_engine",
-    "ipc": "slipstream.weightsync.ipc_engine",
-}
-
-
-def register_engine(name: str):
-    def deco(cls: type[CheckpointEngine]) -> type[CheckpointEngine]:
-        if name in ENGINES and ENGINES[name] is not cls:
-            raise ValueError(f"checkpoint engine `{name}` is registered twice")
-        cls.name = name
-        ENGINES[name] = cls
-        return cls
-
-    return deco
+# Each backend module is imported when first chosen, and registers its class (setting ``cls.name``).
+ENGINES: Registry[type[CheckpointEngine]] = Registry(
+    "weight-sync backend",
+    "weightsync.backend",
+    base=CheckpointEngine,
+    name_attr="name",
+    lazy={
+        "torch_dist": "slipstream.weightsync.torch_dist:TorchDistEngine",
+        "naive": "slipstream.weightsync.naive:NaiveEngine",
+        "nixl": "slipstream.weightsync.nixl_engine:NixlEngine",
+        "ipc": "slipstream.weightsync.ipc_engine:IpcEngine",
+    },
+)
 
 
 def get_engine_class(name: str) -> type[CheckpointEngine]:
     """The engine class registered as ``name``; ValueError listing the known names otherwise."""
-    if name not in ENGINES and name in _MODULES:
-        importlib.import_module(_MODULES[name])
-    if name not in ENGINES:
-        known = ", ".join(sorted(set(ENGINES) | set(_MODULES)))
-        raise ValueError(f"unknown weightsync backend `{name}` (known: {known})")
-    return ENGINES[name]
+    return ENGINES.get(name)
 
 
 def make_engine(

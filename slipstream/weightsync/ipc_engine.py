@@ -61,10 +61,10 @@ import torch
 
 from slipstream.utils.logging import get_logger
 from slipstream.weightsync.base import (
+    ENGINES,
     CheckpointEngine,
     SendStats,
     WeightStream,
-    register_engine,
     send_pipelined,
 )
 from slipstream.weightsync.buckets import BucketError, BucketPacker, BufferPool, Layout, StagingArea
@@ -361,7 +361,7 @@ class _Conn:
 # ---------------------------------------------------------------------------------------------- engine
 
 
-@register_engine("ipc")
+@ENGINES.register("ipc")
 class IpcEngine(CheckpointEngine):
     """Sender or receiver of ``ipc`` weight pushes (see the module docstring).
 

@@ -14,13 +14,13 @@ from collections.abc import Iterable
 
 import torch
 
-from slipstream.weightsync.base import SendStats, register_engine
+from slipstream.weightsync.base import ENGINES, SendStats
 from slipstream.weightsync.buckets import per_tensor_buckets
 from slipstream.weightsync.errors import TransferError
 from slipstream.weightsync.torch_dist import TorchDistEngine
 
 
-@register_engine("naive")
+@ENGINES.register("naive")
 class NaiveEngine(TorchDistEngine):
     """Same group and receive side as :class:`TorchDistEngine`; sends tensor by tensor."""
 

@@ -29,7 +29,7 @@ import msgspec
 import torch
 
 from slipstream.utils.logging import get_logger
-from slipstream.weightsync.base import CheckpointEngine, SendStats, WeightStream, register_engine
+from slipstream.weightsync.base import ENGINES, CheckpointEngine, SendStats, WeightStream
 from slipstream.weightsync.buckets import BucketError, BucketPacker, BufferPool, Layout, StagingArea
 from slipstream.weightsync.errors import TransferAborted, TransferError
 from slipstream.weightsync.types import InitInfo, NixlNotice, Rendezvous
@@ -52,7 +52,7 @@ def _as_str(name: str | bytes) -> str:
     return name.decode() if isinstance(name, bytes) else name
 
 
-@register_engine("nixl")
+@ENGINES.register("nixl")
 class NixlEngine(CheckpointEngine):
     """Sender or receiver of NIXL weight pushes (see the module docstring).
 

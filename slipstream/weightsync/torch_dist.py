@@ -29,10 +29,10 @@ import torch.distributed as dist
 
 from slipstream.utils.logging import get_logger
 from slipstream.weightsync.base import (
+    ENGINES,
     CheckpointEngine,
     SendStats,
     WeightStream,
-    register_engine,
     send_pipelined,
 )
 from slipstream.weightsync.buckets import (
@@ -116,7 +116,7 @@ class MetaChannel:
         self.seq += 1
 
 
-@register_engine("torch_dist")
+@ENGINES.register("torch_dist")
 class TorchDistEngine(CheckpointEngine):
     """Sender or receiver of one torch.distributed weight group (see the module docstring)."""
 

@@ -10,13 +10,13 @@ import pytest
 from slipstream.agents.base import AgentLoop
 from slipstream.agents.config import AgentConfig
 from slipstream.agents.examples.plugins import AnswerFirstLoop, WordCountTool, short_answer_reward
-from slipstream.agents.plugins import PluginError, load_plugin, lookup
 from slipstream.agents.registry import AGENT_LOOPS, agent_loop_class, make_agent_loop
 from slipstream.agents.rewards import resolve
 from slipstream.agents.tools import TOOLS, Tool, make_tools
 from slipstream.config import Config, ConfigError, from_dict
 from slipstream.pipeline.modes import _check_plugins
 from slipstream.testing import make_tiny_tokenizer
+from slipstream.utils.registry import PluginError, load_plugin
 
 EXAMPLES = "slipstream.agents.examples.plugins"
 
@@ -37,7 +37,9 @@ def test_registered_names_and_messages_are_unchanged():
         ValueError, match="^agent.tools: unknown tool `shell`; known tools: python, calculator"
     ):
         make_tools(["shell"])
-    assert lookup(TOOLS, "calculator", key="agent.tools", what="tool") is TOOLS["calculator"]
+    assert TOOLS.get("calculator") is TOOLS["calculator"]
+    with pytest.raises(KeyError, match="^agent.tools: unknown tool `shell`; .*or `package.module:name`$"):
+        TOOLS["shell"]
 
 
 def test_import_paths_resolve_to_the_example_plugins(tok):

@@ -11,7 +11,7 @@ names). A name ``package.module:function`` imports a user's own function; the na
 response to the served judge or reward model of ``reward.service`` (:mod:`.service`) instead of a worker.
 
 To add a reward: write ``fn(response: str, ground_truth, extra_info: dict) -> float | dict[str, float]``
-in a small module here and add it to :data:`REWARD_FNS`.
+in a small module here and add it to :data:`REWARD_FNS` (``REWARD_FNS.add(name, fn)``).
 
 Worked example::
 
@@ -25,21 +25,20 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from slipstream.agents.plugins import PluginError, load_plugin
 from slipstream.agents.rewards.arithmetic import arithmetic_reward
 from slipstream.agents.rewards.countdown import countdown_reward
 from slipstream.agents.rewards.exact_match import exact_match_reward
 from slipstream.agents.rewards.math_answer import math_reward, math_signed_reward
+from slipstream.utils.registry import PluginError, Registry
 
 RewardFn = Callable[[str, Any, dict[str, Any]], float | dict[str, float]]
 
-REWARD_FNS: dict[str, RewardFn] = {
-    "arithmetic": arithmetic_reward,
-    "countdown": countdown_reward,
-    "exact_match": exact_match_reward,
-    "math": math_reward,
-    "math_signed": math_signed_reward,
-}
+REWARD_FNS: Registry[RewardFn] = Registry("reward function", "reward.sources", plugins=True)
+REWARD_FNS.add("arithmetic", arithmetic_reward)
+REWARD_FNS.add("countdown", countdown_reward)
+REWARD_FNS.add("exact_match", exact_match_reward)
+REWARD_FNS.add("math", math_reward)
+REWARD_FNS.add("math_signed", math_signed_reward)
 
 # The name (in reward.sources) of the served judge / reward model of reward.service (rewards/service.py).
 SERVICE_REWARD = "service"
@@ -77,12 +76,8 @@ def resolve(data_source: str, sources: Mapping[str, str] | None = None) -> Rewar
     name = reward_name(data_source, sources)
     if name == SERVICE_REWARD:
         raise KeyError(f"`{SERVICE_REWARD}` is scored by reward.service's servers, not by a function")
-    if name in REWARD_FNS:
-        return REWARD_FNS[name]
-    if ":" not in name:
-        raise KeyError(f"unknown reward function `{name}`; registered: {', '.join(REWARD_FNS)}")
-    try:
-        return load_plugin(f"reward.sources.{data_source}", name)
+    try:  # an unknown name raises UnknownNameError, a KeyError too
+        return REWARD_FNS.get(name, key=f"reward.sources.{data_source}")
     except PluginError as err:
         raise KeyError(str(err)) from None
 

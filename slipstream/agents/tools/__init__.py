@@ -16,21 +16,20 @@ Worked example::
 from __future__ import annotations
 
 from slipstream.agents.config import AgentConfig
-from slipstream.agents.plugins import lookup
 from slipstream.agents.tools.base import Tool, ToolArgumentError
 from slipstream.agents.tools.calculator import CalculatorTool
 from slipstream.agents.tools.python import PythonTool
+from slipstream.utils.registry import Registry
 
-TOOLS: dict[str, type[Tool]] = {
-    "python": PythonTool,
-    "calculator": CalculatorTool,
-}
+TOOLS: Registry[type[Tool]] = Registry("tool", "agent.tools", plugins=True, base=Tool)
+TOOLS.add("python", PythonTool)
+TOOLS.add("calculator", CalculatorTool)
 
 
 def tool_class(name: str) -> type[Tool]:
     """The tool class ``name`` names: a key of :data:`TOOLS` or ``package.module:ClassName``. Raises
-    :class:`~slipstream.agents.plugins.PluginError` (a ValueError) naming ``agent.tools``."""
-    return lookup(TOOLS, name, key="agent.tools", what="tool", plural="tools", kind=Tool)
+    a ValueError naming ``agent.tools`` (see :mod:`slipstream.utils.registry`)."""
+    return TOOLS.get(name)
 
 
 def make_tools(names: list[str], cfg: AgentConfig | None = None) -> dict[str, Tool]:

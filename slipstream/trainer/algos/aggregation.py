@@ -60,7 +60,9 @@ def aggregate(
     if mode == "seq-mean-token-mean":
         counts = segment_sum((mask if count_mask is None else count_mask).to(values.dtype), seg, num_seqs)
         return (per_seq / counts.clamp(min=1)).sum() / max(float(global_seqs), 1.0)
-    raise ValueError(f"unknown loss aggregation mode {mode!r}; choose one of {list(AGG_MODES)}")
+    raise ValueError(
+        f"trainer.algorithm.loss_agg_mode: unknown loss aggregation mode `{mode}`; known modes: {', '.join(AGG_MODES)}"
+    )
 
 
 def global_counts(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[int, int]:

@@ -28,12 +28,14 @@ from collections.abc import Callable
 
 import torch
 
-from slipstream.trainer.algos.registry import Registry
 from slipstream.trainer.algos.segments import segment_max, segment_sum
+from slipstream.utils.registry import Registry
 
 SAFETY_BOUND = 20.0
 
-REJECTIONS: Registry = Registry("rejection criterion", "trainer.algorithm.rejection")
+REJECTIONS: Registry = Registry(
+    "rejection criterion", "trainer.algorithm.rejection", plural="rejection criteria"
+)
 
 
 def truncated_is_weights(

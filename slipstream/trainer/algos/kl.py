@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from slipstream.trainer.algos.registry import Registry
+from slipstream.utils.registry import Registry
 
 KL_ESTIMATORS: Registry = Registry("KL estimator", "trainer.algorithm.kl_type")
 

@@ -2,34 +2,34 @@
 NCCL) and Megatron-core (``megatron.MegatronEngine``, GPU only).
 
 ``make_engine(cfg)`` picks one by ``trainer.engine``; to add a backend, implement ``ModelEngine`` in a new
-module here and add a row to ``ENGINES``.
+module here and add a ``name: "module:Class"`` row to ``ENGINES``'s ``lazy`` table.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
 from slipstream.trainer.engine.base import EngineOutput, LossFn, ModelEngine
+from slipstream.utils.registry import Registry
 
 if TYPE_CHECKING:
     from slipstream.config import Config
 
-# trainer.engine -> (module, class); imported lazily so CPU-only installs never import megatron.
-ENGINES: dict[str, tuple[str, str]] = {
-    "fsdp": ("slipstream.trainer.engine.fsdp", "FSDPEngine"),
-    "megatron": ("slipstream.trainer.engine.megatron", "MegatronEngine"),
-}
+# Imported only when chosen, so CPU-only installs never import megatron.
+ENGINES: Registry[type[ModelEngine]] = Registry(
+    "trainer engine",
+    "trainer.engine",
+    base=ModelEngine,
+    lazy={
+        "fsdp": "slipstream.trainer.engine.fsdp:FSDPEngine",
+        "megatron": "slipstream.trainer.engine.megatron:MegatronEngine",
+    },
+)
 
 
 def make_engine(cfg: Config, **kwargs: Any) -> ModelEngine:
-    try:
-        module, cls = ENGINES[cfg.trainer.engine]
-    except KeyError:
-        raise KeyError(
-            f"unknown engine {cfg.trainer.engine!r} (trainer.engine); choose one of {sorted(ENGINES)}"
-        ) from None
-    return getattr(importlib.import_module(module), cls)(cfg, **kwargs)
+    """The engine ``trainer.engine`` names; an unknown name raises ValueError listing the known ones."""
+    return ENGINES.get(cfg.trainer.engine)(cfg, **kwargs)
 
 
 def make_aux_engines(cfg: Config) -> dict[str, ModelEngine]:

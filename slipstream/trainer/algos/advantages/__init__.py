@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from slipstream.trainer.algos.registry import Registry
+from slipstream.utils.registry import Registry
 
 
 @dataclass

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from slipstream.trainer.algos.registry import Registry
+from slipstream.utils.registry import Registry
 
 # Bound on |log ratio| before exponentiating (verl clamps to the same range).
 LOG_RATIO_BOUND = 20.0
@@ -49,7 +49,7 @@ class PolicyLossOutput:
     clipped_lower: torch.Tensor | None = None  # float [T] 1 where the dual clip bound the loss (A < 0)
 
 
-POLICY_LOSSES: Registry = Registry("policy loss", "trainer.algorithm.policy_loss")
+POLICY_LOSSES: Registry = Registry("policy loss", "trainer.algorithm.policy_loss", plural="policy losses")
 
 
 def log_ratio(inp: PolicyLossInputs) -> torch.Tensor:
