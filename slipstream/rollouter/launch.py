@@ -44,6 +44,7 @@ import httpx
 from slipstream.rollouter.config import RolloutConfig
 from slipstream.utils.logging import get_logger
 from slipstream.utils.net import LOOPBACK, free_port
+from slipstream.utils.registry import Registry
 
 log = get_logger(__name__)
 
@@ -180,11 +181,13 @@ def _position_override(kind: str, cfg: RolloutConfig) -> list[str]:
     ]
 
 
-LAUNCHERS: dict[str, Callable[[str, str, int, RolloutConfig], list[str]]] = {
-    "embedded": _embedded_command,
-    "vllm": _vllm_command,
-    "sglang": _sglang_command,
-}
+# A launcher gives the command line that starts a server: (model path, host, port, config) -> argv.
+LAUNCHERS: Registry[Callable[[str, str, int, RolloutConfig], list[str]]] = Registry(
+    "inference server kind", "rollout.backend", plural="kinds"
+)
+LAUNCHERS.add("embedded", _embedded_command)
+LAUNCHERS.add("vllm", _vllm_command)
+LAUNCHERS.add("sglang", _sglang_command)
 _KIND_ENV = {"vllm": {"VLLM_SERVER_DEV_MODE": "1"}, "embedded": {"TOKENIZERS_PARALLELISM": "false"}}
 
 
@@ -203,11 +206,10 @@ def launch_server(
 
     Call :meth:`ServerProcess.wait_healthy` before sending requests.
     """
-    if kind not in LAUNCHERS:
-        raise ValueError(f"unknown inference server kind {kind!r}; known: {', '.join(LAUNCHERS)}")
+    launcher = LAUNCHERS.get(kind)
     cfg = cfg or RolloutConfig()
     port = port or free_port(host)
-    command = LAUNCHERS[kind](str(model_path), host, port, cfg) + list(cfg.server_args) + list(extra_args)
+    command = launcher(str(model_path), host, port, cfg) + list(cfg.server_args) + list(extra_args)
     if log_path is None:
         fd, name = tempfile.mkstemp(prefix=f"slipstream-{kind}-{port}-", suffix=".log")
         os.close(fd)

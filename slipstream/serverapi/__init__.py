@@ -11,7 +11,7 @@ their sources, so moving to a new release is a change to one description.
 This package imports no role: ``rollouter/`` and ``weightsync/`` both import it.
 
 To add a server kind: write ``<kind>.py`` with a :class:`ServerAPI` subclass (its four control
-requests) and one instance, and add a row to :data:`SERVER_APIS`; then a client and an adapter.
+requests) and one instance, and add it to :data:`SERVER_APIS`; then a client and an adapter.
 
 Example::
 
@@ -35,15 +35,16 @@ from slipstream.serverapi.spec import (
     WeightUpdate,
 )
 from slipstream.serverapi.vllm import VLLM, VLLMAPI
+from slipstream.utils.registry import Registry
 
-SERVER_APIS: dict[str, ServerAPI] = {"embedded": EMBEDDED, "sglang": SGLANG, "vllm": VLLM}
+SERVER_APIS: Registry[ServerAPI] = Registry("inference server kind", "rollout.backend", plural="kinds")
+for _api in (EMBEDDED, SGLANG, VLLM):
+    SERVER_APIS.add(_api.kind, _api)
 
 
 def server_api(kind: str) -> ServerAPI:
     """The description of server kind ``kind``; ``ValueError`` naming the known kinds."""
-    if kind not in SERVER_APIS:
-        raise ValueError(f"unknown inference server kind {kind!r}; known: {', '.join(SERVER_APIS)}")
-    return SERVER_APIS[kind]
+    return SERVER_APIS.get(kind)
 
 
 __all__ = [

@@ -121,6 +121,10 @@ class Registry(Generic[T]):
         """The registered names, in registration order (lazy ones not yet imported included)."""
         return list(self._items) + [n for n in self._lazy if n not in self._items]
 
+    def items(self) -> list[tuple[str, T]]:
+        """(name, object) of every entry, importing the lazy ones."""
+        return [(name, self.get(name)) for name in self.names()]
+
     __getitem__ = get
 
     def __contains__(self, name: object) -> bool:

@@ -39,7 +39,9 @@ def test_embedded_launch_passes_the_engine_config(tmp_path, embedded_server):
 
 
 def test_unknown_kind_and_missing_engines_fail_loudly(tmp_path):
-    with pytest.raises(ValueError, match="unknown inference server kind 'tgi'"):
+    with pytest.raises(
+        ValueError, match="^rollout.backend: unknown inference server kind `tgi`; known kinds: "
+    ):
         launch_server("tgi", tmp_path)
     try:
         import vllm  # noqa: F401

@@ -24,7 +24,10 @@ from slipstream.serverapi import (
 
 def test_registry_names_every_kind_and_refuses_others():
     assert {k: api.kind for k, api in SERVER_APIS.items()} == {k: k for k in ("embedded", "sglang", "vllm")}
-    with pytest.raises(ValueError, match="unknown inference server kind 'tgi'; known: embedded, sglang"):
+    with pytest.raises(
+        ValueError,
+        match="^rollout.backend: unknown inference server kind `tgi`; known kinds: embedded, sglang",
+    ):
         server_api("tgi")
 
 
@@ -35,7 +38,7 @@ def test_pause_modes_map_our_names_to_each_servers():
     assert names(SGLANG) == {"abort": "abort", "in_place": "in_place", "retract": "retract"}
     assert names(EMBEDDED) == {"abort": "abort", "in_place": "in_place", "retract": "abort"}
     assert names(VLLM) == {"abort": "abort", "in_place": "keep", "retract": "abort", "wait": "wait"}
-    for api in SERVER_APIS.values():
+    for _, api in SERVER_APIS.items():
         assert set(api.pause_modes) <= set(OUR_PAUSE_MODES)
         assert api.pause_mode("in_place").keeps_requests and not api.pause_mode("abort").keeps_requests
     assert (
