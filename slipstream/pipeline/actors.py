@@ -474,7 +474,9 @@ class TrainerRank:
                 if released:
                     log.info("gave back %d leases the previous trainer held", released)
             self.trainer.resume(setup.resume_path)
-            log.info("rank %d resumed from %s at version %d", self.rank, setup.resume_path, self.trainer.version)
+            log.info(
+                "rank %d resumed from %s at version %d", self.rank, setup.resume_path, self.trainer.version
+            )
         return self.trainer.version
 
     def attach_servers(self, server_urls: list[str], token: str = "") -> None:

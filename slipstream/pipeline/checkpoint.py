@@ -1,4 +1,5 @@
-"""Run checkpoints that hold every part consistently, and the per-step record of trained samples.
+"""Run checkpoints that hold every part consistently (:class:`CheckpointCoordinator`), and the per-step
+record of trained samples.
 
 A checkpoint is one directory ``<run_dir>/checkpoints/step_<version>`` holding, written in this order:
 
@@ -26,11 +27,21 @@ record of a step is the one that counts (:func:`read_trained_uids`).
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from slipstream.pipeline.cluster import CALL_TIMEOUT_S, ask, call_ranks
 from slipstream.rollouter.state import RolloutState
 from slipstream.utils import checkpoints as layout
 from slipstream.utils.checkpoints import checkpoint_root, commit, latest, prune, staging_dir
+from slipstream.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    from slipstream.pipeline.cluster import Cluster
+    from slipstream.pipeline.launcher import Parts
+
+log = get_logger(__name__)
 
 ROLLOUTER_STATE = "rollouter.json"
 UIDS_FILE = "trained_uids.jsonl"
@@ -64,6 +75,49 @@ def salvage(root: Path) -> Path | None:
     return found
 
 
+class CheckpointCoordinator:
+    """Writes run checkpoints in the order of the module docstring and finds the one to resume from.
+
+    Lifecycle: ``resume_point()`` once at start-up (before the trainer ranks exist), then ``save(version)``
+    between steps, every ``trainer.checkpoint_every`` steps and at the end of a run.
+    """
+
+    def __init__(
+        self, cluster: Cluster, parts: Parts, run_dir: Path, *, keep: int, save_timeout_s: float
+    ) -> None:
+        self.cluster, self.parts = cluster, parts
+        self.run_dir = run_dir
+        self.root = checkpoint_root(run_dir)
+        self.keep = keep
+        self.save_timeout_s = save_timeout_s
+
+    def resume_point(self, resume: bool) -> Path | None:
+        """The checkpoint to resume from (None: a fresh start, with ``run.resume`` off or none written).
+        Staging leftovers of a crashed save go first; a fresh start drops the old trained-uids record."""
+        if self.root.is_dir():
+            prune(self.root, self.keep)
+        found = latest(self.root) if resume else None
+        if found is not None:
+            log.info("resuming from %s", found)
+        elif (self.run_dir / UIDS_FILE).exists():
+            (self.run_dir / UIDS_FILE).unlink()  # a fresh start: an older record would mislead
+        return found
+
+    def save(self, version: int) -> dict[str, float]:
+        """Rollouter state, then the trainer ranks' save (engine, queue snapshot, marker), then the rename."""
+        t0 = time.monotonic()
+        staging = staging_dir(self.root, version)
+        state = ask(
+            self.cluster, self.cluster.call(self.parts.rollouter, "state_dict"), CALL_TIMEOUT_S, "rollouter"
+        )
+        write_rollouter_state(staging, state)
+        call_ranks(self.cluster, self.parts.ranks, "save", self.save_timeout_s, str(staging))
+        final = commit(staging)
+        prune(self.root, self.keep)
+        log.info("checkpoint of version %d in %s (%.1f s)", version, final, time.monotonic() - t0)
+        return {"ckpt/save_s": time.monotonic() - t0}
+
+
 def record_uids(run_dir: str | Path, step: int, uids: list[str]) -> None:
     with (Path(run_dir) / UIDS_FILE).open("a") as f:
         f.write(json.dumps({"step": step, "uids": uids}) + "\n")
@@ -83,6 +137,7 @@ def read_trained_uids(run_dir: str | Path) -> dict[int, list[str]]:
 
 
 __all__ = [
+    "CheckpointCoordinator",
     "checkpoint_root",
     "commit",
     "latest",

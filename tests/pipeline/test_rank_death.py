@@ -1,29 +1,42 @@
 """A trainer rank that Ray's memory monitor killed is a dead rank: the step loop restarts the trainer (with
 ``cluster.restart_trainer``) instead of ending the run on an error it does not expect. Ray reports such a
-kill as ``OutOfMemoryError``, which is not a ``RayActorError``."""
+kill as ``OutOfMemoryError``, which is not a ``RayActorError``; the Ray cluster turns both into
+``ActorDied``, which the step driver and the rank calls turn into ``TrainerDied``."""
 
 from __future__ import annotations
 
 import pytest
 import ray
 
-from slipstream.pipeline.controller import Pipeline, _TrainerDied
+from slipstream.pipeline.cluster import ActorDied, RayCluster, TrainerDied, call_ranks
+from slipstream.pipeline.driver import StepDriver
+from slipstream.pipeline.launcher import Parts
+from tests.pipeline.fake_cluster import FakeCluster, fake_config
 
 
 def _killed_for_memory(*args, **kwargs):
     raise ray.exceptions.OutOfMemoryError("1 worker(s) were killed due to the node running low on memory")
 
 
-def test_a_rank_killed_for_memory_during_a_step_is_a_dead_rank(monkeypatch):
+def test_ray_reports_a_rank_killed_for_memory_as_a_dead_actor(monkeypatch):
     monkeypatch.setattr(ray, "get", _killed_for_memory)
-    pipeline = Pipeline.__new__(Pipeline)  # nothing started: only the result handling is exercised
-    with pytest.raises(_TrainerDied, match="a trainer rank died"):
-        pipeline._rank_result(object())
+    with pytest.raises(ActorDied, match="killed due to the node running low on memory"):
+        RayCluster().get(object(), 1.0)
 
 
-def test_a_rank_killed_for_memory_during_a_push_is_a_dead_rank(monkeypatch):
-    monkeypatch.setattr(ray, "get", _killed_for_memory)
-    pipeline = Pipeline.__new__(Pipeline)
-    pipeline.ranks = []
-    with pytest.raises(_TrainerDied, match="died during publish"):
-        pipeline._ranks_call("publish", 1.0, 7)
+def test_a_rank_that_died_during_a_step_is_a_dead_rank():
+    cluster = FakeCluster()
+    rank = cluster.spawn("rank0", object)
+    cluster.die(rank)
+    driver = StepDriver.__new__(StepDriver)  # only the result handling is exercised
+    driver.cluster, driver.cfg, driver.parts = cluster, fake_config(), Parts()
+    with pytest.raises(TrainerDied, match="a trainer rank died"):
+        driver.rank_result(cluster.call(rank, "step"))
+
+
+def test_a_rank_that_died_during_a_push_is_a_dead_rank():
+    cluster = FakeCluster()
+    rank = cluster.spawn("rank0", object)
+    cluster.die(rank)
+    with pytest.raises(TrainerDied, match="died during publish"):
+        call_ranks(cluster, [rank], "publish", 1.0, 7)

@@ -1,0 +1,265 @@
+"""Start-up and shutdown of a run's parts: Ray and the placement, the queue, the inference servers, the
+trainer ranks and the rollouter; :class:`Parts` holds their handles for the rest of the controller.
+
+Start-up, in order (:meth:`Launcher.connect` then the ``start_*`` methods, driven by ``Pipeline``): Ray
+(local, or ``cluster.ray_address``) and the reservation of every part; the queue; the servers (loading
+while the trainer ranks initialise); the rollouter's actor (its process imports meanwhile too); the
+trainer ranks (process group, engine, resume from the latest checkpoint with the queue restored from its
+snapshot); then the rollouter itself, from its saved state. Every wait has a timeout
+(``cluster.*_timeout_s``); :meth:`Launcher.stop_all` stops what was started, each stop with a timeout and
+then a kill, in the order that lets each part finish cleanly (the rollouter before the servers it calls,
+the queue last).
+
+Who owns what: the launcher creates actors and knows their constructor arguments (it alone reads the
+whole config for them); the step driver, the supervisor and the checkpoint coordinator only call them
+through :class:`Parts` and the cluster interface.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from slipstream.config import Config, ConfigError, to_dict
+from slipstream.pipeline.actors import RolloutWorker, ServerHost, TrainerRank, wait_for_own_children
+from slipstream.pipeline.cluster import CALL_TIMEOUT_S, Cluster, PartFailed, RayCluster, ask, first_line
+from slipstream.pipeline.types import RankSetup, RolloutStart
+from slipstream.rollouter.state import RolloutState
+from slipstream.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+
+@dataclass
+class Parts:
+    """The run's actors and where they are. ``urls[i]`` is server ``i``'s current URL (it changes when the
+    server restarts); ``version`` is the trainer's weight version and ``published`` the newest version the
+    servers serve (a restarted trainer may be behind it)."""
+
+    queue_actor: Any = None
+    queue_client: Any = None
+    queue_address: str = ""
+    hosts: list[Any] = field(default_factory=list)
+    urls: list[str] = field(default_factory=list)
+    ranks: list[Any] = field(default_factory=list)
+    rollouter: Any = None
+    rollouter_started: bool = False
+    version: int = 0
+    published: int = 0
+
+
+class Launcher:
+    """Creates the run's actors (module docstring). ``server_token`` guards the servers' control routes."""
+
+    def __init__(self, cfg: Config, run_dir: Path, server_token: str) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.server_token = server_token
+        self.cluster: Cluster | None = None
+        self.ray_started = False
+
+    # ------------------------------------------------------------------ Ray and placement
+    def connect(self, *, reap_if_killed: bool = False) -> Cluster:
+        """Join or start Ray, check the pools and hosts, reserve every part; return the cluster."""
+        import ray
+
+        from slipstream.pipeline.placement import Placement, PlacementError
+
+        self.ray_started = connect_ray(self.cfg)
+        if self.ray_started and reap_if_killed:
+            from slipstream.pipeline.reaper import start_reaper
+
+            start_reaper()  # removes this run's processes if this driver is killed without cleaning up
+        wait_for_own_children()  # Ray's subreaper setting made this driver ignore SIGCHLD
+        check_pools(self.cfg, ray.cluster_resources())
+        check_hosts(self.cfg, sum(1 for n in ray.nodes() if n.get("Alive")))
+        try:
+            placement = Placement.reserve(self.cfg)
+        except PlacementError as err:
+            raise PartFailed(f"placement: {err}") from None
+        log.info("placement: %s", placement.summary())
+        self.cluster = RayCluster(placement)
+        return self.cluster
+
+    # ------------------------------------------------------------------ the parts
+    def start_queue(self, parts: Parts) -> None:
+        from slipstream.queue.client import QueueClient
+        from slipstream.queue.server import QueueServerActor
+
+        parts.queue_actor = self.cluster.spawn("queue", QueueServerActor, msgspec.to_builtins(self.cfg.queue))
+        address = ask(
+            self.cluster, self.cluster.call(parts.queue_actor, "address"), self.cfg.cluster.start_timeout_s,
+            "queue server",
+        )  # fmt: skip
+        parts.queue_address = address
+        parts.queue_client = QueueClient(address, shared_memory=False)
+
+    def launch_servers(self, parts: Parts) -> list[Any]:
+        """Start the server hosts; returns the calls that give their URLs (none for servers given by URL)."""
+        if self.cfg.rollout.server_urls:
+            parts.urls = [u.rstrip("/") for u in self.cfg.rollout.server_urls]
+            return []
+        parts.hosts = [self.new_host(i) for i in range(self.cfg.rollout.num_servers)]
+        return [self.cluster.call(h, "start") for h in parts.hosts]
+
+    def new_host(self, index: int) -> Any:
+        """A server host actor for server ``index`` (not started: call its ``start``)."""
+        args = (to_dict(self.cfg), index, self.cfg.model.path, str(self.run_dir), self.server_token)
+        return self.cluster.spawn(f"server{index}", ServerHost, *args, max_concurrency=2)
+
+    def start_trainer(self, parts: Parts, resume: Path | None) -> int:
+        """New trainer ranks, joined and resumed from ``resume``; returns their version."""
+        cfg, cluster = self.cfg, self.cluster
+        world = cfg.trainer.num_ranks
+        threads = cfg.cluster.trainer_threads or max(1, (os.cpu_count() or 1) // world)
+        # The controller writes checkpoints (with the rollouter's state), so the trainer's own are off.
+        rank_cfg = to_dict(cfg)
+        rank_cfg["trainer"]["checkpoint_every"] = 0
+        parts.ranks = [
+            cluster.spawn(
+                f"rank{r}", TrainerRank, rank_cfg, r, world, str(self.run_dir), threads, max_concurrency=2
+            )  # fmt: skip
+            for r in range(world)
+        ]
+        host, port = ask(cluster, cluster.call(parts.ranks[0], "endpoint"), CALL_TIMEOUT_S, "trainer rank 0")
+        setup = RankSetup(host, port, parts.queue_address, str(resume) if resume else None)
+        calls = [cluster.call(r, "setup", setup) for r in parts.ranks]
+        versions = ask(cluster, calls, cfg.cluster.start_timeout_s, "trainer ranks")
+        parts.version = int(versions[0])
+        return parts.version
+
+    def create_rollouter(self, parts: Parts) -> None:
+        parts.rollouter = self.cluster.spawn("rollouter", RolloutWorker, to_dict(self.cfg), str(self.run_dir))
+
+    def start_rollouter(self, parts: Parts, state: RolloutState | None) -> None:
+        start = RolloutStart(parts.urls, parts.queue_address, parts.published, state, self.server_token)
+        call = self.cluster.call(parts.rollouter, "start", start)
+        ask(self.cluster, call, self.cfg.cluster.start_timeout_s, "rollouter")
+        parts.rollouter_started = True
+
+    # ------------------------------------------------------------------ shutdown
+    def stop_all(self, parts: Parts, restarting: set[int]) -> None:
+        """Stop every part (each stop has ``cluster.shutdown_timeout_s``, then the actor is killed). Hosts in
+        ``restarting`` cannot answer ``stop`` while they start (or wait for room): they are killed."""
+        cluster = self.cluster
+        if cluster is None:
+            return
+        steps: list[tuple[str, list[Any], str | None]] = [
+            ("rollouter", [parts.rollouter] if parts.rollouter else [], "stop"),
+            ("trainer", parts.ranks, "close"),
+            ("servers", [h for i, h in enumerate(parts.hosts) if i not in restarting], "stop"),
+            ("restarting servers", [parts.hosts[i] for i in restarting], None),
+            ("queue", [parts.queue_actor] if parts.queue_actor else [], "stop"),
+        ]
+        for name, actors, method in steps:
+            if not actors:
+                continue
+            try:
+                if method is not None:
+                    cluster.get(
+                        [cluster.call(a, method) for a in actors], self.cfg.cluster.shutdown_timeout_s
+                    )
+            except Exception as err:
+                log.warning("stopping the %s: %s; killing it", name, first_line(err))
+            for actor in actors:
+                cluster.kill(actor)
+        if parts.queue_client is not None:
+            parts.queue_client.close()
+        cluster.release()
+
+    def disconnect(self) -> None:
+        if self.ray_started:
+            import ray
+
+            ray.shutdown()
+
+
+def connect_ray(cfg: Config) -> bool:
+    """Join ``cluster.ray_address``, or start Ray on this machine with both pools sized from its GPUs;
+    return whether this call started it (then the caller shuts it down)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    from slipstream.pipeline.placement import local_resources
+
+    # Raylet then kills a crashed actor's child processes too (an inference server), within 10 s.
+    os.environ.setdefault("RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper", "1")
+    kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    if cfg.cluster.ray_address is not None:
+        send_ray_token_if_any()
+    if cfg.cluster.ray_address is None:
+        gpus = local_gpus()
+        kwargs.update(num_gpus=gpus, resources=local_resources(cfg, gpus))
+    # "local" starts a new instance: with no address, ray.init() would join any cluster that `ray start`
+    # left running on this machine (and then refuse the pool resources).
+    ray.init(address=cfg.cluster.ray_address or "local", **kwargs)
+    return True
+
+
+def send_ray_token_if_any() -> None:
+    """Send this machine's Ray token when joining a cluster (as scripts/_ray_env.sh does for the nodes).
+
+    A Ray head that finds a token (~/.ray/auth_token, RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH) requires it, but a
+    driver joining it only sends one with RAY_AUTH_MODE=token, and fails with a bare "Failed to connect".
+    RAY_AUTH_MODE set by hand wins."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    tokens = ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+    if any(os.environ.get(k) for k in tokens) or (Path.home() / ".ray" / "auth_token").is_file():
+        os.environ["RAY_AUTH_MODE"] = "token"
+
+
+def local_gpus() -> int:
+    """GPUs this machine shows the run (CUDA_VISIBLE_DEVICES applies), 0 without CUDA."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def check_pools(cfg: Config, resources: dict[str, float]) -> None:
+    """Both pool resources exist in the cluster (the launch scripts declare them)."""
+    for key in ("rollout_resource", "trainer_resource"):
+        name = getattr(cfg.cluster, key)
+        if name not in resources:
+            raise ConfigError(
+                f"cluster.{key}: the Ray cluster has no `{name}` resource; start its nodes with "
+                "scripts/launch_rollout_cluster.sh / scripts/launch_trainer_cluster.sh"
+            )
+
+
+def check_hosts(cfg: Config, nodes: int) -> None:
+    """On two nodes or more no server may bind loopback: one error naming every key to change."""
+    from slipstream.utils.net import is_loopback
+
+    if nodes < 2:
+        return
+    keys = [
+        f"{key}={host}"
+        for key, host in (
+            ("queue.host", cfg.queue.host),
+            ("cluster.server_host", cfg.cluster.server_host),
+            ("weightsync.master_address", cfg.weightsync.master_address),
+        )
+        if is_loopback(host)
+    ]
+    if keys:
+        fix = " ".join(f"{k.split('=')[0]}=0.0.0.0" for k in keys)
+        raise ConfigError(
+            f"{', '.join(k.split('=')[0] for k in keys)}: loopback ({', '.join(keys)}) but the Ray cluster has "
+            f"{nodes} nodes, so other nodes could not reach them; set {fix}"
+        )
+
+
+def install_sigterm(handler: Any) -> Any:
+    """Make SIGTERM call ``handler()`` (after ``ray.init``, which installs a handler of its own); return
+    the handler it replaces, to put back at shutdown."""
+    return signal.signal(signal.SIGTERM, lambda signum, frame: handler())
+
+
+__all__ = ["Launcher", "Parts", "check_hosts", "check_pools", "connect_ray", "send_ray_token_if_any"]

@@ -1,0 +1,262 @@
+"""Health watching and the restart policy: which dead part is restarted, which ends the run.
+
+The step driver calls :meth:`Supervisor.watch` while a step runs (checks at most every
+``cluster.health_interval_s``; restarts in progress move on at every call). A check covers the rollouter
+(actor alive, its task not failed), the queue server, and every inference server (process alive,
+``/health`` answering). A dead part fails the run with a :class:`PartFailed` naming it, except:
+
+* a dead inference server with ``cluster.restart_servers`` (up to ``cluster.max_restarts`` each): it is
+  taken out of the balancer and the publisher, started again on its node (a new host actor when the old
+  one died), brought to the current weight version by rank 0 (``add_server``) and only then put back into
+  the balancer. Right after a trainer restart rank 0 holds no copy of the weights yet: the server then
+  joins after the next push (:meth:`joined_after_push`). A server whose node died waits for room in the
+  rollout pool; past ``health_interval_s x unhealthy_checks`` the run goes on with the servers left, or
+  stops when none is left;
+* a dead trainer rank with ``cluster.restart_trainer`` (up to ``cluster.max_restarts``): every rank is
+  replaced and resumes from the latest checkpoint (a save that died after its queue snapshot is completed
+  first), rolling the live queue back to that checkpoint's snapshot; the rollouter and the servers keep
+  running. Refused without a checkpoint, or when the queue server's node is gone.
+
+States of a server, as :attr:`servers_restarting` and :attr:`servers_without_room` show them::
+
+    serving --(dies)--> restarting --(start done)--> catching up --(add_server ok)--> serving
+                            |                              \\--(no kept copy)--> joining --(next push)--> serving
+                            \\--(node gone, no room)--> without room --(room appears)--> restarting
+
+Everything it does goes through the :class:`~slipstream.pipeline.cluster.Cluster` interface and an
+injected clock, so ``tests/pipeline/test_supervisor.py`` runs the policy on a fake cluster.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from slipstream.config import Config
+from slipstream.pipeline import checkpoint as ckpt
+from slipstream.pipeline.cluster import (
+    CALL_TIMEOUT_S,
+    ActorDied,
+    Cluster,
+    PartFailed,
+    ask,
+    call_ranks,
+    lost_note,
+)
+from slipstream.pipeline.launcher import Launcher, Parts
+from slipstream.pipeline.types import PushReport, RolloutStatus, ServerHealth
+from slipstream.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+
+class Supervisor:
+    """Watches the parts and applies the restart policy (module docstring). ``restarts`` counts restarts
+    per part (``server-<i>``, ``trainer``)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        cluster: Cluster,
+        parts: Parts,
+        launcher: Launcher,
+        *,
+        run_dir: Path,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cfg, self.cluster, self.parts, self.launcher = cfg, cluster, parts, launcher
+        self.run_dir = run_dir
+        self.ckpt_root = ckpt.checkpoint_root(run_dir)
+        self.clock = clock
+        self.server_token = launcher.server_token
+        self.restarts: dict[str, int] = {}
+        self._restarting: dict[int, Any] = {}  # server index -> the call of its start()
+        self._restart_began: dict[int, float] = {}
+        self._no_room: set[int] = set()  # restarting servers whose node is gone and that have no room yet
+        self._joining: list[str] = []  # restarted servers waiting for a push before they take requests
+        self._unhealthy: dict[int, int] = {}
+        self._next_health = 0.0
+
+    # ------------------------------------------------------------------ what callers see
+    @property
+    def servers_restarting(self) -> set[int]:
+        """Indices of the servers being restarted (not yet back in the balancer)."""
+        return set(self._restarting)
+
+    @property
+    def servers_without_room(self) -> set[int]:
+        """Restarting servers whose node is gone and for which the rollout pool has no room yet."""
+        return set(self._no_room)
+
+    def live_urls(self) -> list[str]:
+        return [u for i, u in enumerate(self.parts.urls) if i not in self._restarting]
+
+    # ------------------------------------------------------------------ health
+    def watch(self) -> None:
+        """Health checks, at most every ``cluster.health_interval_s``; restarts progress between them."""
+        self._progress_restarts()
+        if self.clock() < self._next_health:
+            return
+        self._next_health = self.clock() + self.cfg.cluster.health_interval_s
+        self._check_rollouter()
+        self._check_queue()
+        for index in range(len(self.parts.hosts)):
+            if index not in self._restarting:
+                self._check_server(index)
+
+    def poll(self) -> None:
+        """Run the health checks now (and move restarts on)."""
+        self._next_health = 0.0
+        self.watch()
+
+    def _check_rollouter(self) -> None:
+        status: RolloutStatus = self._ask(self.parts.rollouter, "status", what="rollouter")
+        if status.error:
+            raise PartFailed(f"the rollouter failed: {status.error} (see {self.run_dir}/logs/rollouter.log)")
+
+    def _check_queue(self) -> None:
+        if not self._ask(self.parts.queue_actor, "is_alive", what="queue server"):
+            raise PartFailed("the queue server's loop stopped (see the Ray logs of QueueServerActor)")
+
+    def _check_server(self, index: int) -> None:
+        try:
+            health: ServerHealth = self.cluster.get(self.cluster.call(self.parts.hosts[index], "health"),
+                                                    CALL_TIMEOUT_S)  # fmt: skip
+        except ActorDied:
+            self._server_died(index, "its host actor died", replace_host=True)
+            return
+        if not health.alive:
+            self._server_died(index, f"its process exited with code {health.returncode}")
+        elif health.healthy:
+            self._unhealthy.pop(index, None)
+        else:
+            self._unhealthy[index] = self._unhealthy.get(index, 0) + 1
+            if self._unhealthy[index] >= self.cfg.cluster.unhealthy_checks:
+                self._server_died(index, f"/health failed {self._unhealthy[index]} checks in a row")
+
+    # ------------------------------------------------------------------ server restarts
+    def _server_died(self, index: int, reason: str, *, replace_host: bool = False) -> None:
+        c = self.cfg.cluster
+        url, key = self.parts.urls[index], f"server-{index}"
+        count = self.restarts.get(key, 0)
+        if not c.restart_servers or count >= c.max_restarts:
+            tail = "" if replace_host else self._ask(self.parts.hosts[index], "log_tail", what=key)
+            why = "cluster.restart_servers is off" if count == 0 else "cluster.max_restarts used up"
+            raise PartFailed(
+                f"inference server {index} ({url}) died: {reason}; not restarted ({why}). Its last output:\n{tail}"
+            )
+        log.warning("inference server %d (%s) died: %s; restarting it (%d/%d)", index, url, reason, count + 1,
+                    c.max_restarts)  # fmt: skip
+        self.restarts[key] = count + 1
+        self._unhealthy.pop(index, None)
+        self._ask(self.parts.rollouter, "remove_server", url, what="rollouter")
+        self._ask(self.parts.ranks[0], "remove_server", url, what="trainer rank 0")
+        if replace_host:
+            self.cluster.kill(self.parts.hosts[index])
+            self.parts.hosts[index] = self.launcher.new_host(index)
+        self._restarting[index] = self.cluster.call(self.parts.hosts[index], "start")
+        self._restart_began[index] = self.clock()
+
+    def _progress_restarts(self) -> None:
+        for index, call in list(self._restarting.items()):
+            if not self.cluster.done(call):
+                self._check_room(index)
+                continue
+            del self._restarting[index]
+            self._no_room.discard(index)
+            try:
+                url = self.cluster.get(call, CALL_TIMEOUT_S)
+            except Exception as err:
+                raise PartFailed(f"inference server {index} could not be restarted: {err}") from err
+            self.parts.urls[index] = url
+            self._catch_up(index, url)
+
+    def _catch_up(self, index: int, url: str) -> None:
+        """Bring a restarted server to the published version, then let it take requests."""
+        timeout = 4 * self.cfg.weightsync.timeout_s
+        report: PushReport = ask(self.cluster, self.cluster.call(self.parts.ranks[0], "add_server", url),
+                                 timeout, "trainer")  # fmt: skip
+        if report.publish is None and self.parts.published > 0:
+            self._joining.append(url)  # no kept copy yet (a restarted trainer): joins after the next push
+        elif report.publish is not None and url not in report.ok:
+            raise PartFailed(
+                f"restarted server {url} could not take version {report.publish.version}: {report.publish}"
+            )
+        else:
+            self._ask(self.parts.rollouter, "add_server", url, what="rollouter")
+            log.info("server %d is back at %s with version %d", index, url, self.parts.published)
+
+    def joined_after_push(self, report: PushReport, version: int) -> None:
+        """Servers waiting for a push that this push reached take requests again."""
+        for url in [u for u in self._joining if u in report.ok]:
+            self._ask(self.parts.rollouter, "add_server", url, what="rollouter")
+            self._joining.remove(url)
+            log.info("restarted server %s serves version %d and takes requests again", url, version)
+
+    def _check_room(self, index: int) -> None:
+        """A server restarting after its node died waits for room in the rollout pool (module docstring)."""
+        c = self.cfg.cluster
+        name = f"server{index}"
+        if self.cluster.has_room(name):
+            return
+        if self.clock() - self._restart_began.get(index, 0.0) < c.health_interval_s * c.unhealthy_checks:
+            return
+        left = len(self.parts.hosts) - len(self._restarting)
+        what = (
+            f"inference server {index} lost its node and the rollout pool has no room left for it "
+            f"({self.cluster.demand(name)})"
+        )
+        if left == 0:
+            raise PartFailed(f"{what}; no server is left{lost_note(self.cluster)}")
+        if index not in self._no_room:
+            self._no_room.add(index)
+            log.warning("%s; the run goes on with %d server(s) and starts it when room appears", what, left)
+
+    # ------------------------------------------------------------------ trainer restarts
+    def restart_trainer(self, reason: str) -> int:
+        """Replace every trainer rank from the latest checkpoint, or raise PartFailed saying why not;
+        returns the version the new ranks resumed at."""
+        count = self.restarts.get("trainer", 0)
+        salvaged = ckpt.salvage(self.ckpt_root) if self.ckpt_root.is_dir() else None
+        if salvaged is not None:
+            log.warning(
+                "the trainer died after the queue snapshot of %s; completed that checkpoint", salvaged
+            )
+        resume = ckpt.latest(self.ckpt_root)
+        why = self.trainer_restart_refusal(count, resume)
+        if why is not None:
+            raise PartFailed(
+                f"trainer failed at version {self.parts.version} ({reason}); not restarted: {why}"
+                f"{lost_note(self.cluster)}"
+            )
+        log.warning("%s; restarting the trainer from %s", reason, resume)
+        self.restarts["trainer"] = count + 1
+        for rank in self.parts.ranks:
+            self.cluster.kill(rank)
+        version = self.launcher.start_trainer(self.parts, resume)
+        call_ranks(self.cluster, self.parts.ranks, "attach_servers", CALL_TIMEOUT_S, self.live_urls(),
+                   self.server_token)  # fmt: skip
+        log.info("trainer restarted at version %d (servers keep version %d)", version, self.parts.published)
+        return version
+
+    def trainer_restart_refusal(self, count: int, resume: Path | None) -> str | None:
+        """Why a dead trainer is not restarted (None: it is)."""
+        c = self.cfg.cluster
+        if not c.restart_trainer:
+            return "cluster.restart_trainer is off"
+        if count >= c.max_restarts:
+            return f"cluster.max_restarts={c.max_restarts} used up"
+        if resume is None:
+            return "no checkpoint to restart from"
+        if any("queue" in parts for parts in self.cluster.lost_nodes().values()):
+            return "the queue server's node is gone"
+        return None
+
+    # ------------------------------------------------------------------ helpers
+    def _ask(self, actor: Any, method: str, *args: Any, what: str) -> Any:
+        return ask(self.cluster, self.cluster.call(actor, method, *args), CALL_TIMEOUT_S, what)
+
+
+__all__ = ["Supervisor"]
