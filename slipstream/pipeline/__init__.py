@@ -4,12 +4,18 @@ The package is the only place (with ``cli.py``) that imports every role (design.
 
 * ``modes.py``: ``sync`` / ``one_step_off`` / ``fully_async`` as presets of the ``async`` section, and the
   config checks that run before anything starts;
-* ``controller.py``: :class:`Pipeline`, which starts the queue, the inference servers, the rollouter and
-  the trainer ranks on Ray resource pools, drives steps and weight pushes, checkpoints, watches health and
-  shuts everything down;
-* ``placement.py``: the pools reserved as Ray placement groups before any model loads;
+* ``controller.py``: :class:`Pipeline`, the composition of the four parts below that ``slipstream train``
+  runs: start, train ``total_steps``, stop on request, always shut down;
+* ``launcher.py``: start-up (Ray, the queue, the inference servers, the trainer ranks, the rollouter) and
+  shutdown, with :class:`~slipstream.pipeline.launcher.Parts` holding the actors' handles;
+* ``driver.py``: the step driver (steps, weight pushes, the metrics record);
+* ``supervisor.py``: health checks and the restart policy for servers and trainer ranks;
+* ``checkpoint.py``: run checkpoints consistent across parts (the coordinator), and the record of trained
+  samples; the directory layout is ``slipstream/utils/checkpoints.py``;
+* ``cluster.py``: the small cluster interface those parts use (spawn, call, get, wait, kill), and Ray's;
+* ``types.py``: the msgspec Structs of every call to the actors and every report they return;
 * ``actors.py``: the Ray actors that host the parts;
-* ``checkpoint.py``: run checkpoints consistent across parts, and the record of trained samples.
+* ``placement.py``: the pools reserved as Ray placement groups before any model loads.
 
 Exit codes of ``main``: 0 done, 1 a part failed (the message names it), 2 a bad config or command line
 (nothing was started), 130 interrupted (every part was stopped), 143 stopped by SIGTERM after a step and a
