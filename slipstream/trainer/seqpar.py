@@ -136,7 +136,8 @@ def register(inner: str) -> str:
 
     if inner not in VARLEN_KERNELS:
         raise ValueError(
-            f"sequence parallelism needs a varlen attention kernel {VARLEN_KERNELS}, got {inner!r}"
+            f"trainer.attn_implementation: unknown varlen attention kernel `{inner}` (sequence parallelism "
+            f"needs one); known kernels: {', '.join(VARLEN_KERNELS)}"
         )
     if inner == "sdpa_varlen":
         from slipstream.trainer.engine import varlen  # noqa: F401  (registers the kernel)
