@@ -6,14 +6,17 @@ plane. Per version, for every server at once:
   ``before(v)``  →  for each bucket: ``update(meta)`` (the blocking HTTP call, in flight while rank 0
   broadcasts the bucket)  →  ``after(v)``;  ``recover(v)`` after a failure (nothing is left paused).
 
-Pinned versions and their sequences (research notes, inference_apis.md §A–B):
+The endpoints, the pause modes and where the pause goes come from the server's description
+(``slipstream.serverapi``: ``api.weights``, ``api.pause_modes``, which also pins the release); pause and
+resume are sent by the adapter's :class:`~slipstream.serverapi.ServerControl`, the same object the
+rollouter's clients use. What stays here is each request's body. The sequences (inference_apis.md §A–B):
 
-* ``sglang`` (SGLang 0.5.23): ``/pause_generation {mode}`` → ``/begin_weight_update {}`` → N ×
+* ``sglang``: ``/pause_generation {mode}`` → ``/begin_weight_update {}`` → N ×
   ``/update_weights_from_distributed`` (``load_format: flattened_bucket``, one dtype per bucket,
   ``weight_version``, ``flush_cache`` false after an ``in_place`` pause since flushing fails while requests
   hold the cache) → ``/end_weight_update {}`` → ``/continue_generation {}``. Group: ``/init_weights_update_
   group``; worker ranks are ``rank_offset + tp_rank``, so a server counts ``tp_size`` ranks.
-* ``vllm`` (vLLM 0.33, ``VLLM_SERVER_DEV_MODE=1``): ``/pause?mode=keep|abort`` → ``/start_weight_update`` →
+* ``vllm`` (``VLLM_SERVER_DEV_MODE=1``): ``/pause?mode=keep|abort`` → ``/start_weight_update`` →
   N × ``/update_weights {update_info: {names, dtype_names, shapes}}`` (each one packed broadcast whose
   boundaries vLLM re-derives from the names, hence the ``vllm`` bucket layout) → ``/finish_weight_update
   {weight_version}`` → ``/resume``. Group: ``/init_weight_transfer_engine`` with an NCCL unique id we mint
@@ -23,16 +26,19 @@ Pinned versions and their sequences (research notes, inference_apis.md §A–B):
   ``/end_weight_update`` when in-flight requests must be aborted. With ``backend: nixl`` the version travels
   in-band (``/begin_weight_update {stream: "nixl"}``) and the per-bucket calls disappear.
 
-To add a server kind: subclass :class:`ServerAdapter`, decorate it with ``@register_adapter("<kind>")``.
+To add a server kind: describe its API in ``slipstream.serverapi``, subclass :class:`ServerAdapter` with
+``api`` set to that description, decorate it with ``@register_adapter("<kind>")``.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, ClassVar
 
 import httpx
 import msgspec
 
+from slipstream.serverapi import EMBEDDED, SGLANG, VLLM, Call, Endpoint, PauseMode, ServerAPI, ServerControl
 from slipstream.utils.logging import get_logger
 from slipstream.weightsync.base import resolve_device
 from slipstream.weightsync.buckets import Layout
@@ -78,10 +84,13 @@ class ServerAdapter:
     """Control-plane calls for one server (see the module docstring for the sequences).
 
     ``transport`` names the data plane the publisher must open: ``dist`` (a torch.distributed group),
-    ``nccl_uid`` (an NCCL communicator from a unique id) or ``nixl`` (in-band NIXL stream).
+    ``nccl_uid`` (an NCCL communicator from a unique id) or ``nixl`` (in-band NIXL stream). ``api`` is
+    the server's description; ``mode`` how ``cfg.pause_mode`` reads on it (a mode it lacks is refused
+    here, before any push).
     """
 
     kind: ClassVar[str]
+    api: ClassVar[ServerAPI]
     transport: ClassVar[str] = "dist"
 
     def __init__(self, url: str, cfg: WeightSyncConfig, http: httpx.AsyncClient) -> None:
@@ -90,6 +99,8 @@ class ServerAdapter:
         self.http = http
         self.per_tensor = cfg.backend == "naive"
         self.group_name = cfg.group_name  # the group of the push in progress (set by init_group)
+        self.mode: PauseMode = self.api.pause_mode(cfg.pause_mode)
+        self.control = ServerControl(self.api, self._send)
 
     def layout(self) -> Layout | None:
         """How buckets must be cut for this server; None sends one tensor per broadcast."""
@@ -105,20 +116,45 @@ class ServerAdapter:
         raise NotImplementedError
 
     async def before(self, version: int) -> None:
-        raise NotImplementedError
+        """Pause (a server that pauses ``before`` a version) and open the update session."""
+        if self.api.weights.pause == "before":
+            await self.control.pause(self.cfg.pause_mode)
+        await self.request(self.api.weights.begin, json=self.begin_body(version))
 
     async def update(self, meta: BucketMeta) -> None:
         raise NotImplementedError
 
     async def after(self, version: int) -> None:
-        raise NotImplementedError
+        """Close the session with ``version`` and resume generation.
+
+        A server that pauses ``at_end`` stages while it generates and is paused only around ``end``, and
+        only when running requests must be aborted at the switch (a pause mode that keeps them needs none).
+        """
+        at_end = self.api.weights.pause == "at_end"
+        if at_end and not self.mode.keeps_requests:
+            await self.control.pause(self.cfg.pause_mode)
+        try:
+            await self.end(version)
+        finally:
+            if at_end and self.control.paused:
+                await self.control.resume()
+        if not at_end:
+            await self.control.resume()
+
+    def begin_body(self, version: int) -> dict:
+        return {}
+
+    async def end(self, version: int) -> None:
+        await self.request(self.api.weights.end, json={})
 
     async def recover(self, version: int) -> None:
         """After a failed push: leave the server serving (paused generation resumed)."""
 
     async def healthy(self) -> bool:
         try:
-            resp = await self.http.get(f"{self.url}/health", timeout=min(5.0, self.cfg.timeout_s))
+            resp = await self.http.get(
+                f"{self.url}{self.api.health.path}", timeout=min(5.0, self.cfg.timeout_s)
+            )
         except httpx.HTTPError:
             return False
         return resp.status_code == 200
@@ -140,6 +176,14 @@ class ServerAdapter:
             raise TransferError(f"{self.url}{path}: HTTP {resp.status_code}: {message or resp.text[:300]}")
         return body if isinstance(body, dict) else {"result": body}
 
+    async def request(self, endpoint: Endpoint, *, json: Any = None, params: Any = None) -> dict:
+        """:meth:`call` on an endpoint of the server's description."""
+        return await self.call(endpoint.method, endpoint.path, json=json, params=params)
+
+    async def _send(self, call: Call) -> dict:
+        """Send a request the description built (the control's transport)."""
+        return await self.call(call.method, call.path, json=call.json, params=dict(call.params) or None)
+
 
 def _entries(meta: BucketMeta) -> tuple[list[str], list[str], list[list[int]]]:
     return (
@@ -151,17 +195,18 @@ def _entries(meta: BucketMeta) -> tuple[list[str], list[str], list[list[int]]]:
 
 @register_adapter("sglang")
 class SGLangAdapter(ServerAdapter):
-    """SGLang 0.5.23 (see the module docstring)."""
+    """SGLang (``serverapi.SGLANG``; see the module docstring)."""
+
+    api = SGLANG
 
     async def ranks(self) -> int:
-        info = await self.call("GET", "/server_info")
+        info = await self.request(self.api.weights.ranks)
         return int(info.get("tp_size", 1) or 1)
 
     async def init_group(self, spec: GroupSpec) -> None:
         self.group_name = spec.group_name
-        await self.call(
-            "POST",
-            "/init_weights_update_group",
+        await self.request(
+            self.api.weights.init_group,
             json={
                 "master_address": spec.master_address,
                 "master_port": spec.master_port,
@@ -177,11 +222,7 @@ class SGLangAdapter(ServerAdapter):
         return {}
 
     async def destroy_group(self, group_name: str) -> None:
-        await self.call("POST", "/destroy_weights_update_group", json={"group_name": group_name})
-
-    async def before(self, version: int) -> None:
-        await self.call("POST", "/pause_generation", json={"mode": self.cfg.pause_mode})
-        await self.call("POST", "/begin_weight_update", json={})
+        await self.request(self.api.weights.destroy_group, json={"group_name": group_name})
 
     def update_body(self, meta: BucketMeta) -> dict:
         names, dtypes, shapes = _entries(meta)
@@ -193,7 +234,7 @@ class SGLangAdapter(ServerAdapter):
             "weight_version": str(meta.version),
             # Flushing fails while in-place-paused requests hold the cache; after abort/retract it is
             # needed once the last bucket has landed.
-            "flush_cache": self.cfg.pause_mode != "in_place" and meta.last,
+            "flush_cache": not self.mode.keeps_requests and meta.last,
         }
         if not self.per_tensor:
             body["load_format"] = "flattened_bucket"
@@ -201,28 +242,24 @@ class SGLangAdapter(ServerAdapter):
 
     async def update(self, meta: BucketMeta) -> None:
         if meta.entries:
-            await self.call("POST", "/update_weights_from_distributed", json=self.update_body(meta))
-
-    async def after(self, version: int) -> None:
-        await self.call("POST", "/end_weight_update", json={})
-        await self.call("POST", "/continue_generation", json={})
+            await self.request(self.api.weights.update, json=self.update_body(meta))
 
     async def recover(self, version: int) -> None:
-        for path in ("/end_weight_update", "/continue_generation"):
-            try:
-                await self.call("POST", path, json={})
-            except TransferError:
-                pass
+        with contextlib.suppress(TransferError):  # close the session (none may be open)
+            await self.end(version)
+        with contextlib.suppress(TransferError):  # resume whether or not the pause was sent
+            await self.control.resume()
 
 
 @register_adapter("embedded")
 class EmbeddedAdapter(SGLangAdapter):
-    """Our embedded server: SGLang's sequence, staged (see the module docstring)."""
+    """Our embedded server (``serverapi.EMBEDDED``): SGLang's sequence, staged (see the module docstring)."""
+
+    api = EMBEDDED
 
     def __init__(self, url: str, cfg: WeightSyncConfig, http: httpx.AsyncClient) -> None:
         super().__init__(url, cfg, http)
         self.transport = "nixl" if cfg.backend == "nixl" else "dist"  # type: ignore[misc]
-        self._paused = False
 
     def layout(self) -> Layout | None:
         # Large tensors travel from the trainer's memory as their own segments (our receiver takes them);
@@ -237,11 +274,11 @@ class EmbeddedAdapter(SGLangAdapter):
     def init_extras(self) -> dict:
         return {"timeout_s": self.cfg.timeout_s}  # our receiver waits as long as we do
 
-    async def before(self, version: int) -> None:
+    def begin_body(self, version: int) -> dict:
         body: dict[str, Any] = {"weight_version": version}
         if self.transport in ("nixl", "ipc"):  # an ipc link sets "ipc" while it is open
             body["stream"] = self.transport
-        await self.call("POST", "/begin_weight_update", json=body)
+        return body
 
     def update_body(self, meta: BucketMeta) -> dict:
         body = super().update_body(meta)
@@ -250,49 +287,37 @@ class EmbeddedAdapter(SGLangAdapter):
             body["slipstream_bucket"] = msgspec.to_builtins(meta)
         return body
 
-    async def after(self, version: int) -> None:
-        if self.cfg.pause_mode != "in_place":  # abort in-flight requests at the switch, not before
-            await self.call("POST", "/pause_generation", json={"mode": "abort"})
-            self._paused = True
-        try:
-            await self.call("POST", "/end_weight_update", json={"weight_version": version})
-        finally:
-            if self._paused:
-                await self.call("POST", "/continue_generation", json={})
-                self._paused = False
+    async def end(self, version: int) -> None:
+        await self.request(self.api.weights.end, json={"weight_version": version})
 
     async def recover(self, version: int) -> None:
-        if self._paused:
+        if self.control.paused:  # only what this adapter paused, at the switch
             try:
-                await self.call("POST", "/continue_generation", json={})
+                await self.control.resume()
             except TransferError:
                 pass
-            self._paused = False
+            self.control.paused = None
 
     async def nixl_prepare(self) -> bytes:
+        path = self.api.weights.stream_prepare.format(stream="nixl")
         try:
-            resp = await self.http.post(f"{self.url}/weightsync/nixl/prepare", timeout=self.cfg.timeout_s)
+            resp = await self.http.post(f"{self.url}{path}", timeout=self.cfg.timeout_s)
         except httpx.HTTPError as err:
-            raise TransferError(f"{self.url}/weightsync/nixl/prepare: {err}") from err
+            raise TransferError(f"{self.url}{path}: {err}") from err
         if resp.status_code != 200:
-            raise TransferError(
-                f"{self.url}/weightsync/nixl/prepare: HTTP {resp.status_code}: {resp.text[:300]}"
-            )
+            raise TransferError(f"{self.url}{path}: HTTP {resp.status_code}: {resp.text[:300]}")
         return resp.content
 
     async def nixl_connect(self, sender_json: dict, group_name: str) -> None:
-        await self.call(
-            "POST", "/weightsync/nixl/connect", json={"sender": sender_json, "group_name": group_name}
-        )
-
-
-VLLM_PAUSE = {"in_place": "keep", "abort": "abort", "retract": "abort"}
+        path = self.api.weights.stream_connect.format(stream="nixl")
+        await self.call("POST", path, json={"sender": sender_json, "group_name": group_name})
 
 
 @register_adapter("vllm")
 class VLLMAdapter(ServerAdapter):
-    """vLLM 0.33 in dev mode with ``--weight-transfer-config '{"backend": "nccl"}'`` (module docstring)."""
+    """vLLM (``serverapi.VLLM``) in dev mode with ``--weight-transfer-config '{"backend": "nccl"}'``."""
 
+    api = VLLM
     transport = "nccl_uid"
 
     def __init__(self, url: str, cfg: WeightSyncConfig, http: httpx.AsyncClient) -> None:
@@ -304,13 +329,12 @@ class VLLMAdapter(ServerAdapter):
         return None if self.per_tensor else Layout.vllm(self.cfg.bucket_mb << 20)
 
     async def ranks(self) -> int:
-        resp = await self.call("GET", "/get_world_size", params={"include_dp": "true"})
+        resp = await self.request(self.api.weights.ranks, params={"include_dp": "true"})
         return int(resp.get("world_size", 1) or 1)
 
     async def init_group(self, spec: GroupSpec) -> None:
-        await self.call(
-            "POST",
-            "/init_weight_transfer_engine",
+        await self.request(
+            self.api.weights.init_group,
             json={
                 "init_info": {
                     "rank_offset": spec.rank_offset,
@@ -324,14 +348,10 @@ class VLLMAdapter(ServerAdapter):
         )
 
     async def destroy_group(self, group_name: str) -> None:
-        await self.call("POST", "/shutdown_weight_transfer_engine", json={})
+        await self.request(self.api.weights.destroy_group, json={})
 
     async def before(self, version: int) -> None:
-        params = {"mode": VLLM_PAUSE[self.cfg.pause_mode]}
-        if params["mode"] == "abort":
-            params["clear_cache"] = "true"
-        await self.call("POST", "/pause", params=params)
-        await self.call("POST", "/start_weight_update", json={})
+        await super().before(version)
         self._session, self._loading = True, False
 
     async def update(self, meta: BucketMeta) -> None:
@@ -339,12 +359,11 @@ class VLLMAdapter(ServerAdapter):
             names, dtypes, shapes = _entries(meta)
             update_info = {"names": names, "dtype_names": dtypes, "shapes": shapes}
             self._loading = True
-            await self.call("POST", "/update_weights", json={"update_info": update_info})
+            await self.request(self.api.weights.update, json={"update_info": update_info})
 
-    async def after(self, version: int) -> None:
-        await self.call("POST", "/finish_weight_update", json={"weight_version": str(version)})
+    async def end(self, version: int) -> None:
+        await self.request(self.api.weights.end, json={"weight_version": str(version)})
         self._session = False
-        await self.call("POST", "/resume")
 
     async def recover(self, version: int) -> None:
         """Close the update session, and resume only a server whose weights are whole.
@@ -359,7 +378,7 @@ class VLLMAdapter(ServerAdapter):
         if self._session:
             self._session = False
             try:  # vLLM may already have closed it (an update that failed inside vLLM resets the session)
-                await self.call("POST", "/finish_weight_update", json={})
+                await self.request(self.api.weights.end, json={})
             except TransferError as err:
                 log.debug("%s: closing the update session: %s", self.url, err)
         if self._loading:
@@ -370,6 +389,6 @@ class VLLMAdapter(ServerAdapter):
             )
             return
         try:
-            await self.call("POST", "/resume")
+            await self.control.resume()
         except TransferError:
             pass

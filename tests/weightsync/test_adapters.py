@@ -21,9 +21,10 @@ from fastapi import FastAPI, Request
 from wsync_helpers import digest, mixed_tensors, spawn
 
 from slipstream.utils.net import free_port
-from slipstream.weightsync.adapters import GroupSpec, VLLMAdapter
+from slipstream.weightsync.adapters import EmbeddedAdapter, GroupSpec, SGLangAdapter, VLLMAdapter
 from slipstream.weightsync.buckets import BucketPacker, BufferPool, Layout, parse_dtype
 from slipstream.weightsync.config import WeightSyncConfig
+from slipstream.weightsync.errors import TransferError
 from slipstream.weightsync.publisher import WeightPublisher
 
 
@@ -349,3 +350,49 @@ def test_unsupported_combinations_are_refused_by_name():
         WeightPublisher(WeightSyncConfig(device="cpu"), [], "tgi")
     with pytest.raises(ValueError, match="`nixl` works with embedded servers only"):
         WeightPublisher(WeightSyncConfig(backend="nixl", device="cpu"), [], "sglang")
+
+
+def _control_calls(cls, pause_mode: str, fail_end: bool = False) -> list:
+    """The control requests an adapter sends for one version (``fail_end``: the switch fails)."""
+    sent: list = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else None
+        sent.append((request.url.path, dict(request.url.params), body))
+        if fail_end and request.url.path == cls.api.weights.end.path:
+            return httpx.Response(500, json={"success": False, "message": "apply failed"})
+        return httpx.Response(200, json={"success": True})
+
+    async def drive():
+        cfg = WeightSyncConfig(device="cpu", pause_mode=pause_mode)
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+            adapter = cls("http://server", cfg, http)
+            await adapter.before(5)
+            try:
+                await adapter.after(5)
+            except TransferError:
+                await adapter.recover(5)
+            return adapter.control.paused
+
+    assert asyncio.run(drive()) is None  # nothing is left paused
+    return sent
+
+
+def test_embedded_stages_while_generating_and_pauses_only_around_the_switch():
+    begin = ("/begin_weight_update", {}, {"weight_version": 5})
+    end = ("/end_weight_update", {}, {"weight_version": 5})
+    assert _control_calls(EmbeddedAdapter, "in_place") == [begin, end]  # running requests keep going
+    pause, resume = ("/pause_generation", {}, {"mode": "abort"}), ("/continue_generation", {}, {})
+    assert _control_calls(EmbeddedAdapter, "abort") == [begin, pause, end, resume]
+    assert _control_calls(EmbeddedAdapter, "retract") == [begin, pause, end, resume]  # its nearest: abort
+    assert _control_calls(EmbeddedAdapter, "abort", fail_end=True) == [begin, pause, end, resume]
+
+
+def test_adapters_pause_with_the_same_requests_as_the_clients():
+    """One description, one control: weight sync's pause is the request a client's pause sends."""
+    for cls in (SGLangAdapter, VLLMAdapter):
+        for mode in ("in_place", "abort", "retract"):
+            first = _control_calls(cls, mode)[0]
+            call = cls.api.pause_call(mode)
+            assert first == (call.path, dict(call.params), call.json)
+            assert _control_calls(cls, mode)[-1][0] == cls.api.resume.path
