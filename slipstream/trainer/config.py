@@ -264,6 +264,15 @@ class TrainerConfig(ConfigStruct):
             "measures against.",
         ),
     ] = True
+    share_prompt_prefix: Annotated[
+        bool,
+        Meta(
+            description="Run each group's shared prompt once per micro-batch instead of once per sample "
+            "(trainer/engine/prefix.py): the samples of a group keep the tokens they have in common as one "
+            "copy and attend to it; logprobs and gradients are unchanged. Packed fsdp micro-batches with the "
+            "sdpa_varlen kernel; elsewhere it has no effect.",
+        ),
+    ] = True
     device: Annotated[
         Literal["auto", "cpu", "cuda"],
         Meta(description="Where the engine runs: auto picks cuda when available (NCCL), else cpu (gloo)."),

@@ -34,19 +34,26 @@ def make_packed_batch(
     seed: int = 0,
     version: int = 0,
     uid_prefix: str = "s",
+    shared_prompts: bool = False,
 ) -> TensorDict:
     """A batch of ``len(prompt_lens)`` samples; consecutive runs of ``group_size`` samples form a group.
 
     Behaviour logprobs are random negatives, rewards random in {0, 1}, every response token is a policy
-    token and carries ``version``.
+    token and carries ``version``. ``shared_prompts``: the samples of a group have the same prompt tokens
+    (as rollouts of one prompt do; ``prompt_lens`` must then agree within each group).
     """
     if len(prompt_lens) != len(response_lens):
         raise ValueError("prompt_lens and response_lens must have one entry per sample")
     g = torch.Generator().manual_seed(seed)
     n = len(prompt_lens)
     ids, pos, mask, old, ver = [], [], [], [], []
-    for p, r in zip(prompt_lens, response_lens, strict=True):
-        ids.append(torch.randint(0, vocab_size, (p + r,), generator=g))
+    prompt = torch.empty(0, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompt_lens, response_lens, strict=True)):
+        if not shared_prompts or i % group_size == 0:
+            prompt = torch.randint(0, vocab_size, (p,), generator=g)
+        elif prompt.numel() != p:
+            raise ValueError(f"shared_prompts: sample {i} has a {p}-token prompt, its group {prompt.numel()}")
+        ids.append(torch.cat([prompt, torch.randint(0, vocab_size, (r,), generator=g)]))
         pos.append(torch.arange(p + r))
         mask.append(torch.cat([torch.zeros(p, dtype=torch.bool), torch.ones(r, dtype=torch.bool)]))
         old.append(torch.cat([torch.zeros(p), -torch.rand(r, generator=g) * 3]))

@@ -99,6 +99,7 @@ class FSDPEngine(ModelEngine):
         self._arch: tuple[int, int] = (0, 0)  # (layers, hidden) for attention FLOPs
         self._head: LogprobHead | None = None  # chunked logprobs inside the forward (None: plain logits)
         self._sp = int(cfg.trainer.sequence_parallel_size)  # Ulysses group size (1: off)
+        self._share_prefix = bool(cfg.trainer.share_prompt_prefix)  # engine/prefix.py; needs sdpa_varlen
         self._sp_group = self._dp_group = None
 
     # ---------------------------------------------------------------- setup
@@ -170,6 +171,7 @@ class FSDPEngine(ModelEngine):
         attn = self.tcfg.attn_implementation or _default_attention(on_gpu)
         if attn == "sdpa_varlen":
             from slipstream.trainer.engine import varlen  # noqa: F401  (registers the kernel)
+        self._share_prefix = self._share_prefix and attn == "sdpa_varlen" and not self.value_head
         if self._sp > 1:
             from slipstream.trainer import seqpar
 
@@ -294,7 +296,8 @@ class FSDPEngine(ModelEngine):
             return {"values": values}
         if self._head is not None:
             rows = _scored_rows(mb) if self._sp == 1 else None
-            logp_next, ent_next = self._head_forward(ids, pos, cu, pad_to, entropy, rows)
+            layout = self._prefix_layout(mb, pad_to)
+            logp_next, ent_next = self._head_forward(ids, pos, cu, pad_to, entropy, rows, layout)
         else:
             logp_next, ent_next = self._full_logits_forward(ids, pos, cu, pad_to, entropy)
         out = {"logprobs": _align_next(logp_next, starts)}
@@ -302,12 +305,21 @@ class FSDPEngine(ModelEngine):
             out["entropy"] = _align_next(ent_next, starts)
         return out
 
-    def _head_forward(self, ids, pos, cu, pad_to, entropy, rows=None):  # noqa: ANN001, ANN202
+    def _prefix_layout(self, mb: TensorDict, pad_to: int):  # noqa: ANN202
+        """The shared-prompt layout of ``mb`` (``engine/prefix.py``) where it applies, else None."""
+        if not self._share_prefix or pad_to or self._sp > 1 or mb["input_ids"].numel() < 2:
+            return None
+        from slipstream.trainer.engine.prefix import build_layout
+
+        return build_layout(mb)
+
+    def _head_forward(self, ids, pos, cu, pad_to, entropy, rows=None, layout=None):  # noqa: ANN001, ANN202
         """Logprobs (and entropy) of tokens 1.. computed chunk by chunk inside the model's forward.
 
         ``rows`` (see :func:`_scored_rows`): the only rows to score; the others come back as zeros. The
         output layer and the log-softmax over the vocabulary then run on the response tokens alone, which
-        in RL batches are a fraction of the tokens (the prompts are scored by no loss).
+        in RL batches are a fraction of the tokens (the prompts are scored by no loss). ``layout``: run the
+        micro-batch as its shared-prompt row (``engine/prefix.py``) and score each token from its row there.
         """
         if self._sp > 1:
             return self._sequence_parallel_forward(ids, pos, cu, entropy)
@@ -315,12 +327,22 @@ class FSDPEngine(ModelEngine):
         if pad_to:
             _, attn, _ = _padded_grid(ids, cu, pad_to)
             src = attn.flatten().nonzero()[:-1, 0]  # flat grid rows of every real token but the last
+        elif layout is not None:
+            src = layout.index[:-1]  # token j + 1 is scored from the row holding token j
         targets = ids[1:]
         if rows is not None:
             targets = targets.index_select(0, rows)
             src = rows if src is None else src.index_select(0, rows)
         with self._head.request(targets=targets, src=src, entropy=entropy):
-            logp, ent = self._run_model(ids, pos, cu, pad_to, raw=True)
+            if layout is None:
+                logp, ent = self._run_model(ids, pos, cu, pad_to, raw=True)
+            else:
+                logp, ent = self.model(
+                    input_ids=layout.ids[None],
+                    position_ids=layout.positions[None],
+                    use_cache=False,
+                    prefix_blocks=layout.blocks,
+                ).logits
         if rows is None:
             return logp, ent
         n = ids.numel() - 1

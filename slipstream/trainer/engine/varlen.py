@@ -32,7 +32,16 @@ def sdpa_varlen_forward(
     scaling: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """query/key/value: [1, heads, T, dim] (kv heads may be fewer: GQA). Returns ([1, T, heads, dim], None)."""
+    """query/key/value: [1, heads, T, dim] (kv heads may be fewer: GQA). Returns ([1, T, heads, dim], None).
+
+    With ``prefix_blocks`` (a shared-prompt row, ``engine/prefix.py``) the row is attended block by block.
+    """
+    blocks = kwargs.get("prefix_blocks")
+    if blocks is not None:
+        from slipstream.trainer.engine.prefix import prefix_attention
+
+        drop = dropout if module.training else 0.0
+        return prefix_attention(query, key, value, blocks, drop, scaling).transpose(1, 2).contiguous(), None
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None or query.shape[0] != 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
