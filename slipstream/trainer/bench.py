@@ -1,15 +1,19 @@
-"""``slipstream bench train``: training tokens/s with packed sequences vs padding to the longest sample.
+"""``slipstream bench train``: training tokens/s with packed sequences vs padding to the longest sample, and
+with each group's shared prompt run once (``trainer.share_prompt_prefix``) vs once per sample.
 
-Both modes train the same model from the same initial weights on the same long-tail batch (log-normal
-response lengths capped at ``--max-len``, the shape RL rollouts have) with the same micro-batch token
-budget and the trainer's real loss (GRPO advantages, PPO clip, token-mean). Packed micro-batches hold
-samples end to end with restarting position ids; padded ones hold rows padded to the batch's longest
-sample, the layout trainers use without "remove padding". Throughput counts real (non-padding) tokens of
-full training steps (forward, backward, optimizer), after one warm-up step per mode; the two modes' timed
-steps alternate, so a change of machine load during the run affects both alike.
+All modes train the same model from the same initial weights on the same long-tail batch (log-normal
+response lengths capped at ``--max-len``, the shape RL rollouts have; the ``--group-size`` samples of a group
+share their prompt, as rollouts of one prompt do) with the same micro-batch token budget and the trainer's
+real loss (GRPO advantages, PPO clip, token-mean). Packed micro-batches hold samples end to end with
+restarting position ids; padded ones hold rows padded to the batch's longest sample, the layout trainers use
+without "remove padding"; shared ones are packed micro-batches whose groups keep one copy of their prompt
+(``trainer/engine/prefix.py``). Throughput counts real (non-padding) tokens of the packed batch in full
+training steps (forward, backward, optimizer), after one warm-up step per mode; the modes' timed steps
+alternate, so a change of machine load during the run affects them alike.
 
-The last line of ``--json`` output is one JSON object:
-``{"packed_tok_s", "padded_tok_s", "speedup", "real_tokens", "padded_tokens", "samples", ...}``.
+The last line of ``--json`` output is one JSON object: ``{"packed_tok_s", "padded_tok_s", "speedup",
+"shared_tok_s", "shared_speedup", "real_tokens", "padded_tokens", "samples", ...}`` (``speedup``: packed
+over padded; ``shared_speedup``: shared over packed).
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ def _model_path(arg: str | None, workdir: Path) -> str:
     )
 
 
-def _config(model_path: str, args: argparse.Namespace, packed: bool):
+def _config(model_path: str, args: argparse.Namespace, mode: str):
     from slipstream.config import load_config
 
     return load_config(
@@ -70,7 +74,8 @@ def _config(model_path: str, args: argparse.Namespace, packed: bool):
             f"model.path={model_path}",
             f"trainer.device={args.device}",
             f"trainer.micro_batch_tokens={args.micro_batch_tokens}",
-            f"trainer.pack_sequences={str(packed).lower()}",
+            f"trainer.pack_sequences={str(mode != 'padded').lower()}",
+            f"trainer.share_prompt_prefix={str(mode == 'shared').lower()}",
             f"run.seed={args.seed}",
         ],
     )
@@ -84,6 +89,7 @@ def _batch(args: argparse.Namespace, vocab_size: int):
         vocab_size=vocab_size,
         group_size=args.group_size,
         seed=args.seed,
+        shared_prompts=True,
     )
     adv = ADVANTAGES.get("grpo")(
         AdvantageInputs(batch["rewards"], batch["group_index"], batch["loss_mask"], batch["cu_seqlens"])
@@ -114,7 +120,7 @@ def _make_runner(cfg, batch):
 
 def _time_modes(runners: dict, steps: int) -> dict[str, tuple[float, int]]:
     """Seconds per step and micro-batches per step of each mode, timed step by step in alternation so a
-    machine whose load changes during the run slows both modes alike."""
+    machine whose load changes during the run slows every mode alike."""
     micro = {mode: run() for mode, run in runners.items()}  # warm-up step of each mode
     spent = dict.fromkeys(runners, 0.0)
     for _ in range(steps):
@@ -137,7 +143,7 @@ def run(args: argparse.Namespace) -> dict:
         lengths = [args.prompt_len + r for r in responses]
         real = sum(lengths)
         runners = {
-            m: _make_runner(_config(model_path, args, m == "packed"), batch) for m in ("packed", "padded")
+            m: _make_runner(_config(model_path, args, m), batch) for m in ("packed", "padded", "shared")
         }
         results = _time_modes(runners, args.steps)
         flops = runners["packed"].flops(lengths)
@@ -151,10 +157,13 @@ def run(args: argparse.Namespace) -> dict:
     if dist.is_initialized():
         dist.destroy_process_group()
     packed_tok_s, padded_tok_s = real / results["packed"][0], real / results["padded"][0]
+    shared_tok_s = real / results["shared"][0]
     return {
         "packed_tok_s": round(packed_tok_s, 1),
         "padded_tok_s": round(padded_tok_s, 1),
         "speedup": round(packed_tok_s / padded_tok_s, 3),
+        "shared_tok_s": round(shared_tok_s, 1),
+        "shared_speedup": round(shared_tok_s / packed_tok_s, 3),
         "samples": args.samples,
         "real_tokens": real,
         "padded_tokens": len(lengths) * max(lengths),

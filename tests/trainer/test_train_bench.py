@@ -34,5 +34,6 @@ def test_bench_train_json_line(capsys, single_process_group):
     )
     last = capsys.readouterr().out.strip().splitlines()[-1]
     result = json.loads(last)
-    assert {"packed_tok_s", "padded_tok_s", "speedup", "real_tokens", "padded_tokens"} <= set(result)
+    keys = {"packed_tok_s", "padded_tok_s", "speedup", "shared_tok_s", "shared_speedup", "real_tokens"}
+    assert keys | {"padded_tokens"} <= set(result)
     assert result["padded_tokens"] >= result["real_tokens"] > 0
