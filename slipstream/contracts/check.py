@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from slipstream.contracts import cache
+from slipstream.contracts.descriptions import check_descriptions, count_described
 from slipstream.contracts.flags import check_launch, parse_argv
 from slipstream.contracts.http import check_http
 from slipstream.contracts.ours import HttpCall, LaunchArgv, record_http_calls, record_launch_argv
@@ -79,6 +80,8 @@ def run(source_trees: dict[str, SourceTree] | None = None) -> Report:
     report.problems += check_http(t, calls)
     report.problems += check_replies(t, calls)
     report.counts.update(count_http(calls))
+    report.problems += check_descriptions(t, calls)
+    report.counts["described endpoints"] = count_described()
     argvs = record_launch_argv()
     report.problems += check_launch(t, argvs)
     report.counts["launch flags"] = count_flags(argvs)

@@ -1,5 +1,7 @@
 """The upstream releases Slipstream is written against: one table, read by the contract checker, the
 docs (``docs/contracts.md``, checked by a test) and the ``pyproject.toml`` extras (checked by a test).
+The inference servers' rows take their release from the server's description (``slipstream.serverapi``),
+which is where a vLLM or SGLang version is changed.
 
 Each pin names the distribution on the package registry, its exact version, and the top-level
 packages of its wheel whose Python sources the checker reads. ``nixl`` on the registry is a small
@@ -13,6 +15,8 @@ where the servers run), whatever machine runs the check, so every machine reads 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from slipstream.serverapi import SGLANG, VLLM
 
 
 @dataclass(frozen=True)
@@ -32,8 +36,8 @@ class Pin:
 
 
 PINS: dict[str, Pin] = {
-    "vllm": Pin("vllm", "0.33.0", ("vllm",), extra="vllm"),
-    "sglang": Pin("sglang", "0.5.23", ("sglang",), extra="sglang"),
+    "vllm": Pin(VLLM.dist, VLLM.version, ("vllm",), extra="vllm"),
+    "sglang": Pin(SGLANG.dist, SGLANG.version, ("sglang",), extra="sglang"),
     "nixl": Pin("nixl", "1.5.1", ("nixl",), extra="nixl"),
     "nixl-cu12": Pin("nixl-cu12", "1.5.1", ("nixl_cu12",), extra="nixl"),
     "megatron-core": Pin("megatron-core", "0.16.1", ("megatron",), extra="megatron"),

@@ -276,6 +276,30 @@ def test_raw_json_handlers_missing_routes_and_wrong_methods(fake_trees):
     assert wrong and "only POST" in wrong[0].message
 
 
+def test_described_endpoints_missing_upstream_and_undescribed_calls_are_reported(fake_trees, recorded):
+    """The fake SGLang routes only /generate and /pause_generation: the rest of its description is
+    reported, and a call to a path no description names is reported wherever it was sent from."""
+    from slipstream.contracts.descriptions import check_descriptions
+    from slipstream.serverapi import SGLANG
+
+    stray = HttpCall("sglang", "POST", "/flush_cache", {}, None, "SomeAdapter.after")
+    problems = check_descriptions(fake_trees, [*recorded[0], stray], {"sglang": SGLANG})
+    missing = {p.where for p in problems if "described endpoint missing upstream" in p.message}
+    assert missing == {f"sglang {ep}" for ep in SGLANG.endpoints()} - {
+        "sglang POST /generate",
+        "sglang POST /pause_generation",
+    }
+    assert all(p.origin == "serverapi sglang==0.5.23" for p in problems if p.where in missing)
+    undescribed = [p for p in problems if "not an endpoint of the server's description" in p.message]
+    assert [(p.where, p.origin) for p in undescribed] == [("sglang POST /flush_cache", "SomeAdapter.after")]
+
+
+def test_the_inference_server_pins_are_the_descriptions():
+    from slipstream.serverapi import SGLANG, VLLM
+
+    assert PINS["vllm"].requirement == VLLM.requirement and PINS["sglang"].requirement == SGLANG.requirement
+
+
 def test_reply_fields_our_parsers_read_that_upstream_lacks_are_reported(fake_trees, recorded, monkeypatch):
     import slipstream.contracts.responses as responses
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from slipstream.contracts.check import count_http
+from slipstream.contracts.descriptions import check_descriptions
 from slipstream.contracts.flags import check_launch
 from slipstream.contracts.http import check_http
 from slipstream.contracts.ours import record_launch_argv
@@ -29,6 +30,11 @@ def calls(recorded):
 def test_http_requests_match_upstream_routes_and_models(pinned_trees, calls):
     assert count_http(calls)["endpoints"] >= 20
     problems = check_http(pinned_trees, calls)
+    assert not problems, _report(problems)
+
+
+def test_server_descriptions_match_upstream_and_name_every_endpoint_we_call(pinned_trees, calls):
+    problems = check_descriptions(pinned_trees, calls)
     assert not problems, _report(problems)
 
 
