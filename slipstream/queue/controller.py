@@ -15,32 +15,44 @@ Lifecycle of a group (``seq`` is its put order; the ready set is always sorted b
                                              │                     commits: gone ◄┘         │ known snapshot
                                              └──────────────────────────────────────────────┘ (rollback)
 
-Lease handlers (grant, fetch, ack, nack, expiry) live in :mod:`~slipstream.queue.leases`. Acked groups go to
-the :mod:`~slipstream.queue.journal` (header and payload, copied out of shared memory) until the next
-snapshot commits, so a trainer that crashes and restores its last snapshot on this live server gets back what
-it acked since; snapshot and restore live in :mod:`slipstream.queue.recovery`.
+The controller is the server's one state machine, built from parts it owns, each behind a narrow interface::
+
+    Controller     handlers, admission and back-pressure, parked requests and their timers, every answer
+      ├── Ledger    (state.py)     held groups, ready sets in put order, consumed ids, dropped list
+      ├── Leases    (leases.py)    the lease table: grant, ack, nack, quarantine, fetch, expiry, fences
+      ├── Recovery  (recovery.py)  snapshot and restore (rollback or merge), on the background worker
+      ├── Credits   (credits.py)   arena regions reserved for producers' next puts
+      └── Journal   (journal.py)   acked groups kept until the next snapshot commits (optional)
+
+Only the controller answers requests and parks them; the lease table and the recovery change the queue
+through the ledger and report what changed (a partition's ready set grew, groups to consume), and the
+controller then serves whoever waits. Acked groups go to the journal (header and payload, copied out of
+shared memory) until the next snapshot commits, so a trainer that crashes and restores its last snapshot on
+this live server gets back what it acked since.
 
 Same-host producers write into arena *credits* (regions reserved for their next put, see
 :mod:`slipstream.queue.credits`): a commit both admits the group written there and hands out the next credit,
 so a shared-memory put is one round trip, like a socket put.
 
 Invariants:
-  * a group id or uid is accepted at most once: ``_is_seen`` covers held groups (ready, leased) and
-    everything ever acked, so a replayed put is refused and nothing is trained twice;
+  * a group id or uid is accepted at most once (``Ledger.is_seen``), so a replayed put is refused and
+    nothing is trained twice;
   * a group is handed out only from READY and never after its ack; a lease whose deadline passed goes back
     to the ready set, and a late ack of it still consumes whatever of it was not leased again since (each
     group keeps its last lease id as a fence);
   * ``held_groups``/``held_bytes`` count READY + LEASED groups; capacity bounds them plus the consumed
     groups whose journal copy is not written yet (their buffers are still held).
+
+Time comes from ``clock`` (``time.monotonic`` by default), so a test drives every deadline by hand: the
+handlers can be called directly with a ``send`` that records the replies, without sockets or threads.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-import re
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -53,16 +65,13 @@ from slipstream.queue.config import QueueConfig
 from slipstream.queue.credits import Credits
 from slipstream.queue.journal import Journal
 from slipstream.queue.leases import Leases
-from slipstream.queue.recovery import Recovery
-from slipstream.queue.state import READY, Group, LeaseRecord, Partition, ReplyTo, Send, Waiter
+from slipstream.queue.recovery import Recovery, Summary
+from slipstream.queue.state import Clock, Group, Ledger, Partition, ReplyTo, Send, Waiter
 from slipstream.queue.stats import PartitionCounters
 from slipstream.queue.storage import StorageUnit
-from slipstream.queue.types import GroupMeta
 from slipstream.utils.logging import get_logger
 
 log = get_logger(__name__)
-
-_PARTITION_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
 
 def _waiter_of(timer: tuple[float, int, str, Any]) -> Waiter:
@@ -70,53 +79,56 @@ def _waiter_of(timer: tuple[float, int, str, Any]) -> Waiter:
     return key[1] if timer[2] == "wait" else key
 
 
-class Controller(Leases, Recovery):
-    """Metadata owner of one queue server. Not thread-safe: only the server loop thread calls it."""
+class Controller:
+    """Metadata owner of one queue server. Not thread-safe: only the server loop thread calls it.
+
+    Worked example (no sockets: ``send`` records the replies, the clock is driven by hand)::
+
+        ctl = Controller(cfg, [StorageUnit(0, None, 0, None)], send, nonce, clock=clock)
+        ctl.handle_put(0, producer, P.PutRequest(1, "train", meta, specs, 5.0), buffers)  # PutReply(stored)
+        ctl.handle_lease(trainer, P.LeaseRequest(2, "train", 1, 1, 30.0), [])             # LeaseReply
+        ctl.handle_ack(trainer, P.AckRequest(3, lease_id), [])                            # AckReply(1)
+        clock.now += cfg.lease_timeout_s; ctl.tick()     # (had it not been acked: back to the ready set)
+    """
 
     def __init__(
-        self, cfg: QueueConfig, units: Sequence[StorageUnit], send: Send, nonce: bytes, direct: str = ""
+        self,
+        cfg: QueueConfig,
+        units: Sequence[StorageUnit],
+        send: Send,
+        nonce: bytes,
+        direct: str = "",
+        clock: Clock = time.monotonic,
     ) -> None:
         self.cfg = cfg
         self._direct = direct
         self.units = list(units)
         self._send = send
         self._nonce = nonce
-        self._started = time.monotonic()
-        self._seq = itertools.count()
-        self._tokens = itertools.count(1)
-        self._groups: dict[str, Group] = {}
-        self._by_token: dict[int, Group] = {}
-        self._partitions: dict[str, Partition] = {}
-        # Leases have one fixed timeout, so insertion order is deadline order: expiry only looks at the
-        # front (a heap of them would grow with every lease).
-        self._leases: OrderedDict[str, LeaseRecord] = OrderedDict()
-        self.credits = Credits(self.units, self._tokens, cfg.reserve_timeout_s)
-        self._expired: OrderedDict[str, LeaseRecord] = OrderedDict()
-        self._held_uids: set[str] = set()
-        self._consumed_groups: set[str] = set()
-        self._consumed_uids: set[str] = set()
-        self._dropped: deque[GroupMeta] = deque()
+        self._clock = clock
+        self._started = clock()
+        self.ledger = Ledger(self.units)
+        self.leases = Leases(self.ledger, cfg.lease_timeout_s, clock)
+        self.credits = Credits(self.units, self.ledger.tokens, cfg.reserve_timeout_s, clock)
+        self._background = Background()
+        self.journal = Journal(cfg.journal_dir) if cfg.journal else None
+        self.recovery = Recovery(self.ledger, self.journal, self._background, cfg.snapshot_dir)
         self._parked_puts: deque[Waiter] = deque()
         self._timers: list[tuple[float, int, str, Any]] = []  # parked requests, each with its own timeout
         self._timer_seq = itertools.count()
-        self._background = Background()
-        self.journal = Journal(cfg.journal_dir) if cfg.journal else None
-        self._commits: OrderedDict[str, tuple[frozenset[str], frozenset[str]]] = OrderedDict()
-        self.held_groups = 0
-        self.held_bytes = 0
         self.parked_puts = 0  # parked puts and the frame bytes they hold, and leases waiting (not done)
         self.parked_bytes = 0
         self.waiting_leases = 0
 
-    # -------------------------------------------------------------------------------------- helpers
-    def _part(self, name: str) -> Partition:
-        part = self._partitions.get(name)
-        if part is None:
-            if not _PARTITION_RE.match(name):
-                raise WireError("bad_request", f"partition {name!r}: use 1-64 letters, digits, '_', '-', '.'")
-            part = self._partitions[name] = Partition()
-        return part
+    @property
+    def held_groups(self) -> int:
+        return self.ledger.held_groups
 
+    @property
+    def held_bytes(self) -> int:
+        return self.ledger.held_bytes
+
+    # -------------------------------------------------------------------------------------- helpers
     def _timer(self, deadline: float, kind: str, key: Any) -> None:
         heapq.heappush(self._timers, (deadline, next(self._timer_seq), kind, key))
         if len(self._timers) > 4 * (self.parked_puts + self.waiting_leases) + 1024:
@@ -128,61 +140,21 @@ class Controller(Leases, Recovery):
         self._timers = [t for t in self._timers if not _waiter_of(t).done]
         heapq.heapify(self._timers)
         self._parked_puts = deque(w for w in self._parked_puts if not w.done)
-        for part in self._partitions.values():
+        for part in self.ledger.partitions.values():
             part.waiters = deque(w for w in part.waiters if not w.done)
 
     def _ok(self, reply_to: ReplyTo, header: msgspec.Struct, buffers: Sequence[Any] = ()) -> bool:
         return self._send(reply_to, P.MsgType.OK, header, buffers)
 
-    def _is_seen(self, meta: GroupMeta) -> bool:
-        gid = meta.group_id
-        if gid in self._groups or gid in self._consumed_groups:
-            return True
-        return any(s.uid in self._held_uids or s.uid in self._consumed_uids for s in meta.samples)
-
-    def _hold(self, group: Group) -> None:
-        self._groups[group.meta.group_id] = group
-        self._by_token[group.token] = group
-        self._held_uids.update(s.uid for s in group.meta.samples)
-        self.held_groups += 1
-        self.held_bytes += group.nbytes
-
-    def _hold_restored(
-        self,
-        partition: str,
-        meta: GroupMeta,
-        specs: list[P.TensorSpec],
-        nbytes: int,
-        unit: int,
-        seq: int,
-        buffers: Sequence[Any],
-        arena_offset: int = -1,
-        region_bytes: int = 0,
-    ) -> None:
-        """Hold a group a restore brings back: in an arena region, or with ``buffers`` in its unit's blob
-        store. It joins the ready set when the caller merges it in (``_return_to_ready``)."""
-        self._part(partition)
-        token = next(self._tokens)
-        group = Group(seq, partition, meta, specs, nbytes, unit, token)
-        if arena_offset >= 0:
-            group.arena_offset, group.region_bytes, group.num_buffers = arena_offset, region_bytes, 1
-        else:
-            self.units[unit].store(token, list(buffers))
-            group.num_buffers = len(buffers)
-        self._hold(group)
-
-    def _release(self, group: Group) -> None:
-        """Forget a group and free its storage (after its ack)."""
-        del self._groups[group.meta.group_id]
-        del self._by_token[group.token]
-        self._held_uids.difference_update(s.uid for s in group.meta.samples)
-        self.held_groups -= 1
-        self.held_bytes -= group.nbytes
-        unit = self.units[group.unit]
-        if group.arena_offset >= 0:
-            unit.arena.free(group.arena_offset)
-        else:
-            unit.drop(group.token)
+    def _guarded(self, reply_to: ReplyTo, req_id: int, fn: Callable[[], None]) -> None:
+        """Run a deferred handler; its failure becomes an error reply to its own requester only."""
+        try:
+            fn()
+        except WireError as err:
+            self._send(reply_to, P.MsgType.ERROR, P.ErrorReply(req_id, err.kind, err.message))
+        except Exception as err:  # noqa: BLE001 - one bad request must not stop the loop
+            log.exception("deferred request failed")
+            self._send(reply_to, P.MsgType.ERROR, P.ErrorReply(req_id, "internal", repr(err)))
 
     # ----------------------------------------------------------------------------------- admission
     def _admit(
@@ -198,9 +170,9 @@ class Controller(Leases, Recovery):
         """Run ``on_admit`` now or once capacity allows; ``on_duplicate`` when the group was seen; on a
         timeout, ``on_timeout`` then a QueueFull reply. ``frame_bytes``: what the request holds while
         parked."""
-        self._part(req.partition)
-        if self._is_seen(req.meta):
-            self._part(req.partition).counters.duplicates_total += 1
+        part = self.ledger.part(req.partition)
+        if self.ledger.is_seen(req.meta):
+            part.counters.duplicates_total += 1
             on_duplicate()
             return
         if nbytes > self.cfg.capacity_bytes:
@@ -215,7 +187,7 @@ class Controller(Leases, Recovery):
             on_admit()
             return
         self._check_parking(frame_bytes)
-        deadline = time.monotonic() + max(0.0, req.timeout_s)
+        deadline = self._clock() + max(0.0, req.timeout_s)
         waiter = Waiter(reply_to, req, deadline, nbytes, on_admit, on_duplicate, on_timeout)
         waiter.frame_bytes = frame_bytes
         self._parked_puts.append(waiter)
@@ -251,7 +223,7 @@ class Controller(Leases, Recovery):
         return True
 
     def _fits(self, nbytes: int) -> bool:
-        groups, held = self.held_groups, self.held_bytes
+        groups, held = self.ledger.held_groups, self.ledger.held_bytes
         if self.journal is not None:  # consumed groups whose journal copy is not written hold memory too
             groups += self.journal.backlog_groups
             held += self.journal.backlog_bytes
@@ -263,10 +235,10 @@ class Controller(Leases, Recovery):
             if waiter.done:
                 self._parked_puts.popleft()
                 continue
-            if self._is_seen(waiter.req.meta):
+            if self.ledger.is_seen(waiter.req.meta):
                 self._parked_puts.popleft()
                 self._settle(waiter)
-                self._part(waiter.req.partition).counters.duplicates_total += 1
+                self.ledger.part(waiter.req.partition).counters.duplicates_total += 1
                 self._guarded(waiter.reply_to, waiter.req.req_id, waiter.on_duplicate)
                 continue
             if not self._fits(waiter.nbytes):
@@ -275,28 +247,16 @@ class Controller(Leases, Recovery):
             self._settle(waiter)
             self._guarded(waiter.reply_to, waiter.req.req_id, waiter.on_admit)
 
-    def _guarded(self, reply_to: ReplyTo, req_id: int, fn: Callable[[], None]) -> None:
-        """Run a deferred handler; its failure becomes an error reply to its own requester only."""
-        try:
-            fn()
-        except WireError as err:
-            self._send(reply_to, P.MsgType.ERROR, P.ErrorReply(req_id, err.kind, err.message))
-        except Exception as err:  # noqa: BLE001 - one bad request must not stop the loop
-            log.exception("deferred request failed")
-            self._send(reply_to, P.MsgType.ERROR, P.ErrorReply(req_id, "internal", repr(err)))
-
     # --------------------------------------------------------------------------------------- puts
     def handle_put(self, unit_index: int, reply_to: ReplyTo, req: P.PutRequest, buffers: list[Any]) -> None:
         nbytes = validate_group(req.meta, req.tensors, [len(b) for b in buffers], exact=True)
 
         def store() -> None:
-            token = next(self._tokens)
+            token = next(self.ledger.tokens)
             self.units[unit_index].store(token, buffers)
-            group = Group(next(self._seq), req.partition, req.meta, req.tensors, nbytes, unit_index, token)
+            group = self.ledger.new_group(req.partition, req.meta, req.tensors, nbytes, unit_index, token)
             group.num_buffers = len(buffers)
-            self._hold(group)
-            self._ok(reply_to, P.PutReply(req.req_id, True))  # before a waiting lease is served from it
-            self._make_ready(group)
+            self._store(group, P.PutReply(req.req_id, True), reply_to)
 
         duplicate = lambda: self._ok(reply_to, P.PutReply(req.req_id, False))  # noqa: E731
         self._admit(req, nbytes, reply_to, store, duplicate, frame_bytes=nbytes)
@@ -312,16 +272,11 @@ class Controller(Leases, Recovery):
 
         def store() -> None:
             self.credits.trim(held, req.tensors)
-            group = Group(next(self._seq), req.partition, req.meta, req.tensors, nbytes, held.unit, req.token)
-            group.arena_offset, group.region_bytes, group.num_buffers = (
-                held.offset,
-                region_extent(req.tensors),
-                1,
-            )
-            self._hold(group)
+            group = self.ledger.new_group(req.partition, req.meta, req.tensors, nbytes, held.unit, req.token)
+            group.arena_offset, group.region_bytes = held.offset, region_extent(req.tensors)
+            group.num_buffers = 1
             credit = self.credits.grant(req.next_nbytes, req.owner) if req.next_nbytes > 0 else None
-            self._ok(reply_to, P.CommitReply(req.req_id, True, credit))  # before a waiting lease is served
-            self._make_ready(group)
+            self._store(group, P.CommitReply(req.req_id, True, credit), reply_to)
 
         def duplicate() -> None:
             self._ok(reply_to, P.CommitReply(req.req_id, False, self.credits.give_back(held)))
@@ -333,35 +288,145 @@ class Controller(Leases, Recovery):
             self.credits.give_back(held)  # a refused commit leaves the credit with its producer
             raise
 
-    def _make_ready(self, group: Group) -> None:
-        group.state = READY
-        part = self._part(group.partition)
-        part.ready.append(group.meta.group_id)
-        part.counters.on_put(group.nbytes)
-        self._serve_waiters(part)
+    def _store(self, group: Group, reply: msgspec.Struct, reply_to: ReplyTo) -> None:
+        """Hold an admitted group, answer its put, then let it serve a waiting lease."""
+        self.ledger.hold(group)
+        self._ok(reply_to, reply)  # before a waiting lease is served from it
+        self._serve_waiters(self.ledger.make_ready(group))
 
     def handle_pop_dropped(self, reply_to: ReplyTo, req: P.PopDroppedRequest, _buffers: list[Any]) -> None:
-        n = max(0, min(req.max_groups, len(self._dropped)))
-        self._ok(reply_to, P.DroppedReply(req.req_id, [self._dropped.popleft() for _ in range(n)]))
+        self._ok(reply_to, P.DroppedReply(req.req_id, self.ledger.pop_dropped(req.max_groups)))
+
+    # ------------------------------------------------------------------------------------- leases
+    def handle_lease(self, reply_to: ReplyTo, req: P.LeaseRequest, _buffers: list[Any]) -> None:
+        if req.n_groups < 1 or not 1 <= req.min_groups <= req.n_groups:
+            raise WireError(
+                "bad_request", f"need 1 <= min_groups ({req.min_groups}) <= n_groups ({req.n_groups})"
+            )
+        part = self.ledger.part(req.partition)
+        if self.waiting_leases >= self.cfg.max_waiting_leases:
+            self._serve_waiters(part)  # drops answered waiters from the front
+        if self.waiting_leases >= self.cfg.max_waiting_leases:
+            raise WireError(
+                "too_many_waiting",
+                f"{self.waiting_leases} leases already wait for groups (queue.max_waiting_leases); "
+                "retry later",
+            )
+        waiter = Waiter(reply_to, req, self._clock() + max(0.0, req.timeout_s))
+        part.waiters.append(waiter)
+        self.waiting_leases += 1
+        self._serve_waiters(part)
+        if not waiter.done:
+            self._timer(waiter.deadline, "wait", (req.partition, waiter))
+
+    def _serve_waiters(self, part: Partition) -> None:
+        """Grant the partition's waiting leases, in arrival order, while enough groups are ready."""
+        while part.waiters and (part.waiters[0].done or len(part.ready) >= part.waiters[0].req.min_groups):
+            waiter = part.waiters.popleft()
+            if not waiter.done:
+                self._guarded(waiter.reply_to, waiter.req.req_id, lambda w=waiter: self._grant(part, w))
+
+    def _grant(self, part: Partition, waiter: Waiter) -> None:
+        """Lease the front of the ready set to ``waiter``; if its reply cannot be delivered (the requester is
+        gone), nothing changes and the groups stay ready for the next waiter."""
+        self._settle(waiter)
+        req = waiter.req
+        lease_id, groups = self.leases.offer(part, req.n_groups)
+        leased = [
+            P.LeasedGroup(g.meta, g.specs, g.unit, g.token, g.arena_offset, g.region_bytes, g.num_buffers)
+            for g in groups
+        ]
+        reply = P.LeaseReply(req.req_id, lease_id, self.cfg.lease_timeout_s, leased)
+        if not self._ok(waiter.reply_to, reply):
+            log.info("a lease waiter went away: its %d group(s) stay ready", len(groups))
+            return
+        self.leases.grant(lease_id, req.partition, groups, req.owner, req.consumer_version)
+
+    def handle_fetch(
+        self, unit_index: int, reply_to: ReplyTo, req: P.FetchRequest, _buffers: list[Any]
+    ) -> None:
+        unit = self.units[unit_index]
+        counts, buffers = [], []
+        for group in self.leases.fetchable(req, unit_index):
+            frames = unit.frames(group.token, group.arena_offset, group.region_bytes, self._background.track)
+            buffers.extend(frames)
+            counts.append(len(frames))
+        self._ok(reply_to, P.FetchReply(req.req_id, counts), buffers)
+
+    def handle_ack(self, reply_to: ReplyTo, req: P.AckRequest, _buffers: list[Any]) -> None:
+        consumed, lost = self.leases.ack(req)
+        for group, dropped in consumed:
+            self._consume(group, dropped)
+        self._ok(reply_to, P.AckReply(req.req_id, len(consumed), lost))
+        self._admit_parked()
+
+    def _consume(self, group: Group, dropped: bool) -> None:
+        if self.journal is not None:
+            self._journal(group, dropped)
+        self.ledger.consume(group, dropped)
+
+    def _journal(self, group: Group, dropped: bool) -> None:
+        unit = self.units[group.unit]
+        if group.arena_offset >= 0:
+            region = unit.arena.buffer(group.arena_offset, group.region_bytes)
+            self.journal.append(group.partition, group.meta, group.seq, group.nbytes, dropped, group.unit,
+                                group.specs, [region], unit.arena, group.arena_offset, group.region_bytes)  # fmt: skip
+        else:
+            self.journal.append(group.partition, group.meta, group.seq, group.nbytes, dropped, group.unit,
+                                group.specs, unit.blobs(group.token))  # fmt: skip
+
+    def handle_nack(self, reply_to: ReplyTo, req: P.NackRequest, _buffers: list[Any]) -> None:
+        part = self.leases.nack(req)
+        if part is not None:
+            self._serve_waiters(part)
+        self._ok(reply_to, P.DoneReply(req.req_id))
+
+    def handle_quarantine(self, reply_to: ReplyTo, req: P.QuarantineRequest, _buffers: list[Any]) -> None:
+        """Take groups its consumer could not unpack out of their lease for good (a group redelivered after
+        every expiry would fail every time, and hold the groups leased with it hostage)."""
+        for group in self.leases.quarantine(req):
+            gid, reason = group.meta.group_id, req.reason[:300]
+            log.error("group %r quarantined: its consumer could not unpack it (%s)", gid, reason)
+            self.ledger.quarantine(group)
+        self._ok(reply_to, P.DoneReply(req.req_id))
+        self._admit_parked()
+
+    # ------------------------------------------------------------------------------------ recovery
+    def handle_snapshot(self, reply_to: ReplyTo, req: P.PathRequest, _buffers: list[Any]) -> None:
+        self.recovery.snapshot(req, lambda summary: self._answer_job(reply_to, req.req_id, summary))
+
+    def handle_restore(self, reply_to: ReplyTo, req: P.PathRequest, _buffers: list[Any]) -> None:
+        self.recovery.restore(req, lambda summary: self._answer_job(reply_to, req.req_id, summary))
+
+    def _answer_job(self, reply_to: ReplyTo, req_id: int, summary: Callable[[], Summary]) -> None:
+        """Answer a finished snapshot or restore; restored groups then serve the leases waiting for them."""
+
+        def run() -> None:
+            self._ok(reply_to, P.SummaryReply(req_id, summary()))
+            for part in list(self.ledger.partitions.values()):
+                self._serve_waiters(part)
+
+        self._guarded(reply_to, req_id, run)
 
     # -------------------------------------------------------------------------------------- timers
     def tick(self) -> float:
         """Fire due timers and finished background work; return seconds until the next timer (capped)."""
-        now = time.monotonic()
+        now = self._clock()
         while self._timers and self._timers[0][0] <= now:
             _, _, kind, key = heapq.heappop(self._timers)
-            getattr(self, f"_expire_{kind}")(key)
-        while self._leases and (lease := next(iter(self._leases.values()))).deadline <= now:
-            self._expire_lease(lease.lease_id)
+            if kind == "put":
+                self._expire_put(key)
+            else:
+                self._expire_wait(*key)
+        for part in self.leases.expire(now):
+            self._serve_waiters(part)
         credit_deadline = self.credits.expire(now)
         self._background.poll()
         if self.journal is not None and self.journal.poll():
             self._admit_parked()  # written journal copies free capacity
-        deadlines = [self._timers[0][0]] if self._timers else []
-        if self._leases:
-            deadlines.append(next(iter(self._leases.values())).deadline)
-        if credit_deadline is not None:
-            deadlines.append(credit_deadline)
+        deadlines = [d for d in (self.leases.next_deadline(), credit_deadline) if d is not None]
+        if self._timers:
+            deadlines.append(self._timers[0][0])
         wait = min(deadlines) - now if deadlines else 1.0
         if self._background.busy:
             wait = min(wait, 0.002)  # completions do not wake the poller: look again soon
@@ -381,6 +446,24 @@ class Controller(Leases, Recovery):
         )
         self._send(waiter.reply_to, P.MsgType.ERROR, P.ErrorReply(waiter.req.req_id, "queue_full", msg))
         self._admit_parked()  # the next one in line may fit
+
+    def _expire_wait(self, partition: str, waiter: Waiter) -> None:
+        if not self._settle(waiter):
+            return
+        self._ok(waiter.reply_to, P.LeaseReply(waiter.req.req_id))
+        self._serve_waiters(self.ledger.part(partition))  # a head waiter that timed out may unblock the next
+
+    def forget(self, sock: Any) -> None:
+        """A requester's connection closed: cancel its parked leases and puts, which can never be answered
+        (a lease granted to it would hold its groups until ``lease_timeout_s``)."""
+        for part in self.ledger.partitions.values():
+            for waiter in part.waiters:
+                if waiter.reply_to[0] is sock:
+                    self._settle(waiter)
+        for waiter in self._parked_puts:
+            if waiter.reply_to[0] is sock and self._settle(waiter) and waiter.on_timeout is not None:
+                waiter.on_timeout()
+        self._admit_parked()
 
     # ---------------------------------------------------------------------------------- hello, stats
     def handle_hello(self, reply_to: ReplyTo, req: P.HelloRequest, _buffers: list[Any]) -> None:
@@ -405,35 +488,36 @@ class Controller(Leases, Recovery):
         self._ok(reply_to, P.StatsReply(req.req_id, self.stats()))
 
     def stats(self) -> P.QueueStats:
+        ledger = self.ledger
         parts = {}
-        for name, part in self._partitions.items():
-            leased = [self._groups[gid] for lease in self._leases.values() if lease.partition == name
-                      for gid in lease.group_ids]  # fmt: skip
-            ready_bytes = sum(self._groups[gid].nbytes for gid in part.ready)
+        for name, part in ledger.partitions.items():
+            leased = self.leases.leased_in(name)
+            ready_bytes = sum(ledger.groups[gid].nbytes for gid in part.ready)
             parts[name] = part.counters.snapshot(
                 len(part.ready), ready_bytes, len(leased), sum(g.nbytes for g in leased)
             )
         arenas = [u.arena for u in self.units if u.arena is not None]
+        journal = self.journal
         return P.QueueStats(
             partitions=parts,
-            held_groups=self.held_groups,
-            held_bytes=self.held_bytes,
+            held_groups=ledger.held_groups,
+            held_bytes=ledger.held_bytes,
             capacity_groups=self.cfg.capacity_groups,
             capacity_bytes=self.cfg.capacity_bytes,
             puts_waiting=self.parked_puts,
             puts_waiting_bytes=self.parked_bytes,
             leases_waiting=self.waiting_leases,
             credits=len(self.credits),
-            consumed_uids=len(self._consumed_uids),
-            dropped_waiting=len(self._dropped),
-            duplicates_total=sum(p.counters.duplicates_total for p in self._partitions.values()),
+            consumed_uids=len(ledger.consumed_uids),
+            dropped_waiting=len(ledger.dropped),
+            duplicates_total=sum(p.counters.duplicates_total for p in ledger.partitions.values()),
             shm_bytes_total=sum(a.size for a in arenas),
             shm_bytes_used=sum(a.used for a in arenas),
-            journal_groups=len(self.journal) if self.journal is not None else 0,
-            journal_bytes=self.journal.bytes if self.journal is not None else 0,
-            journal_backlog_groups=self.journal.backlog_groups if self.journal is not None else 0,
+            journal_groups=len(journal) if journal is not None else 0,
+            journal_bytes=journal.bytes if journal is not None else 0,
+            journal_backlog_groups=journal.backlog_groups if journal is not None else 0,
             rate_window_s=PartitionCounters.WINDOW_S,
-            uptime_s=time.monotonic() - self._started,
+            uptime_s=self._clock() - self._started,
         )
 
     def close(self) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from slipstream.queue import protocol as P
@@ -45,10 +45,17 @@ class Held:
 class Credits:
     """Live credits of one server, in deadline order (one fixed ttl, so insertion order)."""
 
-    def __init__(self, units: Sequence[StorageUnit], tokens: Iterator[int], ttl_s: float) -> None:
+    def __init__(
+        self,
+        units: Sequence[StorageUnit],
+        tokens: Iterator[int],
+        ttl_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._units = [u for u in units if u.arena is not None]
         self._tokens = tokens
         self.ttl_s = ttl_s
+        self._clock = clock
         self._live: OrderedDict[int, tuple[float, Held]] = OrderedDict()
         self._next = 0  # round-robin start, to spread producers over the units' arenas
 
@@ -66,7 +73,7 @@ class Credits:
         return None
 
     def _register(self, held: Held) -> P.Credit:
-        self._live[held.token] = (time.monotonic() + self.ttl_s, held)
+        self._live[held.token] = (self._clock() + self.ttl_s, held)
         return P.Credit(held.token, held.unit, held.offset, held.nbytes, self.ttl_s)
 
     def take(self, token: int, req_id: int, owner: bytes) -> Held:

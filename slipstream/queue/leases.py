@@ -1,26 +1,33 @@
-"""Lease handlers of the controller: grant, fetch, ack, nack, expiry.
+"""The lease table of a queue server: who holds which groups, until when, and the fences of expired leases.
 
-Split out of :mod:`slipstream.queue.controller` to keep each file about one thing; they use the controller's
-state and run on its loop thread. The rules they keep:
+The controller owns one :class:`Leases` and drives it: it decides *when* to grant (a waiting lease request
+meets enough ready groups) and answers the requests; the table decides *what* a grant, an ack, a nack, a
+quarantine or an expiry does to the groups, through the controller's :class:`~slipstream.queue.state.Ledger`.
+It sends nothing and parks nothing. The rules it keeps:
 
-* a group is handed out only from READY, to a waiter that can still be answered, in put order;
+* a group is handed out only from READY, in put order;
 * a lease not acked within ``lease_timeout_s`` goes back to the front of the ready set in put order;
 * an ack after expiry (or a fetch) is still served for the groups not leased again since: each group keeps
-  the id of its last lease as a fence, so a late ack never consumes a group that another holder has.
+  the id of its last lease as a fence, so a late ack never consumes a group that another holder has;
+* only the client a lease was granted to (its ``owner`` secret) can ack, nack, fetch or quarantine it; an
+  unknown id and someone else's read the same (``unknown_lease``).
+
+Lifecycle of a lease::
+
+    grant ──► live ──ack──► gone (its groups consumed)
+               │  └─nack / quarantine of all its groups──► gone (groups ready again / consumed)
+               └─deadline──► expired (groups ready again; kept as a fence for a late ack or fetch)
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import secrets
-import time
-from collections import deque
+from collections import OrderedDict
 from typing import Any
 
-from slipstream.queue import protocol as P
 from slipstream.queue.codec import WireError
-from slipstream.queue.state import LEASED, READY, Group, LeaseRecord, Partition, ReplyTo, Waiter
+from slipstream.queue.state import LEASED, READY, Clock, Group, LeaseRecord, Ledger, Partition
 from slipstream.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -29,168 +36,86 @@ _EXPIRED_LEASES_KEPT = 4096
 
 
 class Leases:
-    """Lease handlers of :class:`~slipstream.queue.controller.Controller` (a mixin: no state of its own)."""
+    """Live leases in deadline order (one fixed timeout, so insertion order: expiry only looks at the front,
+    where a heap would grow with every lease) and the last expired ones. Not thread-safe."""
 
-    def handle_lease(self, reply_to: ReplyTo, req: P.LeaseRequest, _buffers: list[Any]) -> None:
-        if req.n_groups < 1 or not 1 <= req.min_groups <= req.n_groups:
-            raise WireError(
-                "bad_request", f"need 1 <= min_groups ({req.min_groups}) <= n_groups ({req.n_groups})"
-            )
-        part = self._part(req.partition)
-        if self.waiting_leases >= self.cfg.max_waiting_leases:
-            self._serve_waiters(part)  # drops answered waiters from the front
-        if self.waiting_leases >= self.cfg.max_waiting_leases:
-            raise WireError(
-                "too_many_waiting",
-                f"{self.waiting_leases} leases already wait for groups (queue.max_waiting_leases); "
-                "retry later",
-            )
-        waiter = Waiter(reply_to, req, time.monotonic() + max(0.0, req.timeout_s))
-        part.waiters.append(waiter)
-        self.waiting_leases += 1
-        self._serve_waiters(part)
-        if not waiter.done:
-            self._timer(waiter.deadline, "wait", (req.partition, waiter))
+    def __init__(self, ledger: Ledger, timeout_s: float, clock: Clock) -> None:
+        self.ledger = ledger
+        self.timeout_s = timeout_s
+        self._clock = clock
+        self._live: OrderedDict[str, LeaseRecord] = OrderedDict()
+        self._expired: OrderedDict[str, LeaseRecord] = OrderedDict()
 
-    def _serve_waiters(self, part: Partition) -> None:
-        while part.waiters and (part.waiters[0].done or len(part.ready) >= part.waiters[0].req.min_groups):
-            waiter = part.waiters.popleft()
-            if not waiter.done:
-                self._guarded(waiter.reply_to, waiter.req.req_id, lambda w=waiter: self._grant(part, w))
+    def __len__(self) -> int:
+        return len(self._live)
 
-    def _grant(self, part: Partition, waiter: Waiter) -> None:
-        """Lease the front of the ready set to ``waiter``; if its reply cannot be delivered (the requester is
-        gone), nothing changes and the groups stay ready for the next waiter."""
-        self._settle(waiter)
-        req = waiter.req
-        take = min(req.n_groups, len(part.ready))
-        groups = [self._groups[gid] for gid in itertools.islice(part.ready, take)]
+    # ---------------------------------------------------------------------------------------- grant
+    def offer(self, part: Partition, n_groups: int) -> tuple[str, list[Group]]:
+        """A fresh lease id and the groups a grant of ``n_groups`` would take (changes nothing: the grant
+        happens with :meth:`grant` once its reply was delivered)."""
+        take = min(n_groups, len(part.ready))
         lease_id = secrets.token_urlsafe(16)  # unguessable, and only good with its owner's secret
-        leased = [
-            P.LeasedGroup(g.meta, g.specs, g.unit, g.token, g.arena_offset, g.region_bytes, g.num_buffers)
-            for g in groups
-        ]
-        reply = P.LeaseReply(req.req_id, lease_id, self.cfg.lease_timeout_s, leased)
-        if not self._ok(waiter.reply_to, reply):
-            log.info("a lease waiter went away: its %d group(s) stay ready", take)
-            return
+        return lease_id, [self.ledger.groups[gid] for gid in itertools.islice(part.ready, take)]
+
+    def grant(
+        self, lease_id: str, partition: str, groups: list[Group], owner: bytes, consumer_version: int | None
+    ) -> None:
+        """Lease the front ``groups`` of ``partition``'s ready set (as :meth:`offer` gave them)."""
+        part = self.ledger.part(partition)
         for g in groups:
             part.ready.popleft()
             g.state, g.lease_id = LEASED, lease_id
-            part.counters.on_lease(g, req.consumer_version)
-        deadline = time.monotonic() + self.cfg.lease_timeout_s
+            part.counters.on_lease(g, consumer_version)
         group_ids = [g.meta.group_id for g in groups]
-        self._leases[lease_id] = LeaseRecord(lease_id, req.partition, group_ids, deadline, req.owner)
+        deadline = self._clock() + self.timeout_s
+        self._live[lease_id] = LeaseRecord(lease_id, partition, group_ids, deadline, owner)
 
-    def _return_to_ready(self, part: Partition, group_ids: list[str]) -> None:
-        groups = sorted((self._groups[gid] for gid in group_ids), key=lambda g: g.seq)
-        for g in groups:
-            g.state = READY  # lease_id stays: the fence a late ack of that lease is checked against
-        ids = [g.meta.group_id for g in groups]
-        if not part.ready or groups[-1].seq < self._groups[part.ready[0]].seq:
-            part.ready.extendleft(reversed(ids))
-        else:
-            merged = heapq.merge(ids, part.ready, key=lambda gid: self._groups[gid].seq)
-            part.ready = deque(merged)
-        self._serve_waiters(part)
-
-    def handle_fetch(
-        self, unit_index: int, reply_to: ReplyTo, req: P.FetchRequest, _buffers: list[Any]
-    ) -> None:
-        live = req.lease_id in self._leases  # else expired: served while its groups were not leased again
-        self._owned(self._leases if live else self._expired, req, "is unknown or acked")
-        unit = self.units[unit_index]
-        counts, buffers = [], []
-        for token in req.tokens:
-            group = self._by_token.get(token)
-            if group is not None and group.lease_id != req.lease_id and not live:
-                raise WireError(
-                    "unknown_lease", f"lease {req.lease_id!r} expired and its groups were leased again"
-                )
-            if group is None or group.lease_id != req.lease_id or group.unit != unit_index:
-                raise WireError("bad_request", f"token {token} is not in lease {req.lease_id!r} on this unit")
-            frames = unit.frames(token, group.arena_offset, group.region_bytes, self._background.track)
-            buffers.extend(frames)
-            counts.append(len(frames))
-        self._ok(reply_to, P.FetchReply(req.req_id, counts), buffers)
-
-    def _owned(self, table: dict[str, LeaseRecord], req: Any, why: str) -> LeaseRecord:
-        """``req``'s lease in ``table`` if ``req`` comes from its owner; else an unknown_lease error (the
-        same whether the id is unknown or someone else's)."""
-        lease = table.get(req.lease_id)
-        if lease is None or not secrets.compare_digest(lease.owner, req.owner):
-            raise WireError("unknown_lease", f"lease {req.lease_id!r} {why}", req.req_id)
-        return lease
-
-    def handle_ack(self, reply_to: ReplyTo, req: P.AckRequest, _buffers: list[Any]) -> None:
-        if req.lease_id not in self._leases:
-            self._late_ack(reply_to, req)
-            return
-        lease = self._owned(self._leases, req, "is unknown or already acked")
+    # ------------------------------------------------------------------------------------ ack, nack
+    def ack(self, req: Any) -> tuple[list[tuple[Group, bool]], int]:
+        """The groups an ack consumes, each with whether it was dropped, and how many it lost (leased again
+        after its lease expired). The caller consumes them; the lease is gone either way."""
+        if req.lease_id not in self._live:
+            return self._late_ack(req)
+        lease = self._owned(self._live, req, "is unknown or already acked")
         dropped = set(req.dropped)
         unknown = dropped.difference(lease.group_ids)
         if unknown:
             raise WireError(
                 "bad_request", f"dropped group(s) {sorted(unknown)[:5]} are not in lease {req.lease_id!r}"
             )
-        del self._leases[req.lease_id]
-        for gid in lease.group_ids:
-            self._consume(self._groups[gid], gid in dropped)
-        self._ok(reply_to, P.AckReply(req.req_id, len(lease.group_ids)))
-        self._admit_parked()
+        del self._live[req.lease_id]
+        return [(self.ledger.groups[gid], gid in dropped) for gid in lease.group_ids], 0
 
-    def _late_ack(self, reply_to: ReplyTo, req: P.AckRequest) -> None:
-        """An ack after its lease expired consumes each of its groups that was not leased again since
-        (fencing: the group's last lease is still this one); the others are reported as ``lost``."""
+    def _late_ack(self, req: Any) -> tuple[list[tuple[Group, bool]], int]:
+        """An ack after its lease expired takes each of its groups that was not leased again since (fencing:
+        the group's last lease is still this one) out of the ready set; the others are lost."""
         group_ids = self._owned(self._expired, req, "is unknown or already acked").group_ids
         del self._expired[req.lease_id]
-        acked = lost = 0
+        taken: list[tuple[Group, bool]] = []
         for gid in group_ids:
-            group = self._groups.get(gid)
+            group = self.ledger.groups.get(gid)
             if group is not None and group.state == READY and group.lease_id == req.lease_id:
-                self._part(group.partition).ready.remove(gid)
-                self._consume(group, gid in req.dropped)
-                acked += 1
-            else:
-                lost += 1
-        self._ok(reply_to, P.AckReply(req.req_id, acked, lost))
-        self._admit_parked()
+                self.ledger.part(group.partition).ready.remove(gid)
+                taken.append((group, gid in req.dropped))
+        return taken, len(group_ids) - len(taken)
 
-    def _consume(self, group: Group, dropped: bool) -> None:
-        if self.journal is not None:
-            self._journal(group, dropped)
-        self._release(group)
-        self._consumed_groups.add(group.meta.group_id)
-        self._consumed_uids.update(s.uid for s in group.meta.samples)
-        self._part(group.partition).counters.on_ack(dropped)
-        if dropped:
-            self._dropped.append(group.meta)
-
-    def _journal(self, group: Group, dropped: bool) -> None:
-        unit = self.units[group.unit]
-        if group.arena_offset >= 0:
-            region = unit.arena.buffer(group.arena_offset, group.region_bytes)
-            self.journal.append(group.partition, group.meta, group.seq, group.nbytes, dropped, group.unit,
-                                group.specs, [region], unit.arena, group.arena_offset, group.region_bytes)  # fmt: skip
-        else:
-            self.journal.append(group.partition, group.meta, group.seq, group.nbytes, dropped, group.unit,
-                                group.specs, unit.blobs(group.token))  # fmt: skip
-
-    def handle_nack(self, reply_to: ReplyTo, req: P.NackRequest, _buffers: list[Any]) -> None:
-        if req.lease_id not in self._leases:  # expired already: its groups are back, nothing to do
+    def nack(self, req: Any) -> Partition | None:
+        """Give a live lease's groups back to the ready set; the partition they went back to, or None when
+        the lease had expired already (its groups are back, nothing to do)."""
+        if req.lease_id not in self._live:
             self._owned(self._expired, req, "is unknown or already acked")
-        else:
-            lease = self._owned(self._leases, req, "is unknown or already acked")
-            del self._leases[req.lease_id]
-            part = self._part(lease.partition)
-            part.counters.nacked_total += len(lease.group_ids)
-            self._return_to_ready(part, lease.group_ids)
-        self._ok(reply_to, P.DoneReply(req.req_id))
+            return None
+        lease = self._owned(self._live, req, "is unknown or already acked")
+        del self._live[req.lease_id]
+        part = self.ledger.part(lease.partition)
+        part.counters.nacked_total += len(lease.group_ids)
+        self.ledger.return_to_ready(part, lease.group_ids)
+        return part
 
-    def handle_quarantine(self, reply_to: ReplyTo, req: P.QuarantineRequest, _buffers: list[Any]) -> None:
-        """Take groups its consumer could not unpack out of their lease for good (a group redelivered after
-        every expiry would fail every time, and hold the groups leased with it hostage)."""
-        lease = self._owned(self._leases, req, "is unknown, acked or expired")
+    def quarantine(self, req: Any) -> list[Group]:
+        """Take ``req.group_ids`` out of their live lease for good (the lease ends with its last group); the
+        caller releases them."""
+        lease = self._owned(self._live, req, "is unknown, acked or expired")
         bad = set(req.group_ids)
         unknown = bad.difference(lease.group_ids)
         if unknown:
@@ -198,46 +123,59 @@ class Leases:
                 "bad_request", f"group(s) {sorted(unknown)[:5]} are not in lease {req.lease_id!r}"
             )
         lease.group_ids = [gid for gid in lease.group_ids if gid not in bad]
-        for gid in sorted(bad):
-            self._quarantine(self._groups[gid], req.reason)
         if not lease.group_ids:
-            del self._leases[req.lease_id]
-        self._ok(reply_to, P.DoneReply(req.req_id))
-        self._admit_parked()
+            del self._live[req.lease_id]
+        return [self.ledger.groups[gid] for gid in sorted(bad)]
 
-    def _quarantine(self, group: Group, reason: str) -> None:
-        gid = group.meta.group_id
-        log.error("group %r quarantined: its consumer could not unpack it (%s)", gid, reason[:300])
-        self._release(group)
-        self._consumed_groups.add(gid)
-        self._consumed_uids.update(s.uid for s in group.meta.samples)
-        self._part(group.partition).counters.quarantined_total += 1
+    # ---------------------------------------------------------------------------------------- fetch
+    def fetchable(self, req: Any, unit_index: int) -> list[Group]:
+        """The groups of ``req.tokens`` a fetch from unit ``unit_index`` may read: all in ``req``'s lease,
+        or in its expired lease and not leased again since."""
+        live = req.lease_id in self._live
+        self._owned(self._live if live else self._expired, req, "is unknown or acked")
+        groups = []
+        for token in req.tokens:
+            group = self.ledger.by_token.get(token)
+            if group is not None and group.lease_id != req.lease_id and not live:
+                raise WireError(
+                    "unknown_lease", f"lease {req.lease_id!r} expired and its groups were leased again"
+                )
+            if group is None or group.lease_id != req.lease_id or group.unit != unit_index:
+                raise WireError("bad_request", f"token {token} is not in lease {req.lease_id!r} on this unit")
+            groups.append(group)
+        return groups
 
-    def _expire_lease(self, lease_id: str) -> None:
-        lease = self._leases.pop(lease_id)
-        self._expired[lease_id] = lease
-        while len(self._expired) > _EXPIRED_LEASES_KEPT:
-            self._expired.popitem(last=False)
-        part = self._part(lease.partition)
-        part.counters.expired_total += len(lease.group_ids)
-        log.warning("lease %s expired: %d group(s) back to the ready set", lease_id, len(lease.group_ids))
-        self._return_to_ready(part, lease.group_ids)
+    # ------------------------------------------------------------------------------------------ expiry
+    def expire(self, now: float) -> list[Partition]:
+        """Return the groups of every lease past its deadline to the ready set; the partitions they went to."""
+        parts = []
+        while self._live and (lease := next(iter(self._live.values()))).deadline <= now:
+            del self._live[lease.lease_id]
+            self._expired[lease.lease_id] = lease
+            while len(self._expired) > _EXPIRED_LEASES_KEPT:
+                self._expired.popitem(last=False)
+            part = self.ledger.part(lease.partition)
+            part.counters.expired_total += len(lease.group_ids)
+            log.warning(
+                "lease %s expired: %d group(s) back to the ready set", lease.lease_id, len(lease.group_ids)
+            )
+            self.ledger.return_to_ready(part, lease.group_ids)
+            parts.append(part)
+        return parts
 
-    def _expire_wait(self, key: tuple[str, Waiter]) -> None:
-        partition, waiter = key
-        if not self._settle(waiter):
-            return
-        self._ok(waiter.reply_to, P.LeaseReply(waiter.req.req_id))
-        self._serve_waiters(self._part(partition))  # a head waiter that timed out may unblock the next
+    def next_deadline(self) -> float | None:
+        return next(iter(self._live.values())).deadline if self._live else None
 
-    def forget(self, sock: Any) -> None:
-        """A requester's connection closed: cancel its parked leases and puts, which can never be answered
-        (a lease granted to it would hold its groups until ``lease_timeout_s``)."""
-        for part in self._partitions.values():
-            for waiter in part.waiters:
-                if waiter.reply_to[0] is sock:
-                    self._settle(waiter)
-        for waiter in self._parked_puts:
-            if waiter.reply_to[0] is sock and self._settle(waiter) and waiter.on_timeout is not None:
-                waiter.on_timeout()
-        self._admit_parked()
+    def leased_in(self, partition: str) -> list[Group]:
+        """The groups live leases of ``partition`` hold (for the statistics)."""
+        return [self.ledger.groups[gid] for lease in self._live.values() if lease.partition == partition
+                for gid in lease.group_ids]  # fmt: skip
+
+    @staticmethod
+    def _owned(table: dict[str, LeaseRecord], req: Any, why: str) -> LeaseRecord:
+        """``req``'s lease in ``table`` if ``req`` comes from its owner; else an unknown_lease error (the
+        same whether the id is unknown or someone else's)."""
+        lease = table.get(req.lease_id)
+        if lease is None or not secrets.compare_digest(lease.owner, req.owner):
+            raise WireError("unknown_lease", f"lease {req.lease_id!r} {why}", req.req_id)
+        return lease

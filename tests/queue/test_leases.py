@@ -120,8 +120,8 @@ def test_a_lease_is_usable_only_by_the_client_it_was_granted_to(server):
     for call in (other.ack, other.nack):
         with pytest.raises(QueueError, match="unknown_lease"):  # even knowing the id
             call(first.lease_id)
-    token = srv.controller._groups["g0"].token
-    unit = f"tcp://127.0.0.1:{srv.units[srv.controller._groups['g0'].unit].port}"
+    token = srv.controller.ledger.groups["g0"].token
+    unit = f"tcp://127.0.0.1:{srv.units[srv.controller.ledger.groups['g0'].unit].port}"
     fetched = _raw(unit, P.MsgType.FETCH, P.FetchRequest(1, first.lease_id, [token]))
     assert isinstance(fetched, P.ErrorReply) and fetched.kind == "unknown_lease"
     quarantined = _raw(srv.address, P.MsgType.QUARANTINE, P.QuarantineRequest(1, first.lease_id, ["g0"]))
