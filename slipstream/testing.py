@@ -93,6 +93,8 @@ def make_tiny_model(
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from slipstream.utils.tensors import parse_dtype
+
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok = make_tiny_tokenizer(path)
@@ -113,7 +115,7 @@ def make_tiny_model(
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+        model = LlamaForCausalLM(config).to(parse_dtype(dtype))
     model.generation_config.eos_token_id = config.eos_token_id
     model.generation_config.pad_token_id = config.pad_token_id
     model.save_pretrained(str(path))

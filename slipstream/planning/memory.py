@@ -35,9 +35,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from slipstream.utils.tensors import dtype_bytes
+
 GIB = 1 << 30
 RESERVE_BYTES = int(2.5 * GIB)  # CUDA context, cuBLAS/NCCL workspaces, allocator fragmentation
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -200,12 +201,12 @@ def inference_gpu(shape: ModelShape, cfg, gpu_bytes: int, served: str) -> tuple[
     args = server_args(cfg)
     tp = int(args.get("--tensor-parallel-size") or args.get("--tp-size") or 1)
     util = float(args.get("--gpu-memory-utilization") or args.get("--mem-fraction-static") or 0.9)
-    dtype_bytes = DTYPE_BYTES.get(served, 2)
-    weights = shape.params * dtype_bytes // tp
+    bytes_per_value = dtype_bytes(served)
+    weights = shape.params * bytes_per_value // tp
     budget = int(gpu_bytes * util)
     kv_budget = budget - weights - RESERVE_BYTES
     kv_heads_per_gpu = max(1, shape.kv_heads // tp)
-    per_token = 2 * shape.layers * kv_heads_per_gpu * shape.head_dim * dtype_bytes
+    per_token = 2 * shape.layers * kv_heads_per_gpu * shape.head_dim * bytes_per_value
     length = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens
     sequences = kv_budget / (per_token * length) if kv_budget > 0 else 0.0
     part = Part(

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
+from slipstream.utils.tensors import dtype_name, parse_dtype
+
 # key -> dtype of the broadcast; (token-level, sample-level) is decided by batching.SAMPLE_KEYS.
 BATCH_KEYS: dict[str, torch.dtype] = {
     "input_ids": torch.int64,
@@ -56,7 +58,7 @@ def broadcast_batch(
             if k not in BATCH_KEYS and k not in OPTIONAL_KEYS and isinstance(batch.get(k), torch.Tensor)
         ]
         spec = json.dumps(
-            [[k, str(batch[k].dtype).removeprefix("torch."), list(batch[k].shape[1:])] for k in extras]
+            [[k, dtype_name(batch[k].dtype), list(batch[k].shape[1:])] for k in extras]
         ).encode()
         header = torch.tensor(
             [batch["input_ids"].numel(), batch["cu_seqlens"].numel() - 1, len(spec)]
@@ -77,8 +79,8 @@ def broadcast_batch(
     if spec_len:
         raw = torch.frombuffer(bytearray(spec), dtype=torch.uint8) if rank == src else None
         raw = _broadcast_tensor(raw, (spec_len,), torch.uint8, src, device)
-        for key, dtype_name, trailing in json.loads(raw.numpy().tobytes()):
-            dtype = getattr(torch, dtype_name)
+        for key, name, trailing in json.loads(raw.numpy().tobytes()):
+            dtype = parse_dtype(name)
             out[key] = _broadcast_tensor(
                 batch[key] if rank == src else None, (t, *trailing), dtype, src, device
             )

@@ -45,6 +45,7 @@ import time
 import msgspec
 import torch
 
+from slipstream.utils.tensors import total_nbytes
 from slipstream.weightsync.base import SendStats
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.groups import DistGroup
@@ -91,7 +92,7 @@ def make_set(name: str, fill: float = 0.0, device: str = "cpu") -> list[tuple[st
 
 
 def set_bytes(tensors: list[tuple[str, torch.Tensor]]) -> int:
-    return sum(t.numel() * t.element_size() for _, t in tensors)
+    return total_nbytes(t for _, t in tensors)
 
 
 class Cmd(msgspec.Struct):

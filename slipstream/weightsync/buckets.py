@@ -35,13 +35,14 @@ Worked example::
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
+from slipstream.utils import tensors as tensor_utils
+from slipstream.utils.tensors import dtype_name
 from slipstream.weightsync.types import BucketMeta, TensorEntry
 
 
@@ -52,24 +53,20 @@ class BucketError(ValueError):
 # ------------------------------------------------------------------------------------------------ dtypes
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """torch's attribute name of a dtype: ``torch.bfloat16`` -> ``"bfloat16"``."""
-    return str(dtype).removeprefix("torch.")
-
-
 def parse_dtype(name: str) -> torch.dtype:
-    """The torch dtype called ``name`` (``"bfloat16"``, ``"torch.float8_e4m3fn"``); ValueError if none."""
-    value = getattr(torch, str(name).removeprefix("torch."), None)
-    if not isinstance(value, torch.dtype):
-        raise BucketError(f"unknown dtype `{name}` (expected a torch dtype name such as `bfloat16`)")
-    return value
+    """:func:`slipstream.utils.tensors.parse_dtype` for bucket metadata: a bad name is a :class:`BucketError`."""
+    try:
+        return tensor_utils.parse_dtype(name)
+    except ValueError as err:
+        raise BucketError(str(err)) from None
 
 
 def tensor_nbytes(shape: Iterable[int], dtype: torch.dtype) -> int:
-    dims = list(shape)
-    if any(d < 0 for d in dims):
-        raise BucketError(f"negative dimension in shape {dims}")
-    return math.prod(dims) * dtype.itemsize
+    """:func:`slipstream.utils.tensors.shape_nbytes`; a negative dimension is a :class:`BucketError`."""
+    try:
+        return tensor_utils.shape_nbytes(shape, dtype)
+    except ValueError as err:
+        raise BucketError(str(err)) from None
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -60,6 +60,7 @@ import msgspec
 import torch
 
 from slipstream.utils.logging import get_logger
+from slipstream.utils.tensors import total_nbytes
 from slipstream.weightsync.base import (
     ENGINES,
     CheckpointEngine,
@@ -661,8 +662,7 @@ class IpcEngine(CheckpointEngine):
     @property
     def staging_bytes(self) -> int:
         """Staging memory of the last version still alive (0 once it was applied and let go, or failed)."""
-        alive = [ref() for ref in self._staged]
-        return sum(t.numel() * t.element_size() for t in alive if t is not None)
+        return total_nbytes(ref() for ref in self._staged)
 
     # -- receiver: versions
 

@@ -63,6 +63,7 @@ from slipstream.rollouter.embedded.sampling import (
     request_sampling_kwargs,
 )
 from slipstream.utils.logging import get_logger
+from slipstream.utils.tensors import parse_dtype
 
 log = get_logger(__name__)
 
@@ -182,7 +183,7 @@ class EmbeddedEngine:
             attention.install()
         self.model_path = str(model_path)
         self.tokenizer = _load_tokenizer(self.model_path)
-        dtype = getattr(torch, self.cfg.dtype)
+        dtype = parse_dtype(self.cfg.dtype, key="rollout.embedded.dtype")
         model = AutoModelForCausalLM.from_pretrained(
             self.model_path, dtype=dtype, attn_implementation=self.cfg.attn_implementation
         )
