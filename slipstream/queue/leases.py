@@ -24,8 +24,8 @@ from __future__ import annotations
 import itertools
 import secrets
 from collections import OrderedDict
-from typing import Any
 
+from slipstream.queue import protocol as P
 from slipstream.queue.codec import WireError
 from slipstream.queue.state import LEASED, READY, Clock, Group, LeaseRecord, Ledger, Partition
 from slipstream.utils.logging import get_logger
@@ -33,6 +33,8 @@ from slipstream.utils.logging import get_logger
 log = get_logger(__name__)
 
 _EXPIRED_LEASES_KEPT = 4096
+
+_ByLease = P.AckRequest | P.NackRequest | P.QuarantineRequest | P.FetchRequest  # requests naming a lease
 
 
 class Leases:
@@ -71,7 +73,7 @@ class Leases:
         self._live[lease_id] = LeaseRecord(lease_id, partition, group_ids, deadline, owner)
 
     # ------------------------------------------------------------------------------------ ack, nack
-    def ack(self, req: Any) -> tuple[list[tuple[Group, bool]], int]:
+    def ack(self, req: P.AckRequest) -> tuple[list[tuple[Group, bool]], int]:
         """The groups an ack consumes, each with whether it was dropped, and how many it lost (leased again
         after its lease expired). The caller consumes them; the lease is gone either way."""
         if req.lease_id not in self._live:
@@ -86,7 +88,7 @@ class Leases:
         del self._live[req.lease_id]
         return [(self.ledger.groups[gid], gid in dropped) for gid in lease.group_ids], 0
 
-    def _late_ack(self, req: Any) -> tuple[list[tuple[Group, bool]], int]:
+    def _late_ack(self, req: P.AckRequest) -> tuple[list[tuple[Group, bool]], int]:
         """An ack after its lease expired takes each of its groups that was not leased again since (fencing:
         the group's last lease is still this one) out of the ready set; the others are lost."""
         group_ids = self._owned(self._expired, req, "is unknown or already acked").group_ids
@@ -99,7 +101,7 @@ class Leases:
                 taken.append((group, gid in req.dropped))
         return taken, len(group_ids) - len(taken)
 
-    def nack(self, req: Any) -> Partition | None:
+    def nack(self, req: P.NackRequest) -> Partition | None:
         """Give a live lease's groups back to the ready set; the partition they went back to, or None when
         the lease had expired already (its groups are back, nothing to do)."""
         if req.lease_id not in self._live:
@@ -112,7 +114,7 @@ class Leases:
         self.ledger.return_to_ready(part, lease.group_ids)
         return part
 
-    def quarantine(self, req: Any) -> list[Group]:
+    def quarantine(self, req: P.QuarantineRequest) -> list[Group]:
         """Take ``req.group_ids`` out of their live lease for good (the lease ends with its last group); the
         caller releases them."""
         lease = self._owned(self._live, req, "is unknown, acked or expired")
@@ -128,7 +130,7 @@ class Leases:
         return [self.ledger.groups[gid] for gid in sorted(bad)]
 
     # ---------------------------------------------------------------------------------------- fetch
-    def fetchable(self, req: Any, unit_index: int) -> list[Group]:
+    def fetchable(self, req: P.FetchRequest, unit_index: int) -> list[Group]:
         """The groups of ``req.tokens`` a fetch from unit ``unit_index`` may read: all in ``req``'s lease,
         or in its expired lease and not leased again since."""
         live = req.lease_id in self._live
@@ -172,7 +174,7 @@ class Leases:
                 for gid in lease.group_ids]  # fmt: skip
 
     @staticmethod
-    def _owned(table: dict[str, LeaseRecord], req: Any, why: str) -> LeaseRecord:
+    def _owned(table: dict[str, LeaseRecord], req: _ByLease, why: str) -> LeaseRecord:
         """``req``'s lease in ``table`` if ``req`` comes from its owner; else an unknown_lease error (the
         same whether the id is unknown or someone else's)."""
         lease = table.get(req.lease_id)
