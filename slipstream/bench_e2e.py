@@ -43,11 +43,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from slipstream.cli_args import add_json_flag, command_parser, doc_paragraph
+
 QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="slipstream bench e2e", description=__doc__.split("\n\n")[0])
+    p = command_parser("slipstream bench e2e", doc_paragraph(__doc__))
     p.add_argument("--config", default=str(QUICKSTART), help="base preset (default: configs/quickstart.yaml)")
     p.add_argument("--steps", type=int, default=8, help="trainer steps per mode")
     p.add_argument("--batch-groups", type=int, default=4, help="prompts per step")
@@ -60,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-staleness", type=int, default=4, help="fully_async's async.max_staleness")
     p.add_argument("--modes", default="sync,fully_async", help="comma-separated, run in this order")
     p.add_argument("--out", help="run directories go here (default: a temporary directory)")
-    p.add_argument("--json", action="store_true", help="end with one JSON line of results")
+    add_json_flag(p)
     p.add_argument(
         "--summarize", metavar="OUT", help="only report the runs an earlier invocation left in OUT"
     )

@@ -46,6 +46,7 @@ import tempfile
 import time
 from typing import Any
 
+from slipstream.cli_args import add_json_flag, command_parser, doc_paragraph
 from slipstream.queue.base import QueueProducer
 
 DEFAULT_SERVERS = [8, 32, 128, 256]
@@ -487,7 +488,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="slipstream bench scale", description=__doc__.split("\n\n")[0])
+    p = command_parser("slipstream bench scale", doc_paragraph(__doc__))
     p.add_argument("--servers", type=lambda s: [int(x) for x in s.split(",")], default=DEFAULT_SERVERS,
                    help="server counts, comma-separated (default 8,32,128,256)")  # fmt: skip
     p.add_argument("--tokens-per-s", type=float, default=4.0, help="decode rate of one request")
@@ -502,7 +503,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-s", type=float, default=20.0)
     p.add_argument("--seconds", type=float, default=30.0)
     p.add_argument("--profile", default="", help="directory for a cProfile of the controller per row")
-    p.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    add_json_flag(p)
     p.add_argument("--role", default="controller", help=argparse.SUPPRESS)
     p.add_argument("--address", default="", help=argparse.SUPPRESS)
     p.add_argument("--lease-groups", type=int, default=1, help=argparse.SUPPRESS)

@@ -66,6 +66,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from slipstream.cli_args import add_json_flag, command_parser, doc_paragraph
+
 QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 RSS_FILE = "soak_rss.jsonl"
 # Epochs over the prompts: more than any soak can use (a uid names its epoch, so they never repeat).
@@ -74,7 +76,7 @@ _GROUP = re.compile(r"^e(\d+)-p(\d+)(?:-a\d+)?$")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="slipstream bench soak", description=__doc__.split("\n\n")[0])
+    p = command_parser("slipstream bench soak", doc_paragraph(__doc__))
     p.add_argument("--config", default=str(QUICKSTART), help="base preset (default: configs/quickstart.yaml)")
     p.add_argument("--minutes", type=float, default=60.0, help="stop at the first settled step after this")
     p.add_argument(
@@ -96,7 +98,7 @@ def _parser() -> argparse.ArgumentParser:
         help="past --minutes, stop even while a kill is recovering",
     )
     p.add_argument("--out", help="the run directory goes here (default: a temporary directory)")
-    p.add_argument("--json", action="store_true", help="end with one JSON line of results")
+    add_json_flag(p)
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, applied last")
     return p
 

@@ -23,6 +23,7 @@ Worked example::
 from __future__ import annotations
 
 import argparse
+import textwrap
 
 import msgspec
 from msgspec import inspect as mi
@@ -31,19 +32,24 @@ from slipstream.config_doc import KeyDoc, sections, value_type
 
 __all__ = [
     "JSON_LAST_LINE",
+    "JSON_OBJECT",
     "JSON_ONLY",
     "add_config_options",
+    "add_config_positionals",
     "add_device_flag",
     "add_json_flag",
     "add_seed_flag",
     "command_parser",
     "config_overrides",
+    "config_parser",
     "doc_paragraph",
+    "keys_epilog",
     "parse_bool",
 ]
 
 JSON_LAST_LINE = "end with one JSON line of results"
 JSON_ONLY = "print only the JSON summary on stdout"
+JSON_OBJECT = "print one JSON object"
 
 
 def doc_paragraph(doc: str | None, index: int = 0) -> str:
@@ -78,6 +84,28 @@ def config_parser(
         "`--trainer.lr 2e-5` is the same override (flags apply after the positional ones)",
     )
     return parser, add_config_options(parser, root)
+
+
+def add_config_positionals(parser: argparse.ArgumentParser) -> None:
+    """``CONFIG [key=value ...]`` of the commands that read a run's config without running it (plan,
+    simulate): the same preset and dotted overrides as ``slipstream train``."""
+    parser.add_argument("config", help="a YAML preset (configs/*.yaml)")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        help="dotted key=value overrides, e.g. trainer.lr=2e-5 (`slipstream config show --help` lists the keys)",
+    )
+
+
+def keys_epilog(root: type[msgspec.Struct], heading: str) -> str:
+    """Every key under ``root`` as plain text, for the epilog of a parser whose overrides are those keys
+    (use ``formatter_class=argparse.RawDescriptionHelpFormatter``)."""
+    lines = [heading]
+    for section in sections(root):
+        for row in section.keys:
+            lines.append(f"  {row.key}: {row.type} (default {row.default})")
+            lines += textwrap.wrap(row.description, 100, initial_indent="      ", subsequent_indent="      ")
+    return "\n".join(lines)
 
 
 def add_json_flag(parser: argparse.ArgumentParser, help: str = JSON_LAST_LINE) -> None:

@@ -9,12 +9,12 @@ is logged) a step or more after the weight version it measured, so its x axis is
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from pathlib import Path
 from typing import Any
 
+from slipstream.cli_args import command_parser, doc_paragraph
 from slipstream.metrics import read_metrics
 
 PANELS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -91,7 +91,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="slipstream plot", description=__doc__.splitlines()[0])
+    parser = command_parser("slipstream plot", doc_paragraph(__doc__))
     parser.add_argument("run_dir", help="a run directory containing metrics.jsonl")
     parser.add_argument("--out", help="where to write the PNGs (default RUN_DIR/plots)")
     args = parser.parse_args(argv)

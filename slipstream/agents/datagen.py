@@ -24,7 +24,6 @@ Worked example::
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
@@ -33,6 +32,8 @@ from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
+
+from slipstream.cli_args import add_seed_flag, command_parser, doc_paragraph
 
 ARITHMETIC_PROMPT = "What is {a} + {b}? Reply with only the number."
 COUNTDOWN_PROMPT = (
@@ -155,11 +156,11 @@ def write_rows(rows: list[dict[str, Any]], out: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="slipstream data make", description=__doc__.split("\n\n")[0])
+    parser = command_parser("slipstream data make", doc_paragraph(__doc__))
     parser.add_argument("task", choices=sorted(GENERATORS), help="which task to generate")
     parser.add_argument("--n", type=int, required=True, help="number of prompts")
     parser.add_argument("--out", type=Path, required=True, help="output file (.parquet or .jsonl)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (same seed, same dataset)")
+    add_seed_flag(parser, "random seed (same seed, same dataset)")
     parser.add_argument(
         "--split", choices=SPLITS, default="all", help="held-out problems only, none of them, or any"
     )

@@ -29,12 +29,18 @@ kernel that keeps no score matrix (flash / SDPA varlen); MoE layers count the ex
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from slipstream.cli_args import (
+    JSON_OBJECT,
+    add_config_positionals,
+    add_json_flag,
+    command_parser,
+    doc_paragraph,
+)
 from slipstream.utils.tensors import dtype_bytes
 
 GIB = 1 << 30
@@ -307,11 +313,10 @@ def render(p: Plan) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="slipstream plan memory", description=__doc__.split("\n\n")[0])
-    parser.add_argument("config", help="YAML config")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides")
+    parser = command_parser("slipstream plan memory", doc_paragraph(__doc__))
+    add_config_positionals(parser)
     parser.add_argument("--gpu-mem", type=float, default=80.0, help="GiB of memory per GPU (default 80)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_json_flag(parser, JSON_OBJECT)
     args = parser.parse_args(argv)
     from slipstream.config import ConfigError, load_config
 

@@ -51,6 +51,8 @@ from typing import Any
 
 import msgspec
 
+from slipstream.cli_args import add_json_flag, command_parser
+
 GiB = 1 << 30
 MiB = 1 << 20
 KiB = 1 << 10
@@ -551,11 +553,11 @@ def run(sizes: list[int], quick: bool = False, with_ray: bool = True) -> dict[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="slipstream bench queue",
-        description="TransferQueue throughput and latency against memcpy and Ray's object store.",
+    parser = command_parser(
+        "slipstream bench queue",
+        "TransferQueue throughput and latency against memcpy and Ray's object store.",
     )
-    parser.add_argument("--json", action="store_true", help="print the result as one JSON line (last line)")
+    add_json_flag(parser)
     parser.add_argument("--sizes", type=str, help="comma-separated payload sizes in bytes")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
     parser.add_argument("--no-ray", action="store_true", help="skip the Ray baseline")

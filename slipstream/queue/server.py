@@ -44,6 +44,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from slipstream.cli_args import command_parser, keys_epilog
 from slipstream.queue import protocol as P
 from slipstream.queue.arena import HEADER_BYTES, Arena, shm_supported
 from slipstream.queue.auth import TOKEN_ENV, Gate, server_token, with_token
@@ -411,8 +412,11 @@ def main(argv: list[str] | None = None) -> int:
     """``slipstream queue serve``: run a server in the foreground until SIGTERM/SIGINT."""
     from slipstream.config import ConfigError, from_dict
 
-    parser = argparse.ArgumentParser(
-        prog="slipstream queue serve", description="Run a TransferQueue server until SIGTERM or SIGINT."
+    parser = command_parser(
+        "slipstream queue serve",
+        "Run a TransferQueue server until SIGTERM or SIGINT.",
+        epilog=keys_epilog(QueueConfig, "keys of the overrides (key=value, or queue.key=value):"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--host", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="controller port (default: a free one)")

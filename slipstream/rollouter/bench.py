@@ -17,7 +17,6 @@ quickstart's arithmetic questions in the model's chat template.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -28,6 +27,7 @@ import time
 import torch
 
 from slipstream.agents.protocol import SamplingParams
+from slipstream.cli_args import JSON_ONLY, add_device_flag, add_json_flag, command_parser, doc_paragraph
 from slipstream.rollouter.config import EmbeddedServerConfig, RolloutConfig
 
 QUESTION = "What is {a} + {b}? Reply with only the number."
@@ -174,7 +174,7 @@ def run_bench(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="slipstream bench rollout", description=__doc__.split("\n")[0])
+    parser = command_parser("slipstream bench rollout", doc_paragraph(__doc__))
     parser.add_argument("--model", default="smollm2-135m-instruct", help="known model name or HF directory")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[32, 64])
@@ -184,9 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--repeats", type=int, default=1, help="runs per side and concurrency; the best counts"
     )
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where both sides run")
+    add_device_flag(parser, "where both sides run")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    parser.add_argument("--json", action="store_true", help="print only the JSON summary on stdout")
+    add_json_flag(parser, JSON_ONLY)
     ns = parser.parse_args(argv)
     # A plain SIGTERM would skip the `with` blocks and leave the server process running.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -19,7 +19,6 @@ outputs) and the gateway's greedy tokens equal the direct route's.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -31,6 +30,7 @@ import time
 from pathlib import Path
 
 from slipstream.agents.protocol import SamplingParams
+from slipstream.cli_args import JSON_ONLY, add_json_flag, command_parser, doc_paragraph
 from slipstream.rollouter.clients import SGLangClient
 from slipstream.rollouter.config import EmbeddedServerConfig, RolloutConfig
 from slipstream.rollouter.launch import launch_server
@@ -151,14 +151,14 @@ def run_bench(model: str | None, requests: int, max_tokens: int, threads: int, l
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="slipstream bench gateway", description=__doc__.split("\n")[0])
+    parser = command_parser("slipstream bench gateway", doc_paragraph(__doc__))
     parser.add_argument(
         "--model", default=None, help="known model name or HF directory (default: tiny random)"
     )
     parser.add_argument("--requests", type=int, default=30, help="timed requests per path")
     parser.add_argument("--max-tokens", type=int, default=16, help="new tokens per request (greedy)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the server")
-    parser.add_argument("--json", action="store_true", help="print only the JSON summary on stdout")
+    add_json_flag(parser, JSON_ONLY)
     ns = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: stop the server
 

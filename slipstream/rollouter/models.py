@@ -14,7 +14,6 @@ checkpoint carries a ``slipstream_prepared.json`` marker, so an interrupted prep
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -24,6 +23,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from slipstream.cli_args import command_parser
 
 _MARKER = "slipstream_prepared.json"
 
@@ -147,7 +148,7 @@ def _say(enabled: bool, message: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """`slipstream models prepare NAME [--force]`: print the prepared checkpoint's path."""
-    parser = argparse.ArgumentParser(prog="slipstream models prepare", description=main.__doc__)
+    parser = command_parser("slipstream models prepare", main.__doc__)
     parser.add_argument("name", help=f"one of: {', '.join(sorted(KNOWN_MODELS))}")
     parser.add_argument("--force", action="store_true", help="prepare again even if the cache has it")
     ns = parser.parse_args(argv)

@@ -31,7 +31,6 @@ The last line with ``--json`` is ``{"own_runs_max_rel_err", "verl_ratio_publishe
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -44,6 +43,7 @@ from typing import Any
 
 import msgspec
 
+from slipstream.cli_args import add_json_flag, command_parser, doc_paragraph
 from slipstream.sim.profile import Profile, load_profile, profile_from_run
 from slipstream.sim.simulate import sim_config, simulate
 
@@ -264,14 +264,14 @@ def verl(*, steps: int = 32, sensitivity: bool = True) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="slipstream bench simulate", description=__doc__.split("\n\n")[0])
+    p = command_parser("slipstream bench simulate", doc_paragraph(__doc__))
     p.add_argument("--runs", help="recorded runs, one directory per mode beneath it (else made here)")
     p.add_argument("--out", help="where runs made here go (default: a temporary directory)")
     p.add_argument("--steps", type=int, default=5, help="steps of each real run made here")
     p.add_argument("--verl-steps", type=int, default=32, help="simulated steps of each verl async run")
     p.add_argument("--no-sensitivity", action="store_true", help="skip the decode-rate sensitivity runs")
     p.add_argument("--skip-verl", action="store_true", help="only the own-runs check")
-    p.add_argument("--json", action="store_true")
+    add_json_flag(p)
     args = p.parse_args(argv)
     t0 = time.monotonic()
     if args.runs:

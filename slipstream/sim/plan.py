@@ -26,12 +26,18 @@ Worked example::
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import dataclass
 from typing import Any
 
+from slipstream.cli_args import (
+    JSON_OBJECT,
+    add_config_positionals,
+    add_json_flag,
+    command_parser,
+    doc_paragraph,
+)
 from slipstream.config import Config, ConfigError
 from slipstream.sim.profile import Profile, ProfileError, load_profile
 from slipstream.sim.simulate import SimResult, sim_config, simulate
@@ -211,9 +217,8 @@ def _floats(text: str) -> list[float]:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="slipstream plan capacity", description=__doc__.split("\n\n")[1])
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*", help="key=value config overrides")
+    p = command_parser("slipstream plan capacity", doc_paragraph(__doc__, 1))
+    add_config_positionals(p)
     p.add_argument("--profile", required=True)
     p.add_argument("--gpus", type=int, required=True, help="GPUs for servers and trainer ranks together")
     p.add_argument("--png", help="draw the frontier here")
@@ -223,7 +228,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--concurrency", default="0.5,1,2", help="factors of rollout.max_concurrent_per_server")
     p.add_argument("--refine", type=int, default=3, help="best candidates of pass 1 refined in pass 2")
     p.add_argument("--top", type=int, default=10, help="rows of the table")
-    p.add_argument("--json", action="store_true")
+    add_json_flag(p, JSON_OBJECT)
     args = p.parse_args(argv)
     try:
         profile = load_profile(args.profile)

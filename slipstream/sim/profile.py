@@ -37,7 +37,6 @@ Worked example::
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 import sys
@@ -46,6 +45,8 @@ from typing import Annotated, Any
 
 import msgspec
 import yaml
+
+from slipstream.cli_args import command_parser
 
 Pos = Annotated[float, msgspec.Meta(gt=0)]
 NonNeg = Annotated[float, msgspec.Meta(ge=0)]
@@ -359,7 +360,7 @@ def _drift(steps: list[float], means: list[float]) -> float:
 
 def main(argv: list[str]) -> int:
     """`slipstream profile RUN_DIR [-o profile.yaml]`."""
-    p = argparse.ArgumentParser(prog="slipstream profile", description="fit a performance profile to a run")
+    p = command_parser("slipstream profile", "Fit a performance profile to a run.")
     p.add_argument("run_dir")
     p.add_argument("-o", "--output", help="write the profile here (default: print it)")
     p.add_argument("--skip-first", type=int, default=1, help="warm-up steps left out of the rate fits")

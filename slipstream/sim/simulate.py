@@ -41,7 +41,6 @@ Worked example::
 
 from __future__ import annotations
 
-import argparse
 import heapq
 import json
 import math
@@ -52,6 +51,14 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from slipstream.cli_args import (
+    JSON_OBJECT,
+    add_config_positionals,
+    add_json_flag,
+    add_seed_flag,
+    command_parser,
+    doc_paragraph,
+)
 from slipstream.config import Config, ConfigError, load_config
 from slipstream.pipeline.modes import prepare_config
 from slipstream.rollouter.balancer import LoadBalancer
@@ -478,13 +485,12 @@ def simulate(cfg: Config, profile: Profile, *, steps: int | None = None, seed: i
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="slipstream simulate", description=__doc__.split("\n\n")[0])
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*", help="key=value config overrides")
+    p = command_parser("slipstream simulate", doc_paragraph(__doc__))
+    add_config_positionals(p)
     p.add_argument("--profile", required=True, help="profile YAML (slipstream profile RUN_DIR -o ...)")
     p.add_argument("--steps", type=int, help="trainer steps (default: run.total_steps, else 20)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_seed_flag(p)
+    add_json_flag(p, JSON_OBJECT)
     args = p.parse_args(argv)
     try:
         cfg = sim_config(args.config, args.overrides)

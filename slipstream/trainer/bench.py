@@ -26,13 +26,14 @@ from pathlib import Path
 
 import torch
 
+from slipstream.cli_args import add_device_flag, add_json_flag, add_seed_flag, command_parser, doc_paragraph
 from slipstream.trainer.algos import ADVANTAGES, AdvantageInputs, global_counts
 from slipstream.trainer.loss import GlobalCounts, PolicyLoss
 from slipstream.trainer.synthetic import long_tail_lengths, make_packed_batch
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="slipstream bench train", description=__doc__.split("\n\n")[0])
+    p = command_parser("slipstream bench train", doc_paragraph(__doc__))
     p.add_argument("--model", help="HF checkpoint directory (default: a scaled-up tiny random Llama)")
     p.add_argument("--samples", type=int, default=48, help="samples in the batch")
     p.add_argument("--group-size", type=int, default=8, help="samples per prompt")
@@ -42,9 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch-tokens", type=int, default=2048)
     p.add_argument("--steps", type=int, default=2, help="timed steps per mode (after one warm-up step)")
     p.add_argument("--threads", type=int, default=0, help="torch threads; 0 keeps torch's default")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the trainer runs")
-    p.add_argument("--json", action="store_true", help="end with one JSON line of results")
+    add_seed_flag(p)
+    add_device_flag(p, "where the trainer runs")
+    add_json_flag(p)
     return p
 
 

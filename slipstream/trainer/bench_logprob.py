@@ -30,18 +30,20 @@ from pathlib import Path
 
 import torch
 
+from slipstream.cli_args import add_json_flag, add_seed_flag, command_parser, doc_paragraph
+
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="slipstream bench logprob", description=__doc__.split("\n\n")[0])
+    p = command_parser("slipstream bench logprob", doc_paragraph(__doc__))
     p.add_argument("--tokens", type=int, default=8192, help="tokens in the micro-batch")
     p.add_argument("--vocab", type=int, default=49152, help="vocabulary size (SmolLM2's 49152; Qwen 151936)")
     p.add_argument("--hidden", type=int, default=128, help="hidden size")
     p.add_argument("--chunk", type=int, default=1024, help="rows per chunk of the chunked variant")
     p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--seed", type=int, default=0)
+    add_seed_flag(p)
     p.add_argument("--variant", choices=["full", "chunked"], help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
-    p.add_argument("--json", action="store_true", help="end with one JSON line of results")
+    add_json_flag(p)
     return p
 
 

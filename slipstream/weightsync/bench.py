@@ -34,7 +34,6 @@ quickstart, 0.54 GB).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import multiprocessing as mp
@@ -45,6 +44,7 @@ import time
 import msgspec
 import torch
 
+from slipstream.cli_args import add_device_flag, add_json_flag, command_parser, doc_paragraph
 from slipstream.utils.tensors import total_nbytes
 from slipstream.weightsync.base import SendStats
 from slipstream.weightsync.config import WeightSyncConfig
@@ -350,16 +350,14 @@ def _line(row: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="slipstream bench weightsync", description=__doc__.split("\n")[0])
-    parser.add_argument("--json", action="store_true", help="end with one JSON line of results")
+    parser = command_parser("slipstream bench weightsync", doc_paragraph(__doc__))
+    add_json_flag(parser)
     parser.add_argument("--bucket-mb", type=int, default=64)
     parser.add_argument("--receivers", default="1,3", help="comma-separated receiver counts")
     parser.add_argument("--sets", default=",".join(SETS), help=f"comma-separated, from {list(SETS)}")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--timeout-s", type=float, default=120.0)
-    parser.add_argument(
-        "--device", choices=["cpu", "cuda"], default="cpu", help="where the pushed tensors live"
-    )
+    add_device_flag(parser, "where the pushed tensors live")
     parser.add_argument(
         "--backends",
         default="",
