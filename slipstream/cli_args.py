@@ -23,6 +23,7 @@ Worked example::
 from __future__ import annotations
 
 import argparse
+import difflib
 import textwrap
 
 import msgspec
@@ -63,15 +64,29 @@ def command_parser(prog: str, description: str | None = None, **kwargs) -> argpa
     return argparse.ArgumentParser(prog=prog, description=description, **kwargs)
 
 
+class _KeyFlagParser(argparse.ArgumentParser):
+    """An unknown ``--section.key`` flag gets the hint an unknown ``section.key=value`` gets."""
+
+    def error(self, message: str):  # type: ignore[override]
+        if message.startswith("unrecognized arguments:"):
+            flags = [f for f in self._option_string_actions if f.startswith("--")]
+            for word in message.split(":", 1)[1].split():
+                hint = difflib.get_close_matches(word.partition("=")[0], flags, n=1)
+                if word.startswith("--") and hint:
+                    message += f" (did you mean `{hint[0]}`?)"
+                    break
+        super().error(message)
+
+
 def config_parser(
     prog: str, description: str, root: type[msgspec.Struct], epilog: str | None = None
 ) -> tuple[argparse.ArgumentParser, dict[str, str]]:
     """The parser of a command run on a config (``slipstream train``, ``slipstream config show``): a preset,
     dotted ``key=value`` overrides, and every key of ``root`` as a dotted option with its documentation.
     Parse with ``parse_intermixed_args`` so flags may follow the overrides."""
-    parser = command_parser(
-        prog,
-        description,
+    parser = _KeyFlagParser(
+        prog=prog,
+        description=description,
         usage=f"{prog} CONFIG [key=value ...] [--section.key VALUE ...] [options]",
         epilog=epilog,
         allow_abbrev=False,  # `--trainer.l` must not quietly mean `--trainer.lr`

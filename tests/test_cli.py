@@ -117,3 +117,40 @@ def test_doc_paragraph():
     assert doc_paragraph(doc) == "First line and its tail."
     assert doc_paragraph(doc, 1) == "Second paragraph."
     assert doc_paragraph(None) == ""
+
+
+def test_a_mistyped_key_flag_gets_a_hint(tmp_path, capsys):
+    (tmp_path / "run.yaml").write_text("trainer:\n  lr: 3.0e-6\n")
+    assert cli_main(["config", "show", str(tmp_path / "run.yaml"), "--trainer.lrr", "1"]) == 2
+    assert "unrecognized arguments: --trainer.lrr 1 (did you mean `--trainer.lr`?)" in capsys.readouterr().err
+
+
+def test_queue_serve_help_lists_the_keys_its_overrides_take(capsys):
+    from slipstream.queue.config import QueueConfig
+    from slipstream.queue.server import main as queue_serve
+
+    with pytest.raises(SystemExit):
+        queue_serve(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for row in sections(QueueConfig)[0].keys:
+        assert f"{row.key}: {row.type} (default {row.default}) {row.description}" in out
+
+
+def _commands(table=None, prefix=()):
+    from slipstream.cli import COMMANDS
+
+    for name, entry in (table or COMMANDS).items():
+        if isinstance(entry, dict):
+            yield from _commands(entry, (*prefix, name))
+        else:
+            yield (*prefix, name)
+
+
+@pytest.mark.parametrize("command", list(_commands()), ids=" ".join)
+def test_every_command_has_a_help(command, capsys):
+    try:
+        code = cli_main([*command, "--help"])
+    except SystemExit as stop:
+        code = stop.code
+    assert code == 0
+    assert capsys.readouterr().out.startswith("usage: slipstream " + " ".join(command))
