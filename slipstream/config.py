@@ -3,6 +3,8 @@
 Each role keeps the config of its own parts next to its code (``slipstream/<role>/config.py``); this module
 assembles them into the root :class:`Config`, loads YAML presets, applies dotted ``key=value`` overrides
 and turns every validation failure into one :class:`ConfigError` that names the key and what was expected.
+Every field says what it means in ``Meta(description=...)``; config_doc.py reads those for ``--help``,
+docs/config.md and the JSON schema.
 
 Why msgspec rather than a hand-written validator: ``msgspec.convert`` already checks types, ``Literal``
 choices and ``Meta`` bounds, rejects unknown keys (``forbid_unknown_fields``) and reports the exact path of
