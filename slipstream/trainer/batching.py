@@ -139,8 +139,3 @@ def split_groups(group_index: torch.Tensor, parts: int) -> list[list[int]]:
 
 def tensor_items(batch: TensorDict) -> dict[str, torch.Tensor]:
     return {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
-
-
-def segment_ids_of(batch: TensorDict) -> torch.Tensor:
-    cu = batch["cu_seqlens"].long()
-    return torch.repeat_interleave(torch.arange(cu.numel() - 1), cu[1:] - cu[:-1])

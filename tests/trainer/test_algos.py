@@ -20,7 +20,7 @@ from slipstream.trainer.algos import (
     global_counts,
     truncated_is_weights,
 )
-from slipstream.trainer.algos.segments import segment_ids
+from slipstream.trainer.algos.segments import from_padded, segment_ids, to_padded, token_positions
 
 
 def _inputs(rewards, groups, lengths, masks, **kw) -> AdvantageInputs:
@@ -127,6 +127,16 @@ def test_estimators_no_nan_on_degenerate_batches(name):
     out = ADVANTAGES.get(name)(inp)
     assert torch.isfinite(out.advantages).all() and torch.isfinite(out.returns).all()
     assert (out.advantages[2:4] == 0).all()  # the fully masked sample gets nothing
+
+
+def test_packed_layout_helpers():
+    cu = torch.tensor([0, 2, 5, 5, 6])  # the third sample is empty
+    assert segment_ids(cu).tolist() == [0, 0, 1, 1, 1, 3]
+    assert token_positions(cu).tolist() == [0, 1, 0, 1, 2, 0]
+    values = torch.arange(6.0)
+    padded = to_padded(values, cu, fill=-1.0)
+    assert padded.tolist() == [[0, 1, -1], [2, 3, 4], [-1, -1, -1], [5, -1, -1]]
+    assert torch.equal(from_padded(padded, cu), values)
 
 
 def test_unknown_names_fail_loudly():

@@ -21,7 +21,7 @@ from typing import Literal
 
 import torch
 
-from slipstream.trainer.algos.segments import segment_sum
+from slipstream.trainer.algos.segments import segment_ids, segment_sum
 
 AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 AGG_MODES: tuple[str, ...] = (
@@ -67,7 +67,5 @@ def aggregate(
 
 def global_counts(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[int, int]:
     """(policy tokens, sequences with at least one policy token) of a packed batch."""
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=loss_mask.device), lengths)
-    per_seq = segment_sum(loss_mask.float(), seg, lengths.numel())
+    per_seq = segment_sum(loss_mask.float(), segment_ids(cu_seqlens), cu_seqlens.numel() - 1)
     return int(loss_mask.sum().item()), int((per_seq > 0).sum().item())

@@ -12,9 +12,19 @@ import torch
 
 
 def segment_ids(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """The sample index of every token: ``[0, 0, 1, 1, 1, 2]`` for ``cu_seqlens = [0, 2, 5, 6]``."""
+    """The sample index of every token: ``[0, 0, 1, 1, 1, 2]`` for ``cu_seqlens = [0, 2, 5, 6]``.
+
+    The one place the packed layout is turned into per-token sample indices: index a per-sample tensor
+    with it to spread one value per sample over its tokens (``per_sample[segment_ids(cu)]``).
+    """
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     return torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths)
+
+
+def token_positions(cu_seqlens: torch.Tensor, seg: torch.Tensor | None = None) -> torch.Tensor:
+    """Every token's position within its own sample: ``[0, 1, 0, 1, 2, 0]`` for ``[0, 2, 5, 6]``."""
+    seg = segment_ids(cu_seqlens) if seg is None else seg
+    return torch.arange(seg.numel(), device=cu_seqlens.device) - cu_seqlens.long()[seg]
 
 
 def segment_sum(values: torch.Tensor, seg: torch.Tensor, num_segments: int) -> torch.Tensor:
@@ -31,12 +41,6 @@ def segment_max(
     masked = torch.where(mask > 0, values, torch.full_like(values, float("-inf")))
     out = fill.scatter_reduce(0, seg, masked, reduce="amax", include_self=True)
     return torch.where(torch.isinf(out), torch.zeros_like(out), out)
-
-
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean over masked entries; 0 (not NaN) when nothing is masked in."""
-    mask = mask.to(values.dtype)
-    return (values * mask).sum() / mask.sum().clamp(min=1)
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
@@ -56,16 +60,12 @@ def to_padded(values: torch.Tensor, cu_seqlens: torch.Tensor, fill: float = 0.0)
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     n, width = lengths.numel(), int(lengths.max().item()) if lengths.numel() else 0
     out = torch.full((n, width), fill, dtype=values.dtype, device=values.device)
-    pos = torch.arange(values.numel(), device=values.device) - cu_seqlens[:-1].long().repeat_interleave(
-        lengths
-    )
-    out[segment_ids(cu_seqlens), pos] = values
+    seg = segment_ids(cu_seqlens)
+    out[seg, token_positions(cu_seqlens, seg)] = values
     return out
 
 
 def from_padded(padded: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`to_padded`."""
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    total = int(lengths.sum().item())
-    pos = torch.arange(total, device=padded.device) - cu_seqlens[:-1].long().repeat_interleave(lengths)
-    return padded[segment_ids(cu_seqlens), pos]
+    seg = segment_ids(cu_seqlens)
+    return padded[seg, token_positions(cu_seqlens, seg)]

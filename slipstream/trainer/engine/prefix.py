@@ -24,10 +24,13 @@ Groups whose samples share nothing (or a group of one sample) are rows of their 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 from tensordict import TensorDict
+
+from slipstream.trainer.algos.segments import segment_ids
 
 
 @dataclass(frozen=True)
@@ -112,8 +115,7 @@ def _shared_prefix(ids: torch.Tensor, spans: list[tuple[int, int]]) -> int:
 
 def _suffix_mask(prefix: int, suffixes: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """[S, prefix + S] for S suffix rows: all of the prefix, and causal within the row's own suffix."""
-    lens = torch.tensor(suffixes, device=device)
-    owner = torch.repeat_interleave(torch.arange(len(suffixes), device=device), lens)
+    owner = segment_ids(torch.tensor([0, *itertools.accumulate(suffixes)], device=device))
     at = torch.arange(owner.numel(), device=device)
     own = (owner[:, None] == owner[None, :]) & (at[:, None] >= at[None, :])
     return torch.cat([own.new_ones(owner.numel(), prefix), own], dim=1)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from slipstream.trainer.algos.segments import segment_ids
 from slipstream.utils.registry import Registry
 
 
@@ -48,8 +49,7 @@ ADVANTAGES: Registry = Registry("advantage estimator", "trainer.algorithm.adv_es
 
 def broadcast_to_tokens(per_sample: torch.Tensor, inp: AdvantageInputs) -> torch.Tensor:
     """Spread one scalar per sample over that sample's tokens, zero outside ``loss_mask``."""
-    lengths = (inp.cu_seqlens[1:] - inp.cu_seqlens[:-1]).long()
-    return per_sample.repeat_interleave(lengths) * inp.loss_mask.to(per_sample.dtype)
+    return per_sample[segment_ids(inp.cu_seqlens)] * inp.loss_mask.to(per_sample.dtype)
 
 
 def group_stats(rewards: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,10 +68,7 @@ def last_token_rewards(inp: AdvantageInputs) -> torch.Tensor:
     t = inp.loss_mask.numel()
     idx = torch.arange(t, device=inp.loss_mask.device)
     marked = torch.where(inp.loss_mask, idx, torch.full_like(idx, -1))
-    seg = torch.repeat_interleave(
-        torch.arange(inp.rewards.numel(), device=idx.device),
-        (inp.cu_seqlens[1:] - inp.cu_seqlens[:-1]).long(),
-    )
+    seg = segment_ids(inp.cu_seqlens)
     last = torch.full((inp.rewards.numel(),), -1, dtype=idx.dtype, device=idx.device)
     last = last.scatter_reduce(0, seg, marked, reduce="amax", include_self=True)
     out = torch.zeros(t, dtype=inp.rewards.dtype, device=idx.device)
