@@ -179,10 +179,9 @@ def config_overrides(ns: argparse.Namespace, keys: dict[str, str]) -> list[str]:
 
 
 def _text(row: KeyDoc) -> dict:
-    kwargs: dict = {"default": argparse.SUPPRESS, "metavar": _metavar(row)}
-    if isinstance(row.info, mi.BoolType):  # `--run.resume` alone means true
-        kwargs.update(nargs="?", const="true")
-    return kwargs
+    # Every dotted flag takes a value, bools too (`--run.resume false`): an optional value would swallow a
+    # positional override that follows (`--run.resume trainer.lr=1`).
+    return {"default": argparse.SUPPRESS, "metavar": _metavar(row)}
 
 
 def _typed(row: KeyDoc) -> dict:

@@ -69,7 +69,7 @@ def test_key_flags_are_the_same_overrides_as_positional_ones(tmp_path, capsys):
     (tmp_path / "run.yaml").write_text("trainer:\n  lr: 3.0e-6\n")
     assert cli_main(["config", "show", str(tmp_path / "run.yaml"), "trainer.lr=2e-5", "run.resume=true"]) == 0
     positional = capsys.readouterr().out
-    flags = ["--trainer.lr", "2e-5", "--run.resume"]  # a bool flag alone means true
+    flags = ["--trainer.lr", "2e-5", "--run.resume", "true"]
     assert cli_main(["config", "show", str(tmp_path / "run.yaml"), *flags]) == 0
     assert capsys.readouterr().out == positional
 
@@ -80,12 +80,14 @@ def test_key_flags_apply_after_positional_overrides_and_take_yaml_values():
     keys = add_config_options(parser, Config)
     ns = parser.parse_intermixed_args(
         ["--trainer.lr", "1e-5", "trainer.lr=9", "--data.train_files", "[a.jsonl, b.jsonl]"]
-        + ["--trainer.algorithm.clip_c", "null"]
+        + ["--trainer.algorithm.clip_c", "null", "--run.resume", "false", "run.name=x"]
     )
+    assert ns.overrides == ["trainer.lr=9", "run.name=x"]  # a bool flag takes its value, never the next word
     cfg = load_config(None, [*ns.overrides, *config_overrides(ns, keys)])
     assert cfg.trainer.lr == 1e-5
     assert cfg.data.train_files == ["a.jsonl", "b.jsonl"]
     assert cfg.trainer.algorithm.clip_c is None
+    assert (cfg.run.resume, cfg.run.name) == (False, "x")
 
 
 def test_a_bad_flag_value_names_the_key_and_starts_nothing(tmp_path, capsys):
