@@ -3,7 +3,7 @@ config key generated from the typed configs (their descriptions are the help tex
 
 Commands keep their own argparse parsers (each module's ``main(argv)``, dispatched lazily by cli.py); what
 they have in common lives here so it reads the same everywhere: ``--json`` (machine-readable results, the
-keys docs/benchmarks.md records), ``--device``, ``--seed``, ``--out``.
+keys docs/benchmarks.md records), ``--device``, ``--seed``, a config with its ``key=value`` overrides.
 
 Config keys become options in two spellings:
 
@@ -14,10 +14,9 @@ Config keys become options in two spellings:
 
 Worked example::
 
-    parser = command_parser("slipstream config show", "Validate a config.")
-    keys = add_config_options(parser, Config)
-    ns = parser.parse_intermixed_args(["run.yaml", "--trainer.lr", "2e-5"])
-    config_overrides(ns, keys)       # ['trainer.lr=2e-5']
+    parser, keys = config_parser("slipstream config show", "Validate a config.", Config)
+    ns = parser.parse_intermixed_args(["run.yaml", "async.mode=sync", "--trainer.lr", "2e-5"])
+    [*ns.overrides, *config_overrides(ns, keys)]     # ['async.mode=sync', 'trainer.lr=2e-5']
 """
 
 from __future__ import annotations

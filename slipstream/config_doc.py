@@ -16,7 +16,7 @@ our interface is dotted ``key=value`` overrides read by :func:`slipstream.config
 
 Worked example::
 
-    [s.key for s in sections(Config)][:3]      # ['run', 'datagen', 'model']
+    [s.key for s in sections(Config)][:3]      # ['', 'run', 'datagen']: the root first
     row = next(k for s in sections(Config) for k in s.keys if k.key == "trainer.lr")
     row.type, row.default                      # ('float > 0', '1e-06')
     row.description                            # 'Peak learning rate of AdamW, reached after warmup_steps.'
