@@ -22,15 +22,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from slipstream.utils.logging import get_logger
-
-log = get_logger(__name__)
-
 # Progress-line fields: the first key present in a step's metrics is shown.
 PROGRESS_FIELDS: dict[str, tuple[str, ...]] = {
-    "reward": ("trainer/reward_mean", "rollouter/reward_mean", "reward/mean"),
-    "staleness": ("trainer/staleness_mean", "rollouter/staleness_mean", "staleness/mean"),
-    "tok/s": ("trainer/tokens_per_s", "perf/tokens_per_s"),
+    "reward": ("trainer/reward_mean", "rollouter/reward_mean"),
+    "staleness": ("trainer/staleness_mean", "rollouter/staleness_mean"),
+    "tok/s": ("trainer/tokens_per_s",),
 }
 
 
@@ -108,11 +104,8 @@ def _init_wandb(run_dir: Path, cfg: Any) -> Any:
     section = getattr(cfg, "wandb", None)
     if section is None or section.mode == "disabled":
         return None
-    try:
-        import wandb
-    except ImportError:
-        log.warning("wandb is not installed (pip install 'slipstream[wandb]'); logging to metrics.jsonl only")
-        return None
+    import wandb  # a dependency of the package; imported here because it is slow to import
+
     from slipstream.config import to_dict
 
     return wandb.init(

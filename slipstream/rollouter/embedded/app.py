@@ -236,13 +236,8 @@ def include_weight_sync_routes(app: FastAPI, engine: EmbeddedEngine) -> None:
     (``/init_weights_update_group``, ``/begin_weight_update``, ``/update_weights_from_distributed``,
     ``/end_weight_update``, ...) and drives the engine through the ``WeightTarget`` protocol.
     """
-    try:
-        from slipstream.weightsync.http_receiver import build_router
-    except ModuleNotFoundError as err:
-        if err.name != "slipstream.weightsync.http_receiver":
-            raise
-        log.info("weight-sync routes not available (slipstream.weightsync.http_receiver is missing)")
-        return
+    from slipstream.weightsync.http_receiver import build_router
+
     app.include_router(build_router(engine))
 
 
