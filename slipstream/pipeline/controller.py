@@ -52,7 +52,7 @@ import msgspec
 from slipstream.config import Config
 from slipstream.pipeline import checkpoint as ckpt
 from slipstream.pipeline.checkpoint import CheckpointCoordinator
-from slipstream.pipeline.cluster import CALL_TIMEOUT_S, Cluster, PartFailed, TrainerDied, call_ranks
+from slipstream.pipeline.cluster import CALL_TIMEOUT_S, Cluster, PartFailed, TrainerDied, ask, call_ranks
 from slipstream.pipeline.driver import StepDriver
 from slipstream.pipeline.launcher import (
     Launcher,
@@ -205,8 +205,6 @@ class Pipeline:
         launcher.create_rollouter(parts)
         launcher.start_trainer(parts, resume)
         if server_calls:
-            from slipstream.pipeline.cluster import ask
-
             parts.urls = ask(
                 self.cluster, server_calls, self.cfg.cluster.start_timeout_s, "inference servers"
             )
