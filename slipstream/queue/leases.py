@@ -21,7 +21,6 @@ Lifecycle of a lease::
 
 from __future__ import annotations
 
-import itertools
 import secrets
 from collections import OrderedDict
 
@@ -55,17 +54,16 @@ class Leases:
     def offer(self, part: Partition, n_groups: int) -> tuple[str, list[Group]]:
         """A fresh lease id and the groups a grant of ``n_groups`` would take (changes nothing: the grant
         happens with :meth:`grant` once its reply was delivered)."""
-        take = min(n_groups, len(part.ready))
         lease_id = secrets.token_urlsafe(16)  # unguessable, and only good with its owner's secret
-        return lease_id, [self.ledger.groups[gid] for gid in itertools.islice(part.ready, take)]
+        return lease_id, self.ledger.front(part, n_groups)
 
     def grant(
         self, lease_id: str, partition: str, groups: list[Group], owner: bytes, consumer_version: int | None
     ) -> None:
         """Lease the front ``groups`` of ``partition``'s ready set (as :meth:`offer` gave them)."""
         part = self.ledger.part(partition)
+        self.ledger.take_front(part, len(groups))
         for g in groups:
-            part.ready.popleft()
             g.state, g.lease_id = LEASED, lease_id
             part.counters.on_lease(g, consumer_version)
         group_ids = [g.meta.group_id for g in groups]
@@ -97,7 +95,7 @@ class Leases:
         for gid in group_ids:
             group = self.ledger.groups.get(gid)
             if group is not None and group.state == READY and group.lease_id == req.lease_id:
-                self.ledger.part(group.partition).ready.remove(gid)
+                self.ledger.take_ready(group)
                 taken.append((group, gid in req.dropped))
         return taken, len(group_ids) - len(taken)
 

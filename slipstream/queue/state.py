@@ -93,8 +93,9 @@ class Ledger:
       * ``held_groups``/``held_bytes`` count exactly the held groups, whose storage (arena region or blobs in
         their unit) is freed when they are released.
 
-    Its collections are read by the lease table, the recovery and the statistics; they change only through
-    the methods here.
+    The lease table, the recovery and the statistics read its collections; the held groups, the ready sets
+    and the consumed ids change only through the methods here (a partition's waiting requests and counters
+    belong to the controller, and a group's lease fields to the lease table).
 
     Worked example::
 
@@ -243,6 +244,19 @@ class Ledger:
         part.ready.append(group.meta.group_id)
         part.counters.on_put(group.nbytes)
         return part
+
+    def front(self, part: Partition, n: int) -> list[Group]:
+        """The first ``n`` (or fewer) groups of the ready set, left in it."""
+        return [self.groups[gid] for gid in itertools.islice(part.ready, n)]
+
+    def take_front(self, part: Partition, n: int) -> None:
+        """Take the first ``n`` groups out of the ready set (they are being leased)."""
+        for _ in range(n):
+            part.ready.popleft()
+
+    def take_ready(self, group: Group) -> None:
+        """Take one ready group out of its ready set (a late ack consumes it)."""
+        self.part(group.partition).ready.remove(group.meta.group_id)
 
     def return_to_ready(self, part: Partition, group_ids: list[str]) -> None:
         """Held groups (back from a lease, or restored) join the ready set in put order."""
