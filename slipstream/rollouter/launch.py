@@ -42,6 +42,7 @@ from pathlib import Path
 import httpx
 
 from slipstream.rollouter.config import RolloutConfig
+from slipstream.serverapi import VLLM
 from slipstream.utils.logging import get_logger
 from slipstream.utils.net import LOOPBACK, free_port
 from slipstream.utils.registry import Registry
@@ -156,7 +157,9 @@ def _vllm_command(model: str, host: str, port: int, cfg: RolloutConfig) -> list[
         "vllm", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     )
     if exe is None:
-        raise ServerLaunchError("vllm is not installed here (pip install 'slipstream[vllm]', vllm==0.33.0)")
+        raise ServerLaunchError(
+            f"vllm is not installed here (pip install 'slipstream[vllm]', {VLLM.requirement})"
+        )
     cmd = [exe, "serve", model, "--host", host, "--port", str(port), "--logprobs-mode", "processed_logprobs"]
     if not any(a.startswith("--weight-transfer-config") for a in cfg.server_args):
         cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
