@@ -399,14 +399,11 @@ class Controller:
         self.recovery.restore(req, lambda summary: self._answer_job(reply_to, req.req_id, summary))
 
     def _answer_job(self, reply_to: ReplyTo, req_id: int, summary: Callable[[], Summary]) -> None:
-        """Answer a finished snapshot or restore; restored groups then serve the leases waiting for them."""
-
-        def run() -> None:
-            self._ok(reply_to, P.SummaryReply(req_id, summary()))
-            for part in list(self.ledger.partitions.values()):
-                self._serve_waiters(part)
-
-        self._guarded(reply_to, req_id, run)
+        """Answer a finished snapshot or restore; restored groups then serve the leases waiting for them (also
+        after a restore that failed part of the way)."""
+        self._guarded(reply_to, req_id, lambda: self._ok(reply_to, P.SummaryReply(req_id, summary())))
+        for part in list(self.ledger.partitions.values()):
+            self._serve_waiters(part)
 
     # -------------------------------------------------------------------------------------- timers
     def tick(self) -> float:
