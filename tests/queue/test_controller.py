@@ -179,6 +179,17 @@ def test_nack_puts_the_groups_back_in_front_in_put_order(make_queue):
         q.nack(first.lease_id)
 
 
+def test_groups_coming_back_interleave_with_the_ready_ones_in_put_order(make_queue):
+    q = make_queue()
+    for gid in "abcde":
+        q.put(gid)
+    a, b, c = (q.lease(1) for _ in range(3))  # ready: d e
+    q.nack(a.lease_id)  # in front: a d e
+    q.nack(c.lease_id)  # between: a c d e
+    q.nack(b.lease_id)  # between: a b c d e
+    assert _ids(q.lease(5)) == ["a", "b", "c", "d", "e"]
+
+
 def test_ack_with_dropped_ids_feeds_pop_dropped_and_refuses_ids_outside_the_lease(make_queue):
     q = make_queue()
     q.put("a"), q.put("b")
