@@ -87,10 +87,6 @@ class ModelShape:
             mlp = 4 * self.intermediate
         return attn + mlp
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim  # elements; times the dtype's bytes
-
 
 # Shapes of the models the shipped recipes name (their config.json), so a plan needs no checkpoint.
 KNOWN: dict[str, ModelShape] = {

@@ -135,7 +135,3 @@ def split_groups(group_index: torch.Tensor, parts: int) -> list[list[int]]:
         )
     bounds = [round(k * len(groups) / parts) for k in range(parts + 1)]
     return [[i for g in groups[bounds[k] : bounds[k + 1]] for i in g] for k in range(parts)]
-
-
-def tensor_items(batch: TensorDict) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}

@@ -17,13 +17,10 @@ multiplies by the data-parallel size before backward because FSDP averages gradi
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
 from slipstream.trainer.algos.segments import segment_ids, segment_sum
 
-AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 AGG_MODES: tuple[str, ...] = (
     "token-mean",
     "seq-mean-token-sum",
