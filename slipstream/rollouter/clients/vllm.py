@@ -13,13 +13,13 @@ Two token-in/token-out routes, chosen with ``api=`` (the description's route nam
   abort with ``/inference/v1/abort_requests``. vLLM names that engine request ``generate-tokens-<request_id>``
   (``entrypoints/scale_out/token_in_token_out/serving.py``), so that is the id an abort must name.
 
-Dev-mode control (abort, pause, resume: the base class's, from the description): ``POST /pause?mode=
-abort|wait|keep`` (our ``in_place`` is vLLM's ``keep``), ``/resume``, ``/abort_requests {"request_ids":
-[...]}`` (empty: all); ``GET /weight_info`` for the version. While paused in ``abort``/``wait`` mode vLLM
-answers new requests with 503; :meth:`VLLMClient.generate` retries those with backoff until resume or the
-client's timeout. Aborted requests come back with
-``finish_reason == "abort"`` and their partial tokens. A response without weight-version spans gets every
-token stamped with the version ``/weight_info`` reports right after it.
+Dev-mode control (abort, pause, resume: the base class's, built from the description): ``POST /pause?
+mode=abort|wait|keep`` (our ``in_place`` is vLLM's ``keep``), ``/resume``, ``/abort_requests
+{"request_ids": [...]}`` (empty: all); ``GET /weight_info`` for the version. While paused in
+``abort``/``wait`` mode vLLM answers new requests with 503; :meth:`VLLMClient.generate` retries those
+with backoff until resume or the client's timeout. Aborted requests come back with ``finish_reason ==
+"abort"`` and their partial tokens. A response without weight-version spans gets every token stamped
+with the version ``/weight_info`` reports right after it.
 
 Launch vLLM with ``--logprobs-mode processed_logprobs`` (launch.py does) so logprobs are computed after
 temperature, like the embedded server's and SGLang's.
@@ -154,8 +154,7 @@ class VLLMClient(ServerClient):
         super().__init__(
             base_url, server_api=server_api, timeout_s=timeout_s, max_connections=max_connections
         )
-        self.api = api
-        self.route = api
+        self.route = self.api = api  # the generate route: abort follows it (``api`` is its old name)
         self.retry_interval_s = retry_interval_s
 
     async def generate(
