@@ -17,18 +17,19 @@ Lifecycle of a group (``seq`` is its put order; the ready set is always sorted b
 
 The controller is the server's one state machine, built from parts it owns, each behind a narrow interface::
 
-    Controller     handlers, admission and back-pressure, parked requests and their timers, every answer
+    Controller     handlers, admission and back-pressure, who is served when, every answer
       ├── Ledger    (state.py)     held groups, ready sets in put order, consumed ids, dropped list
+      ├── Parking   (parking.py)   puts waiting for room, leases waiting for groups, their deadlines
       ├── Leases    (leases.py)    the lease table: grant, ack, nack, quarantine, fetch, expiry, fences
       ├── Recovery  (recovery.py)  snapshot and restore (rollback or merge), on the background worker
       ├── Credits   (credits.py)   arena regions reserved for producers' next puts
       └── Journal   (journal.py)   acked groups kept until the next snapshot commits (optional)
 
-Only the controller answers requests and parks them; the lease table and the recovery change the queue
-through the ledger and report what changed (a partition's ready set grew, groups to consume), and the
-controller then serves whoever waits. Acked groups go to the journal (header and payload, copied out of
-shared memory) until the next snapshot commits, so a trainer that crashes and restores its last snapshot on
-this live server gets back what it acked since.
+Only the controller answers requests and decides when a parked one is served; the lease table and the
+recovery change the queue through the ledger and report what changed (a partition's ready set grew, groups
+to consume), and the controller then serves whoever waits. Acked groups go to the journal (header and
+payload, copied out of shared memory) until the next snapshot commits, so a trainer that crashes and restores
+its last snapshot on this live server gets back what it acked since.
 
 Same-host producers write into arena *credits* (regions reserved for their next put, see
 :mod:`slipstream.queue.credits`): a commit both admits the group written there and hands out the next credit,
@@ -49,10 +50,7 @@ handlers can be called directly with a ``send`` that records the replies, withou
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -65,18 +63,14 @@ from slipstream.queue.config import QueueConfig
 from slipstream.queue.credits import Credits
 from slipstream.queue.journal import Journal
 from slipstream.queue.leases import Leases
+from slipstream.queue.parking import Parking
 from slipstream.queue.recovery import Recovery, Summary
-from slipstream.queue.state import Clock, Group, Ledger, Partition, ReplyTo, Send, Waiter
+from slipstream.queue.state import Clock, Group, Ledger, ReplyTo, Send, Waiter
 from slipstream.queue.stats import PartitionCounters
 from slipstream.queue.storage import StorageUnit
 from slipstream.utils.logging import get_logger
 
 log = get_logger(__name__)
-
-
-def _waiter_of(timer: tuple[float, int, str, Any]) -> Waiter:
-    key = timer[3]
-    return key[1] if timer[2] == "wait" else key
 
 
 class Controller:
@@ -113,12 +107,7 @@ class Controller:
         self._background = Background()
         self.journal = Journal(cfg.journal_dir) if cfg.journal else None
         self.recovery = Recovery(self.ledger, self.journal, self._background, cfg.snapshot_dir)
-        self._parked_puts: deque[Waiter] = deque()
-        self._timers: list[tuple[float, int, str, Any]] = []  # parked requests, each with its own timeout
-        self._timer_seq = itertools.count()
-        self.parked_puts = 0  # parked puts and the frame bytes they hold, and leases waiting (not done)
-        self.parked_bytes = 0
-        self.waiting_leases = 0
+        self.parking = Parking(cfg)
 
     @property
     def held_groups(self) -> int:
@@ -129,20 +118,6 @@ class Controller:
         return self.ledger.held_bytes
 
     # -------------------------------------------------------------------------------------- helpers
-    def _timer(self, deadline: float, kind: str, key: Any) -> None:
-        heapq.heappush(self._timers, (deadline, next(self._timer_seq), kind, key))
-        if len(self._timers) > 4 * (self.parked_puts + self.waiting_leases) + 1024:
-            self._compact()
-
-    def _compact(self) -> None:
-        """Drop answered requests from the timers and wait lists (each is otherwise kept until its deadline
-        or until it reaches the front of its list, so many short waits behind a long one would pile up)."""
-        self._timers = [t for t in self._timers if not _waiter_of(t).done]
-        heapq.heapify(self._timers)
-        self._parked_puts = deque(w for w in self._parked_puts if not w.done)
-        for part in self.ledger.partitions.values():
-            part.waiters = deque(w for w in part.waiters if not w.done)
-
     def _ok(self, reply_to: ReplyTo, header: msgspec.Struct, buffers: Sequence[Any] = ()) -> bool:
         return self._send(reply_to, P.MsgType.OK, header, buffers)
 
@@ -181,46 +156,13 @@ class Controller:
                 f"group {req.meta.group_id!r} has {nbytes} bytes, more than capacity_bytes="
                 f"{self.cfg.capacity_bytes}: it could never fit; raise queue.capacity_bytes",
             )
-        while self._parked_puts and self._parked_puts[0].done:
-            self._parked_puts.popleft()
-        if not self._parked_puts and self._fits(nbytes):
+        if self.parking.first_put() is None and self._fits(nbytes):  # none waits ahead of it, and it fits
             on_admit()
             return
-        self._check_parking(frame_bytes)
         deadline = self._clock() + max(0.0, req.timeout_s)
         waiter = Waiter(reply_to, req, deadline, nbytes, on_admit, on_duplicate, on_timeout)
         waiter.frame_bytes = frame_bytes
-        self._parked_puts.append(waiter)
-        self.parked_puts += 1
-        self.parked_bytes += frame_bytes
-        self._timer(waiter.deadline, "put", waiter)
-
-    def _check_parking(self, frame_bytes: int) -> None:
-        """Refuse to park one more put beyond ``max_parked_puts`` / ``max_parked_put_bytes``."""
-        cfg = self.cfg
-        if (
-            self.parked_puts < cfg.max_parked_puts
-            and self.parked_bytes + frame_bytes <= cfg.max_parked_put_bytes
-        ):
-            return
-        raise WireError(
-            "queue_full",
-            f"queue full and {self.parked_puts} put(s) holding {self.parked_bytes} bytes already wait for "
-            f"room (queue.max_parked_puts={cfg.max_parked_puts}, "
-            f"max_parked_put_bytes={cfg.max_parked_put_bytes}); retry later",
-        )
-
-    def _settle(self, waiter: Waiter) -> bool:
-        """Mark a parked request answered or abandoned (False if it already was); frees its parking share."""
-        if waiter.done:
-            return False
-        waiter.done = True
-        if waiter.is_put:
-            self.parked_puts -= 1
-            self.parked_bytes -= waiter.frame_bytes
-        else:
-            self.waiting_leases -= 1
-        return True
+        self.parking.park_put(waiter)
 
     def _fits(self, nbytes: int) -> bool:
         groups, held = self.ledger.held_groups, self.ledger.held_bytes
@@ -230,21 +172,16 @@ class Controller:
         return groups < self.cfg.capacity_groups and held + nbytes <= self.cfg.capacity_bytes
 
     def _admit_parked(self) -> None:
-        while self._parked_puts:
-            waiter = self._parked_puts[0]
-            if waiter.done:
-                self._parked_puts.popleft()
-                continue
+        """Admit parked puts in arrival order while they fit (a duplicate among them is answered as one)."""
+        while (waiter := self.parking.first_put()) is not None:
             if self.ledger.is_seen(waiter.req.meta):
-                self._parked_puts.popleft()
-                self._settle(waiter)
+                self.parking.settle(waiter)
                 self.ledger.part(waiter.req.partition).counters.duplicates_total += 1
                 self._guarded(waiter.reply_to, waiter.req.req_id, waiter.on_duplicate)
                 continue
             if not self._fits(waiter.nbytes):
                 return
-            self._parked_puts.popleft()
-            self._settle(waiter)
+            self.parking.settle(waiter)
             self._guarded(waiter.reply_to, waiter.req.req_id, waiter.on_admit)
 
     # --------------------------------------------------------------------------------------- puts
@@ -292,7 +229,8 @@ class Controller:
         """Hold an admitted group, answer its put, then let it serve a waiting lease."""
         self.ledger.hold(group)
         self._ok(reply_to, reply)  # before a waiting lease is served from it
-        self._serve_waiters(self.ledger.make_ready(group))
+        self.ledger.make_ready(group)
+        self._serve_waiters(group.partition)
 
     def handle_pop_dropped(self, reply_to: ReplyTo, req: P.PopDroppedRequest, _buffers: list[Any]) -> None:
         self._ok(reply_to, P.DroppedReply(req.req_id, self.ledger.pop_dropped(req.max_groups)))
@@ -303,35 +241,35 @@ class Controller:
             raise WireError(
                 "bad_request", f"need 1 <= min_groups ({req.min_groups}) <= n_groups ({req.n_groups})"
             )
-        part = self.ledger.part(req.partition)
-        if self.waiting_leases >= self.cfg.max_waiting_leases:
-            self._serve_waiters(part)  # drops answered waiters from the front
-        if self.waiting_leases >= self.cfg.max_waiting_leases:
+        self.ledger.part(req.partition)  # a bad name is refused before anything waits
+        if self.parking.leases_full:
+            self._serve_waiters(req.partition)  # drops answered waiters from the front
+        if self.parking.leases_full:
             raise WireError(
                 "too_many_waiting",
-                f"{self.waiting_leases} leases already wait for groups (queue.max_waiting_leases); "
+                f"{self.parking.waiting_leases} leases already wait for groups (queue.max_waiting_leases); "
                 "retry later",
             )
         waiter = Waiter(reply_to, req, self._clock() + max(0.0, req.timeout_s))
-        part.waiters.append(waiter)
-        self.waiting_leases += 1
-        self._serve_waiters(part)
+        self.parking.park_lease(req.partition, waiter)
+        self._serve_waiters(req.partition)
         if not waiter.done:
-            self._timer(waiter.deadline, "wait", (req.partition, waiter))
+            self.parking.time_lease(req.partition, waiter)
 
-    def _serve_waiters(self, part: Partition) -> None:
+    def _serve_waiters(self, partition: str) -> None:
         """Grant the partition's waiting leases, in arrival order, while enough groups are ready."""
-        while part.waiters and (part.waiters[0].done or len(part.ready) >= part.waiters[0].req.min_groups):
-            waiter = part.waiters.popleft()
+        ready, line = self.ledger.part(partition).ready, self.parking.line(partition)
+        while line and (line[0].done or len(ready) >= line[0].req.min_groups):
+            waiter = line.popleft()
             if not waiter.done:
-                self._guarded(waiter.reply_to, waiter.req.req_id, lambda w=waiter: self._grant(part, w))
+                self._guarded(waiter.reply_to, waiter.req.req_id, lambda w=waiter: self._grant(w))
 
-    def _grant(self, part: Partition, waiter: Waiter) -> None:
+    def _grant(self, waiter: Waiter) -> None:
         """Lease the front of the ready set to ``waiter``; if its reply cannot be delivered (the requester is
         gone), nothing changes and the groups stay ready for the next waiter."""
-        self._settle(waiter)
+        self.parking.settle(waiter)
         req = waiter.req
-        lease_id, groups = self.leases.offer(part, req.n_groups)
+        lease_id, groups = self.leases.offer(self.ledger.part(req.partition), req.n_groups)
         leased = [
             P.LeasedGroup(g.meta, g.specs, g.unit, g.token, g.arena_offset, g.region_bytes, g.num_buffers)
             for g in groups
@@ -376,9 +314,9 @@ class Controller:
                                 group.specs, unit.blobs(group.token))  # fmt: skip
 
     def handle_nack(self, reply_to: ReplyTo, req: P.NackRequest, _buffers: list[Any]) -> None:
-        part = self.leases.nack(req)
-        if part is not None:
-            self._serve_waiters(part)
+        partition = self.leases.nack(req)
+        if partition is not None:
+            self._serve_waiters(partition)
         self._ok(reply_to, P.DoneReply(req.req_id))
 
     def handle_quarantine(self, reply_to: ReplyTo, req: P.QuarantineRequest, _buffers: list[Any]) -> None:
@@ -402,35 +340,33 @@ class Controller:
         """Answer a finished snapshot or restore; restored groups then serve the leases waiting for them (also
         after a restore that failed part of the way)."""
         self._guarded(reply_to, req_id, lambda: self._ok(reply_to, P.SummaryReply(req_id, summary())))
-        for part in list(self.ledger.partitions.values()):
-            self._serve_waiters(part)
+        for partition in list(self.ledger.partitions):
+            self._serve_waiters(partition)
 
     # -------------------------------------------------------------------------------------- timers
     def tick(self) -> float:
         """Fire due timers and finished background work; return seconds until the next timer (capped)."""
         now = self._clock()
-        while self._timers and self._timers[0][0] <= now:
-            _, _, kind, key = heapq.heappop(self._timers)
+        for kind, key in self.parking.due(now):
             if kind == "put":
                 self._expire_put(key)
             else:
                 self._expire_wait(*key)
-        for part in self.leases.expire(now):
-            self._serve_waiters(part)
+        for partition in self.leases.expire(now):
+            self._serve_waiters(partition)
         credit_deadline = self.credits.expire(now)
         self._background.poll()
         if self.journal is not None and self.journal.poll():
             self._admit_parked()  # written journal copies free capacity
-        deadlines = [d for d in (self.leases.next_deadline(), credit_deadline) if d is not None]
-        if self._timers:
-            deadlines.append(self._timers[0][0])
+        due = (self.parking.next_deadline(), self.leases.next_deadline(), credit_deadline)
+        deadlines = [d for d in due if d is not None]
         wait = min(deadlines) - now if deadlines else 1.0
         if self._background.busy:
             wait = min(wait, 0.002)  # completions do not wake the poller: look again soon
         return max(0.0, min(wait, 1.0))
 
     def _expire_put(self, waiter: Waiter) -> None:
-        if not self._settle(waiter):
+        if not self.parking.settle(waiter):
             return
         if waiter.on_timeout is not None:
             waiter.on_timeout()
@@ -445,20 +381,16 @@ class Controller:
         self._admit_parked()  # the next one in line may fit
 
     def _expire_wait(self, partition: str, waiter: Waiter) -> None:
-        if not self._settle(waiter):
+        if not self.parking.settle(waiter):
             return
         self._ok(waiter.reply_to, P.LeaseReply(waiter.req.req_id))
-        self._serve_waiters(self.ledger.part(partition))  # a head waiter that timed out may unblock the next
+        self._serve_waiters(partition)  # a head waiter that timed out may unblock the next
 
     def forget(self, sock: Any) -> None:
         """A requester's connection closed: cancel its parked leases and puts, which can never be answered
         (a lease granted to it would hold its groups until ``lease_timeout_s``)."""
-        for part in self.ledger.partitions.values():
-            for waiter in part.waiters:
-                if waiter.reply_to[0] is sock:
-                    self._settle(waiter)
-        for waiter in self._parked_puts:
-            if waiter.reply_to[0] is sock and self._settle(waiter) and waiter.on_timeout is not None:
+        for waiter in self.parking.forget(sock):
+            if waiter.on_timeout is not None:
                 waiter.on_timeout()
         self._admit_parked()
 
@@ -501,9 +433,9 @@ class Controller:
             held_bytes=ledger.held_bytes,
             capacity_groups=self.cfg.capacity_groups,
             capacity_bytes=self.cfg.capacity_bytes,
-            puts_waiting=self.parked_puts,
-            puts_waiting_bytes=self.parked_bytes,
-            leases_waiting=self.waiting_leases,
+            puts_waiting=self.parking.parked_puts,
+            puts_waiting_bytes=self.parking.parked_bytes,
+            leases_waiting=self.parking.waiting_leases,
             credits=len(self.credits),
             consumed_uids=len(ledger.consumed_uids),
             dropped_waiting=len(ledger.dropped),

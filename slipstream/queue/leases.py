@@ -99,7 +99,7 @@ class Leases:
                 taken.append((group, gid in req.dropped))
         return taken, len(group_ids) - len(taken)
 
-    def nack(self, req: P.NackRequest) -> Partition | None:
+    def nack(self, req: P.NackRequest) -> str | None:
         """Give a live lease's groups back to the ready set; the partition they went back to, or None when
         the lease had expired already (its groups are back, nothing to do)."""
         if req.lease_id not in self._live:
@@ -110,7 +110,7 @@ class Leases:
         part = self.ledger.part(lease.partition)
         part.counters.nacked_total += len(lease.group_ids)
         self.ledger.return_to_ready(part, lease.group_ids)
-        return part
+        return lease.partition
 
     def quarantine(self, req: P.QuarantineRequest) -> list[Group]:
         """Take ``req.group_ids`` out of their live lease for good (the lease ends with its last group); the
@@ -146,9 +146,9 @@ class Leases:
         return groups
 
     # ------------------------------------------------------------------------------------------ expiry
-    def expire(self, now: float) -> list[Partition]:
+    def expire(self, now: float) -> list[str]:
         """Return the groups of every lease past its deadline to the ready set; the partitions they went to."""
-        parts = []
+        partitions = []
         while self._live and (lease := next(iter(self._live.values()))).deadline <= now:
             del self._live[lease.lease_id]
             self._expired[lease.lease_id] = lease
@@ -160,8 +160,8 @@ class Leases:
                 "lease %s expired: %d group(s) back to the ready set", lease.lease_id, len(lease.group_ids)
             )
             self.ledger.return_to_ready(part, lease.group_ids)
-            parts.append(part)
-        return parts
+            partitions.append(lease.partition)
+        return partitions
 
     def next_deadline(self) -> float | None:
         return next(iter(self._live.values())).deadline if self._live else None

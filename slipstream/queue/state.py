@@ -78,8 +78,7 @@ class Waiter:
 
 @dataclass(slots=True)
 class Partition:
-    ready: deque[str] = field(default_factory=deque)
-    waiters: deque[Waiter] = field(default_factory=deque)
+    ready: deque[str] = field(default_factory=deque)  # group ids in put order
     counters: PartitionCounters = field(default_factory=PartitionCounters)
 
 
@@ -94,8 +93,8 @@ class Ledger:
         their unit) is freed when they are released.
 
     The lease table, the recovery and the statistics read its collections; the held groups, the ready sets
-    and the consumed ids change only through the methods here (a partition's waiting requests and counters
-    belong to the controller, and a group's lease fields to the lease table).
+    and the consumed ids change only through the methods here (a partition's counters are bumped by whoever
+    counts, and a group's lease fields belong to the lease table).
 
     Worked example::
 
