@@ -220,16 +220,18 @@ def push_dtype(args: argparse.Namespace, work: Path) -> dict:
 
     from slipstream.config import load_config
     from slipstream.trainer.engine.fsdp import FSDPEngine
+    from slipstream.trainer.settings import from_root
     from slipstream.trainer.trainer import push_dtype as resolve
     from slipstream.utils.net import free_port
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     cfg = load_config(None, [f"model.path={_model(work, 'tiny')}", f"trainer.device={args.device}",
                              "weightsync.push_dtype=bfloat16"])  # fmt: skip
-    engine = FSDPEngine(cfg)
+    settings = from_root(cfg)
+    engine = FSDPEngine(settings)
     engine.initialize()
     nbytes = numel = 0
-    for _, tensor in engine.get_per_tensor_param(dtype=resolve(cfg)):
+    for _, tensor in engine.get_per_tensor_param(dtype=resolve(settings)):
         nbytes, numel = nbytes + tensor.numel() * tensor.element_size(), numel + tensor.numel()
     dist.destroy_process_group()
     per_param = nbytes / numel

@@ -42,7 +42,8 @@ class MetricsLogger:
     """Lifecycle: create at run start, ``log`` once per step, ``close`` (or use as a context manager).
 
     ``cfg`` is the run's :class:`slipstream.config.Config`; its ``wandb`` section decides whether and how
-    wandb logs (``offline`` writes under run_dir/wandb; ``online`` uploads; ``disabled`` skips it).
+    wandb logs (``offline`` writes under run_dir/wandb; ``online`` uploads; ``disabled`` skips it). With
+    ``cfg`` None (a trainer rank run alone, which holds only its own settings) wandb is off.
     """
 
     def __init__(self, run_dir: str | Path, cfg: Any, *, total_steps: int | None = None, start_step: int = 0):

@@ -2,7 +2,8 @@
 
 The controller (``pipeline/controller.py``) places these on the two node pools with Ray custom resources
 (``cluster.rollout_resource`` / ``cluster.trainer_resource``) and talks to them only through method calls
-whose arguments and results are the Structs of ``pipeline/types.py`` (the config travels as ``to_dict(cfg)``):
+whose arguments and results are the Structs of ``pipeline/types.py`` (a trainer rank gets its role's
+settings, ``trainer.settings.TrainerSettings``; the other parts the config as ``to_dict(cfg)``):
 control goes through Ray, data never does. Trajectories travel rollouter → queue → trainer over
 ZeroMQ, weights trainer → servers over the checkpoint engine, requests rollouter → servers over HTTP.
 
@@ -49,6 +50,7 @@ from slipstream.utils.logging import get_logger
 
 if TYPE_CHECKING:
     from slipstream.queue.client import QueueClient
+    from slipstream.trainer.settings import TrainerSettings
 
 log = get_logger(__name__)
 
@@ -416,10 +418,12 @@ class TrainerRank:
     ``publish``, ``save``)* on every rank at once → ``close``. ``add_server``/``remove_server`` (rank 0)
     may run during a step."""
 
-    def __init__(self, cfg: dict[str, Any], rank: int, world_size: int, run_dir: str, threads: int) -> None:
+    def __init__(
+        self, settings: TrainerSettings, rank: int, world_size: int, run_dir: str, threads: int
+    ) -> None:
         log_to_file(run_dir, f"trainer-{rank}")
         wait_for_own_children()
-        self.cfg = _config(cfg)
+        self.settings = settings
         self.rank, self.world_size = rank, world_size
         self.run_dir = Path(run_dir)
         self.threads = threads
@@ -448,25 +452,23 @@ class TrainerRank:
         from slipstream.trainer.trainer import Trainer
 
         self._threads()
-        cfg = self.cfg
-        use_cuda = cfg.trainer.device == "cuda" or (
-            cfg.trainer.device == "auto" and torch.cuda.is_available()
-        )
+        settings, tcfg = self.settings, self.settings.trainer
+        use_cuda = tcfg.device == "cuda" or (tcfg.device == "auto" and torch.cuda.is_available())
         dist.init_process_group(
             "nccl" if use_cuda else "gloo",
             init_method=f"tcp://{setup.master_host}:{setup.master_port}",
             rank=self.rank,
             world_size=self.world_size,
-            timeout=timedelta(seconds=max(600.0, cfg.trainer.batch_timeout_s + 60)),
+            timeout=timedelta(seconds=max(600.0, tcfg.batch_timeout_s + 60)),
         )
-        self.engine = make_engine(cfg)
+        self.engine = make_engine(settings)
         self.engine.initialize()
-        aux = make_aux_engines(cfg)
+        aux = make_aux_engines(settings)
         if self.rank == 0:
             client = QueueClient(setup.queue_address, owner=_lease_owner(self.run_dir))
             self.queue = _TrackedQueue(client, self.run_dir / "trainer_leases.json")
         self.trainer = Trainer(
-            cfg, self.engine, self.queue, rank=self.rank, world_size=self.world_size, **aux
+            settings, self.engine, self.queue, rank=self.rank, world_size=self.world_size, **aux
         )
         if setup.resume_path is not None:
             if self.queue is not None:
@@ -488,10 +490,10 @@ class TrainerRank:
 
         if self.rank != 0:
             return
-        ws = self.cfg.weightsync
+        ws = self.settings.weightsync
         if ws.master_address in ("0.0.0.0", "", "::"):  # bind (and advertise) this node's address
             ws = msgspec.structs.replace(ws, master_address=_node_ip())
-        self.publisher = WeightPublisher(ws, server_urls, self.cfg.rollout.backend, token=token)
+        self.publisher = WeightPublisher(ws, server_urls, self.settings.server_kind, token=token)
 
     def pid(self) -> int:
         return os.getpid()
@@ -514,7 +516,7 @@ class TrainerRank:
 
         self._threads()
         t0 = time.monotonic()
-        dtype = push_dtype(self.cfg)
+        dtype = push_dtype(self.settings)
         if self.publisher is None:
             make_publish_fn(None)(version, self.engine.get_per_tensor_param(dtype))
             return PushReport()

@@ -18,7 +18,7 @@ the part and, when Ray lost nodes of the run, which ones and what they held.
 Worked example::
 
     cluster = RayCluster(placement)
-    rank = cluster.spawn("rank0", TrainerRank, rank_cfg, 0, 1, run_dir, 1, max_concurrency=2)
+    rank = cluster.spawn("rank0", TrainerRank, settings, 0, 1, run_dir, 1, max_concurrency=2)
     host, port = ask(cluster, cluster.call(rank, "endpoint"), 60.0, "trainer rank 0")
 """
 

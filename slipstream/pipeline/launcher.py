@@ -30,6 +30,7 @@ from slipstream.pipeline.actors import RolloutWorker, ServerHost, TrainerRank, w
 from slipstream.pipeline.cluster import CALL_TIMEOUT_S, Cluster, PartFailed, RayCluster, ask, first_line
 from slipstream.pipeline.types import RankSetup, RolloutStart
 from slipstream.rollouter.state import RolloutState
+from slipstream.trainer.settings import from_root as trainer_settings
 from slipstream.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -118,11 +119,10 @@ class Launcher:
         world = cfg.trainer.num_ranks
         threads = cfg.cluster.trainer_threads or max(1, (os.cpu_count() or 1) // world)
         # The controller writes checkpoints (with the rollouter's state), so the trainer's own are off.
-        rank_cfg = to_dict(cfg)
-        rank_cfg["trainer"]["checkpoint_every"] = 0
+        settings = msgspec.structs.replace(trainer_settings(cfg), checkpoint_every=0)
         parts.ranks = [
             cluster.spawn(
-                f"rank{r}", TrainerRank, rank_cfg, r, world, str(self.run_dir), threads, max_concurrency=2
+                f"rank{r}", TrainerRank, settings, r, world, str(self.run_dir), threads, max_concurrency=2
             )  # fmt: skip
             for r in range(world)
         ]

@@ -102,8 +102,9 @@ def _batch(args: argparse.Namespace, vocab_size: int):
 def _make_runner(cfg, batch):
     """A closure running one full training step of one mode (a fresh engine from the same weights)."""
     from slipstream.trainer.engine.fsdp import FSDPEngine
+    from slipstream.trainer.settings import from_root
 
-    engine = FSDPEngine(cfg)
+    engine = FSDPEngine(from_root(cfg))
     engine.initialize()
     tokens, seqs = global_counts(batch["loss_mask"], batch["cu_seqlens"])
     loss = PolicyLoss(cfg.trainer.algorithm, GlobalCounts(tokens, seqs, 1.0))

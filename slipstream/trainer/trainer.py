@@ -16,7 +16,12 @@ batch, so results do not depend on the number of ranks:
      split over data-parallel replicas by token count and is one optimizer step, its loss normalised by its global counts;
   5. rank 0 acks the leases (with the dropped group ids); ``version`` += 1; every ``async.sync_every``
      steps ``publish_fn(version, engine.get_per_tensor_param())`` runs on every rank (rank 0 sends, the
-     others drive the all-gathers); every ``trainer.checkpoint_every`` steps a checkpoint is written.
+     others drive the all-gathers); every ``checkpoint_every`` steps (``trainer.checkpoint_every``; 0 under
+     the pipeline, which writes them itself) a checkpoint is written.
+
+The trainer is built from :class:`~slipstream.trainer.settings.TrainerSettings` (``settings.from_root(cfg)``),
+which names the few values it takes from other roles (the sampling temperature and token budget, the
+staleness cap, the push cadence), never from the root config.
 
 Nothing is lost or trained twice: leases are acked only after the optimizer steps (a failed step nacks
 them back), and a checkpoint holds the queue snapshot taken right after the ack, so resuming restores
@@ -26,8 +31,9 @@ recently or already holds for this batch.
 
 Worked example (one process; ``run_trainer_rank`` does the same for N processes)::
 
-    engine = FSDPEngine(cfg); engine.initialize()
-    trainer = Trainer(cfg, engine, QueueClient(address), rank=0, world_size=1, publish_fn=push)
+    settings = from_root(cfg)
+    engine = FSDPEngine(settings); engine.initialize()
+    trainer = Trainer(settings, engine, QueueClient(address), rank=0, world_size=1, publish_fn=push)
     trainer.fit(100)           # or trainer.step() -> {"trainer/loss": ..., "trainer/staleness_mean": ...}
 """
 
@@ -52,8 +58,8 @@ from slipstream.utils import checkpoints
 from slipstream.utils.logging import get_logger
 
 if TYPE_CHECKING:
-    from slipstream.config import Config
     from slipstream.queue.base import QueueConsumer
+    from slipstream.trainer.settings import TrainerSettings
 
 log = get_logger(__name__)
 
@@ -76,7 +82,7 @@ class Trainer:
 
     def __init__(
         self,
-        cfg: Config,
+        settings: TrainerSettings,
         engine: ModelEngine,
         queue: QueueConsumer | None,
         *,
@@ -87,7 +93,7 @@ class Trainer:
         reference: ModelEngine | None = None,
         collate_fn: Callable[[list], TensorDict] | None = None,
     ) -> None:
-        algo = cfg.trainer.algorithm
+        algo = settings.trainer.algorithm
         if algo.adv_estimator == "gae" and critic is None:
             raise ValueError("adv_estimator `gae` needs a critic engine (Trainer(..., critic=...))")
         ADVANTAGES.get(algo.adv_estimator)  # fail at construction on an unknown name
@@ -97,7 +103,7 @@ class Trainer:
             raise ValueError(
                 "kl_reference `reference` needs a reference engine (Trainer(..., reference=...))"
             )
-        self.cfg, self.engine, self.queue, self.critic = cfg, engine, queue, critic
+        self.settings, self.engine, self.queue, self.critic = settings, engine, queue, critic
         self.reference = reference
         self.rank, self.world_size = rank, world_size
         self.publish_fn = publish_fn
@@ -105,7 +111,7 @@ class Trainer:
         self.version = 0  # weight version = completed trainer steps
         self.last_batch_uids: list[str] = []  # rank 0: the samples the last step trained on
         self._trained: dict[str, None] = {}  # rank 0: recently trained uids, oldest first (see _skip)
-        self.checkpoint_root = checkpoints.checkpoint_root(Path(cfg.run.output_dir) / cfg.run.name)
+        self.checkpoint_root = checkpoints.checkpoint_root(Path(settings.run.output_dir) / settings.run.name)
 
     # ---------------------------------------------------------------- the loop
     def fit(
@@ -136,11 +142,11 @@ class Trainer:
             self._remember_trained(self.last_batch_uids)
         self.version += 1
         metrics["trainer/dropped_groups"] = float(self._bcast_scalar(sum(len(v) for v in dropped.values())))
-        if self.publish_fn is not None and self.version % self.cfg.async_.sync_every == 0:
+        if self.publish_fn is not None and self.version % self.settings.sync_every == 0:
             t_pub = time.perf_counter()
-            self.publish_fn(self.version, self.engine.get_per_tensor_param(push_dtype(self.cfg)))
+            self.publish_fn(self.version, self.engine.get_per_tensor_param(push_dtype(self.settings)))
             metrics["trainer/publish_s"] = time.perf_counter() - t_pub
-        every = self.cfg.trainer.checkpoint_every
+        every = self.settings.checkpoint_every
         if every and self.version % every == 0:
             self.save(checkpoints.step_dir(self.checkpoint_root, self.version))
             self._prune_checkpoints()
@@ -164,7 +170,7 @@ class Trainer:
 
     def _lease_groups(self) -> tuple[list, dict[str, list[str]], list]:
         """Lease until ``batch_groups`` groups within the staleness bound are held (rank 0)."""
-        tcfg, acfg = self.cfg.trainer, self.cfg.async_
+        tcfg, settings = self.settings.trainer, self.settings
         need = tcfg.batch_groups
         deadline = time.monotonic() + tcfg.batch_timeout_s
         leases, groups, dropped = [], [], {}
@@ -188,8 +194,8 @@ class Trainer:
             stale = [
                 g.group_id
                 for g in lease.groups
-                if acfg.stale_policy == "drop"
-                and acfg.staleness(self.version, g.min_version) > acfg.max_staleness
+                if settings.stale_policy == "drop"
+                and settings.staleness(self.version, g.min_version) > settings.max_staleness
                 and not g.meta.extra.get("keep_stale")  # dropped max_stale_drops times already
             ]
             skip = set(stale) | self._skip(lease.groups, groups)
@@ -231,7 +237,7 @@ class Trainer:
 
     # ---------------------------------------------------------------- compute
     def _train_on(self, batch: TensorDict) -> dict[str, float]:
-        algo, tcfg = self.cfg.trainer.algorithm, self.cfg.trainer
+        algo, tcfg = self.settings.trainer.algorithm, self.settings.trainer
         lengths = sample_lengths(batch)
         if algo.needs_proximal:
             batch["prox_logprobs"] = self._forward_full(self.engine, batch, "logprobs")
@@ -279,8 +285,8 @@ class Trainer:
 
     def _mini_plan(self, mini: TensorDict) -> tuple[TensorDict, GlobalCounts]:
         tokens, seqs = global_counts(mini["loss_mask"].bool(), mini["cu_seqlens"])
-        algo = self.cfg.trainer.algorithm
-        scale = algo.loss_scale_factor or float(self.cfg.rollout.sampling.max_new_tokens)
+        algo = self.settings.trainer.algorithm
+        scale = algo.loss_scale_factor or float(self.settings.loss_scale_tokens)
         parts = partition_for_ranks(sample_lengths(mini), self.engine.dp_size)
         return select_samples(mini, parts[self.engine.dp_rank]), GlobalCounts(tokens, seqs, scale)
 
@@ -313,10 +319,11 @@ class Trainer:
     def _add_mfu(self, metrics: dict[str, float], batch: TensorDict, elapsed: float) -> None:
         if self.engine.device.type != "cuda":
             return
-        peak = self.cfg.trainer.peak_tflops or _lookup_peak_tflops(torch.cuda.get_device_name())
+        peak = self.settings.trainer.peak_tflops or _lookup_peak_tflops(torch.cuda.get_device_name())
         if peak is None:
             return
-        passes = self.cfg.trainer.epochs + (1 / 3 if self.cfg.trainer.algorithm.needs_proximal else 0)
+        tcfg = self.settings.trainer
+        passes = tcfg.epochs + (1 / 3 if tcfg.algorithm.needs_proximal else 0)
         passes += 1 / 3 if self.reference is not None else 0  # a forward is a third of a training pass
         flops = self.engine.model_flops(sample_lengths(batch)) * passes
         metrics["trainer/mfu"] = flops / (elapsed * peak * 1e12 * self.world_size)
@@ -362,7 +369,7 @@ class Trainer:
 
     def _prune_checkpoints(self) -> None:
         if self.rank == 0:
-            checkpoints.prune(self.checkpoint_root, self.cfg.trainer.keep_checkpoints)
+            checkpoints.prune(self.checkpoint_root, self.settings.trainer.keep_checkpoints)
 
     # ---------------------------------------------------------------- collectives
     def _comm_device(self) -> torch.device:
@@ -394,7 +401,7 @@ def _lookup_peak_tflops(name: str) -> float | None:
     return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
 
 
-def push_dtype(cfg: Config) -> torch.dtype | None:
+def push_dtype(settings: TrainerSettings) -> torch.dtype | None:
     """The dtype weights are pushed in (``weightsync.push_dtype``; ``auto`` unresolved: as trained)."""
-    name = cfg.weightsync.push_dtype
+    name = settings.weightsync.push_dtype
     return None if name == "auto" else getattr(torch, name)

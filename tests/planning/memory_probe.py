@@ -15,6 +15,7 @@ from slipstream.config import load_config
 from slipstream.planning.memory import GIB, plan
 from slipstream.testing import make_tiny_model
 from slipstream.trainer.engine.fsdp import FSDPEngine
+from slipstream.trainer.settings import from_root
 from slipstream.trainer.synthetic import make_packed_batch
 from slipstream.utils.net import free_port
 
@@ -32,7 +33,7 @@ def main(workdir: str, checkpointing: str) -> None:
     tokens = 4096
     cfg = load_config(None, [f"model.path={path}", "trainer.device=cpu", f"trainer.micro_batch_tokens={tokens}",
                              f"trainer.activation_checkpointing={checkpointing}"])  # fmt: skip
-    engine = FSDPEngine(cfg)
+    engine = FSDPEngine(from_root(cfg))
     engine.initialize()
     batch = make_packed_batch([16] * 16, [tokens // 16 - 16] * 16, vocab_size=200, seed=0, group_size=16)
     engine.forward_backward_batch(batch, nll)

@@ -1,10 +1,17 @@
-"""Trainer test helpers: a config pointing at the tiny model, and a guard that tears down the 1-rank
+"""Trainer test helpers: trainer settings pointing at the tiny model, and a guard that tears down the 1-rank
 process group an in-process engine starts, so no state leaks into other tests."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+
+def trainer_settings(model_path, *overrides: str):
+    """``TrainerSettings`` from a root config of the tiny model plus dotted root-key ``overrides``."""
+    from slipstream.trainer.settings import from_root
+
+    return from_root(trainer_config(model_path, *overrides))
 
 
 def trainer_config(model_path, *overrides: str):

@@ -13,7 +13,7 @@ from slipstream.trainer.batching import partition_for_ranks, sample_lengths, sel
 from slipstream.trainer.engine.fsdp import FSDPEngine
 from slipstream.trainer.synthetic import make_packed_batch
 from slipstream.utils.net import free_port
-from tests.trainer.conftest import trainer_config
+from tests.trainer.conftest import trainer_settings
 
 
 def _batch():
@@ -49,7 +49,7 @@ def _worker(rank, world, port, model_path, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
     try:
-        engine = FSDPEngine(trainer_config(model_path, "trainer.micro_batch_tokens=8"))
+        engine = FSDPEngine(trainer_settings(model_path, "trainer.micro_batch_tokens=8"))
         engine.initialize()
         result, grads = _run(engine, rank, world)
         engine.save_checkpoint(f"{out_dir}/ckpt")
@@ -66,7 +66,7 @@ def test_two_gloo_ranks_match_one_process(tiny_model_path, single_process_group,
     )
     got = torch.load(tmp_path / "dist.pt", weights_only=False)
 
-    engine = FSDPEngine(trainer_config(tiny_model_path, "trainer.micro_batch_tokens=8"))
+    engine = FSDPEngine(trainer_settings(tiny_model_path, "trainer.micro_batch_tokens=8"))
     engine.initialize()
     want, grads = _run(engine, 0, 1)
     assert got["result"]["micro"] == 3  # rank 0 ran one zero-weight micro-batch to match rank 1
@@ -78,7 +78,7 @@ def test_two_gloo_ranks_match_one_process(tiny_model_path, single_process_group,
 
     # the 2-rank checkpoint loads into this 1-rank engine and holds the same weights
     ref = dict(engine.get_per_tensor_param())
-    fresh = FSDPEngine(engine.cfg)
+    fresh = FSDPEngine(engine.settings)
     fresh.initialize()
     fresh.load_checkpoint(tmp_path / "ckpt")
     for name, tensor in fresh.get_per_tensor_param():

@@ -8,11 +8,11 @@ import torch
 from slipstream.trainer.batching import select_samples
 from slipstream.trainer.engine.fsdp import FSDPEngine
 from slipstream.trainer.synthetic import make_packed_batch
-from tests.trainer.conftest import trainer_config  # noqa: F401  (module import path in pytest rootdir)
+from tests.trainer.conftest import trainer_settings  # noqa: F401  (module import path in pytest rootdir)
 
 
 def _engine(model_path, *overrides):
-    engine = FSDPEngine(trainer_config(model_path, *overrides))
+    engine = FSDPEngine(trainer_settings(model_path, *overrides))
     engine.initialize()
     return engine
 
@@ -88,7 +88,7 @@ def test_checkpoint_save_load_continue_gives_the_same_step(tiny_model_path, sing
     ref_lr = engine.lr_scheduler_step()
     ref = dict(engine.get_per_tensor_param())
 
-    fresh = FSDPEngine(engine.cfg)
+    fresh = FSDPEngine(engine.settings)
     fresh.initialize()
     fresh.load_checkpoint(tmp_path / "ckpt")
     assert fresh.forward_backward_batch(batch_b, _nll).metrics["loss"] == pytest.approx(ref_loss, rel=1e-6)

@@ -11,7 +11,7 @@ from slipstream.trainer.engine.fsdp import FSDPEngine
 from slipstream.trainer.logprobs import LogprobHead
 from slipstream.trainer.loss import GlobalCounts, PolicyLoss
 from slipstream.trainer.synthetic import make_packed_batch
-from tests.trainer.conftest import trainer_config
+from tests.trainer.conftest import trainer_settings
 
 
 def _batch():
@@ -24,7 +24,7 @@ def _batch():
 
 def _step(model_path, *overrides):
     """Loss, metrics, forward-only outputs and gradients of one step with the entropy bonus on."""
-    cfg = trainer_config(
+    cfg = trainer_settings(
         model_path, "trainer.algorithm.entropy_coef=0.01", "rollout.sampling.temperature=0.8", *overrides
     )
     engine = FSDPEngine(cfg)

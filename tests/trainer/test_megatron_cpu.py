@@ -53,11 +53,11 @@ def engine_on_cpu(tmp_path):
     from megatron.core import parallel_state as ps
 
     from slipstream.trainer.engine.megatron import MegatronEngine
-    from tests.trainer.conftest import trainer_config
+    from tests.trainer.conftest import trainer_settings
     from tests.trainer.megatron_cpu import cuda_on_cpu
 
     hf_model = _tiny_qwen2(tmp_path / "qwen2")
-    cfg = trainer_config(
+    cfg = trainer_settings(
         tmp_path / "qwen2",
         "trainer.engine=megatron",
         "trainer.megatron_layer_spec=local",
@@ -89,7 +89,7 @@ def test_megatron_cpu_logprobs_match_hf_and_training_moves_weights(engine_on_cpu
     assert not engine.te
     inv_freq = engine.model.module.rotary_pos_emb.inv_freq
     assert inv_freq[1].item() == pytest.approx(1e6 ** (-2 / 8))  # head_dim 8, theta from rope_parameters
-    hf = load_file(str(next(Path(engine.cfg.model.path).glob("*.safetensors"))))
+    hf = load_file(str(next(Path(engine.settings.model.path).glob("*.safetensors"))))
     exported = dict(engine.get_per_tensor_param())
     assert set(exported) == set(hf) - {"lm_head.weight"}
     for name, tensor in exported.items():

@@ -17,12 +17,12 @@ def test_megatron_engine_round_trip_and_learns(tiny_model_path, tmp_path):
     from slipstream.trainer.engine.megatron import MegatronEngine
     from slipstream.trainer.synthetic import make_packed_batch
     from slipstream.utils.net import free_port
-    from tests.trainer.conftest import trainer_config
+    from tests.trainer.conftest import trainer_settings
 
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         engine = MegatronEngine(
-            trainer_config(tiny_model_path, "trainer.engine=megatron", "trainer.device=cuda")
+            trainer_settings(tiny_model_path, "trainer.engine=megatron", "trainer.device=cuda")
         )
         engine.initialize()
         hf = load_file(str(next(tiny_model_path.glob("*.safetensors"))))
@@ -50,10 +50,10 @@ def test_fsdp_bf16_step_on_gpu(tiny_model_path):
 
     from slipstream.trainer.engine.fsdp import FSDPEngine
     from slipstream.trainer.synthetic import make_packed_batch
-    from tests.trainer.conftest import trainer_config
+    from tests.trainer.conftest import trainer_settings
 
     engine = FSDPEngine(
-        trainer_config(tiny_model_path, "trainer.device=cuda", "trainer.attn_implementation=sdpa_varlen")
+        trainer_settings(tiny_model_path, "trainer.device=cuda", "trainer.attn_implementation=sdpa_varlen")
     )
     engine.initialize()
     try:

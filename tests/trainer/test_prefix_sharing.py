@@ -12,7 +12,7 @@ from slipstream.trainer.engine.fsdp import FSDPEngine
 from slipstream.trainer.engine.prefix import build_layout
 from slipstream.trainer.loss import GlobalCounts, PolicyLoss
 from slipstream.trainer.synthetic import make_packed_batch
-from tests.trainer.conftest import trainer_config
+from tests.trainer.conftest import trainer_settings
 
 
 def _batch(shared: bool = True):
@@ -71,7 +71,7 @@ def test_layout_shares_the_common_prefix_of_token_ids_only():
 
 
 def _step(model_path, share: bool, *overrides):
-    cfg = trainer_config(
+    cfg = trainer_settings(
         model_path,
         f"trainer.share_prompt_prefix={str(share).lower()}",
         "trainer.algorithm.entropy_coef=0.01",

@@ -13,7 +13,7 @@ from slipstream.trainer.engine.fsdp import FSDPEngine
 from slipstream.trainer.loss import GlobalCounts, PolicyLoss
 from slipstream.trainer.synthetic import make_packed_batch
 from slipstream.utils.net import free_port
-from tests.trainer.conftest import trainer_config
+from tests.trainer.conftest import trainer_settings
 
 # micro-batches of 13, 16 and 11 tokens under a 16-token budget: odd ones exercise the padding sample
 COMMON = (
@@ -34,7 +34,7 @@ def _batch():
 def _run(engine):
     batch = _batch()
     tokens, seqs = global_counts(batch["loss_mask"], batch["cu_seqlens"])
-    loss_fn = PolicyLoss(engine.cfg.trainer.algorithm, GlobalCounts(tokens, seqs, 1.0))
+    loss_fn = PolicyLoss(engine.settings.trainer.algorithm, GlobalCounts(tokens, seqs, 1.0))
     out = engine.forward_backward_batch(batch, loss_fn)
     grads = {n: p.grad.full_tensor().clone() for n, p in engine.model.named_parameters()}
     engine.optimizer.zero_grad(set_to_none=True)
@@ -46,7 +46,7 @@ def _worker(rank, world, port, model_path, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
     try:
-        cfg = trainer_config(
+        cfg = trainer_settings(
             model_path, *COMMON, "trainer.sequence_parallel_size=2", "trainer.activation_checkpointing=true"
         )
         engine = FSDPEngine(cfg)
@@ -65,7 +65,7 @@ def test_two_rank_ulysses_matches_one_process(tiny_model_path, single_process_gr
     )
     got = [torch.load(tmp_path / f"sp{r}.pt", weights_only=False) for r in range(2)]
 
-    engine = FSDPEngine(trainer_config(tiny_model_path, *COMMON))
+    engine = FSDPEngine(trainer_settings(tiny_model_path, *COMMON))
     engine.initialize()
     want = _run(engine)
     assert got[0]["micro"] == want["micro"] == 3

@@ -9,7 +9,7 @@ import torch
 from slipstream.trainer.engine import make_aux_engines
 from slipstream.trainer.engine.fsdp import FSDPEngine
 from slipstream.trainer.trainer import Trainer, latest_checkpoint
-from tests.trainer.conftest import trainer_config
+from tests.trainer.conftest import trainer_settings
 from tests.trainer.fake_queue import FakeQueue, collate, make_group
 
 
@@ -26,7 +26,7 @@ def _fill(queue, n_groups, *, version=0, prefix="g"):
 
 
 def test_drop_policy_leases_more_and_acks_dropped(tiny_model_path, single_process_group, tmp_path):
-    cfg = trainer_config(
+    cfg = trainer_settings(
         tiny_model_path, "trainer.batch_groups=2", "async.max_staleness=1", f"run.output_dir={tmp_path}"
     )
     queue = FakeQueue()
@@ -45,7 +45,7 @@ def test_drop_policy_leases_more_and_acks_dropped(tiny_model_path, single_proces
 
 
 def test_keep_policy_trains_on_stale_groups(tiny_model_path, single_process_group, tmp_path):
-    cfg = trainer_config(
+    cfg = trainer_settings(
         tiny_model_path, "trainer.batch_groups=2", "async.max_staleness=1", "async.stale_policy=keep"
     )
     queue = FakeQueue()
@@ -59,7 +59,7 @@ def test_keep_policy_trains_on_stale_groups(tiny_model_path, single_process_grou
 
 
 def test_failed_step_nacks_its_leases(tiny_model_path, single_process_group, monkeypatch):
-    cfg = trainer_config(tiny_model_path, "trainer.batch_groups=2")
+    cfg = trainer_settings(tiny_model_path, "trainer.batch_groups=2")
     queue = FakeQueue()
     _fill(queue, 2)
     trainer = _trainer(cfg, queue)
@@ -91,7 +91,7 @@ def test_failed_step_nacks_its_leases(tiny_model_path, single_process_group, mon
     ids=["decoupled-minibatches", "gspo-tis-kl-entropy", "gae-critic-cispo-rejection"],
 )
 def test_algorithm_variants_run_a_step(tiny_model_path, single_process_group, overrides):
-    cfg = trainer_config(tiny_model_path, "trainer.batch_groups=2", *overrides)
+    cfg = trainer_settings(tiny_model_path, "trainer.batch_groups=2", *overrides)
     queue = FakeQueue()
     _fill(queue, 2)
     metrics = _trainer(cfg, queue).step()
@@ -102,7 +102,7 @@ def test_algorithm_variants_run_a_step(tiny_model_path, single_process_group, ov
 
 
 def test_publish_every_sync_every_steps(tiny_model_path, single_process_group):
-    cfg = trainer_config(tiny_model_path, "trainer.batch_groups=1", "async.sync_every=2")
+    cfg = trainer_settings(tiny_model_path, "trainer.batch_groups=1", "async.sync_every=2")
     queue = FakeQueue()
     _fill(queue, 4)
     published = []
@@ -120,7 +120,7 @@ def test_publish_every_sync_every_steps(tiny_model_path, single_process_group):
 def test_resume_with_queue_snapshot_loses_and_repeats_nothing(
     tiny_model_path, single_process_group, tmp_path
 ):
-    cfg = trainer_config(
+    cfg = trainer_settings(
         tiny_model_path, "trainer.batch_groups=2", "trainer.checkpoint_every=2", f"run.output_dir={tmp_path}"
     )
     snapshots = tmp_path / cfg.run.name / "checkpoints"  # the queue's snapshot_dir: the checkpoint root
@@ -152,7 +152,7 @@ def test_resume_with_queue_snapshot_loses_and_repeats_nothing(
 
 
 def test_a_group_delivered_again_is_acked_not_trained_twice(tiny_model_path, single_process_group, tmp_path):
-    cfg = trainer_config(tiny_model_path, "trainer.batch_groups=2", f"run.output_dir={tmp_path}")
+    cfg = trainer_settings(tiny_model_path, "trainer.batch_groups=2", f"run.output_dir={tmp_path}")
     queue = FakeQueue()
     # g0 comes back after its step (leases that expired unacked), g4 a second time within one batch
     for gid in ["g0", "g1", "g2", "g0", "g3", "g4", "g0", "g4", "g5"]:
@@ -179,7 +179,7 @@ def test_a_group_delivered_again_is_acked_not_trained_twice(tiny_model_path, sin
 def test_kl_to_a_frozen_reference_starts_at_zero_and_grows_as_the_policy_moves(
     tiny_model_path, single_process_group
 ):
-    cfg = trainer_config(
+    cfg = trainer_settings(
         tiny_model_path, "trainer.batch_groups=2", "trainer.lr=0.05", "trainer.algorithm.kl_type=k3",
         "trainer.algorithm.kl_coef=0.1", "trainer.algorithm.kl_reference=reference",
     )  # fmt: skip

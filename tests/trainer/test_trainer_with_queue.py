@@ -15,7 +15,7 @@ from slipstream.trainer.engine.fsdp import FSDPEngine
 from slipstream.trainer.launch import run_trainer_rank
 from slipstream.trainer.trainer import Trainer, latest_checkpoint
 from slipstream.utils.net import free_port
-from tests.trainer.conftest import trainer_config
+from tests.trainer.conftest import trainer_settings
 from tests.trainer.fake_queue import make_group
 
 
@@ -26,7 +26,7 @@ def _fill(client, n, prefix="g"):
 
 def _rank(rank, world, port, model_path, queue_address, out_dir):
     torch.set_num_threads(1)
-    cfg = trainer_config(
+    cfg = trainer_settings(
         model_path, "trainer.batch_groups=2", f"run.output_dir={out_dir}", "run.resume=false"
     )
     published = []
@@ -58,7 +58,7 @@ def test_two_ranks_train_from_a_real_queue(tiny_model_path, tmp_path):
 
 
 def test_resume_on_a_fresh_server_trains_every_sample_once(tiny_model_path, single_process_group, tmp_path):
-    cfg = trainer_config(
+    cfg = trainer_settings(
         tiny_model_path, "trainer.batch_groups=2", "trainer.checkpoint_every=2", f"run.output_dir={tmp_path}"
     )
     all_uids = {f"g{i}-{j}" for i in range(6) for j in range(4)}

@@ -1,8 +1,9 @@
 """Model engines behind one interface (``base.ModelEngine``): FSDP2 (``fsdp.FSDPEngine``, CPU gloo or GPU
 NCCL) and Megatron-core (``megatron.MegatronEngine``, GPU only).
 
-``make_engine(cfg)`` picks one by ``trainer.engine``; to add a backend, implement ``ModelEngine`` in a new
-module here and add a ``name: "module:Class"`` row to ``ENGINES``'s ``lazy`` table.
+``make_engine(settings)`` (a :class:`~slipstream.trainer.settings.TrainerSettings`) picks one by
+``trainer.engine``; to add a backend, implement ``ModelEngine`` in a new module here, taking the settings,
+and add a ``name: "module:Class"`` row to ``ENGINES``'s ``lazy`` table.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from slipstream.trainer.engine.base import EngineOutput, LossFn, ModelEngine
 from slipstream.utils.registry import Registry
 
 if TYPE_CHECKING:
-    from slipstream.config import Config
+    from slipstream.trainer.settings import TrainerSettings
 
 # Imported only when chosen, so CPU-only installs never import megatron.
 ENGINES: Registry[type[ModelEngine]] = Registry(
@@ -27,23 +28,24 @@ ENGINES: Registry[type[ModelEngine]] = Registry(
 )
 
 
-def make_engine(cfg: Config, **kwargs: Any) -> ModelEngine:
+def make_engine(settings: TrainerSettings, **kwargs: Any) -> ModelEngine:
     """The engine ``trainer.engine`` names; an unknown name raises ValueError listing the known ones."""
-    return ENGINES.get(cfg.trainer.engine)(cfg, **kwargs)
+    return ENGINES.get(settings.trainer.engine)(settings, **kwargs)
 
 
-def make_aux_engines(cfg: Config) -> dict[str, ModelEngine]:
+def make_aux_engines(settings: TrainerSettings) -> dict[str, ModelEngine]:
     """The engines a trainer rank runs beside the policy, initialised: ``critic`` (a value head, for
     ``gae``) and ``reference`` (the frozen initial policy, for ``kl_reference: reference``)."""
-    algo, engines = cfg.trainer.algorithm, {}
+    algo, engines = settings.trainer.algorithm, {}
     if algo.adv_estimator == "gae":
-        engines["critic"] = make_engine(cfg, value_head=True)
+        engines["critic"] = make_engine(settings, value_head=True)
     if algo.kl_type is not None and algo.kl_reference == "reference":
-        if cfg.trainer.engine != "fsdp":
+        if settings.trainer.engine != "fsdp":
             raise ValueError(
                 "trainer.algorithm.kl_reference `reference` is supported with trainer.engine fsdp"
             )
-        engines["reference"] = make_engine(cfg, model_path=algo.reference_path or cfg.model.path, frozen=True)
+        path = algo.reference_path or settings.model.path
+        engines["reference"] = make_engine(settings, model_path=path, frozen=True)
     for engine in engines.values():
         engine.initialize()
     return engines

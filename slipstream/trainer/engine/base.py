@@ -3,7 +3,7 @@ weight sync never see FSDP or Megatron.
 
 Lifecycle (every data-parallel rank runs the same calls in the same order)::
 
-    engine = FSDPEngine(cfg)              # or MegatronEngine(cfg); nothing heavy happens here
+    engine = FSDPEngine(settings)         # or MegatronEngine(settings) (trainer/settings.py); nothing heavy
     engine.initialize()                   # process group (if needed), model, sharding, optimizer, scheduler
     for step ...:
         for mini_batch ...:

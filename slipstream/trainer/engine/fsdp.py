@@ -60,7 +60,7 @@ from slipstream.trainer.logprobs import LogprobHead, install_logprob_head
 from slipstream.utils.logging import get_logger
 
 if TYPE_CHECKING:
-    from slipstream.config import Config
+    from slipstream.trainer.settings import TrainerSettings
 
 log = get_logger(__name__)
 
@@ -76,21 +76,26 @@ class FSDPEngine(ModelEngine):
 
     Example (one process; ``initialize`` starts a 1-rank group when none exists)::
 
-        engine = FSDPEngine(cfg)
+        engine = FSDPEngine(settings)        # trainer/settings.py: from_root(cfg)
         engine.initialize()
         out = engine.forward_backward_batch(batch, loss_fn)
         grad_norm = engine.optimizer_step()
     """
 
     def __init__(
-        self, cfg: Config, *, value_head: bool = False, model_path: str | None = None, frozen: bool = False
+        self,
+        settings: TrainerSettings,
+        *,
+        value_head: bool = False,
+        model_path: str | None = None,
+        frozen: bool = False,
     ) -> None:
-        self.cfg = cfg
+        self.settings = settings
         self.frozen = frozen  # a reference model: forward only, no gradients, no optimizer
-        self.tcfg = cfg.trainer
+        self.tcfg = settings.trainer
         self.value_head = value_head
-        self.model_path = model_path or cfg.model.path
-        self.temperature = float(cfg.rollout.sampling.temperature) or 1.0
+        self.model_path = model_path or settings.model.path
+        self.temperature = float(settings.sampling_temperature) or 1.0
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
@@ -98,8 +103,8 @@ class FSDPEngine(ModelEngine):
         self._num_params = 0
         self._arch: tuple[int, int] = (0, 0)  # (layers, hidden) for attention FLOPs
         self._head: LogprobHead | None = None  # chunked logprobs inside the forward (None: plain logits)
-        self._sp = int(cfg.trainer.sequence_parallel_size)  # Ulysses group size (1: off)
-        self._share_prefix = bool(cfg.trainer.share_prompt_prefix)  # engine/prefix.py; needs sdpa_varlen
+        self._sp = int(self.tcfg.sequence_parallel_size)  # Ulysses group size (1: off)
+        self._share_prefix = bool(self.tcfg.share_prompt_prefix)  # engine/prefix.py; needs sdpa_varlen
         self._sp_group = self._dp_group = None
 
     # ---------------------------------------------------------------- setup
@@ -167,7 +172,7 @@ class FSDPEngine(ModelEngine):
 
         on_gpu = self._device.type == "cuda"
         mixed = on_gpu and self.tcfg.mixed_precision
-        dtype = torch.float32 if mixed else _DTYPES[self.cfg.model.dtype]
+        dtype = torch.float32 if mixed else _DTYPES[self.settings.model.dtype]
         attn = self.tcfg.attn_implementation or _default_attention(on_gpu)
         if attn == "sdpa_varlen":
             from slipstream.trainer.engine import varlen  # noqa: F401  (registers the kernel)
@@ -177,7 +182,7 @@ class FSDPEngine(ModelEngine):
 
             attn = seqpar.register(attn)
         kwargs = dict(
-            dtype=dtype, attn_implementation=attn, trust_remote_code=self.cfg.model.trust_remote_code
+            dtype=dtype, attn_implementation=attn, trust_remote_code=self.settings.model.trust_remote_code
         )
         if self.value_head:
             model = AutoModelForTokenClassification.from_pretrained(self.model_path, num_labels=1, **kwargs)
@@ -228,7 +233,7 @@ class FSDPEngine(ModelEngine):
         warmup = self.tcfg.warmup_steps
         if warmup and step < warmup:
             return (step + 1) / warmup
-        total = self.cfg.run.total_steps
+        total = self.settings.run.total_steps
         if self.tcfg.lr_schedule == "constant" or total <= warmup:
             return 1.0
         progress = min(1.0, (step - warmup) / max(1, total - warmup))

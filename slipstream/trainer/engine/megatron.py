@@ -57,19 +57,19 @@ from slipstream.trainer.engine.megatron_convert import (
 from slipstream.trainer.engine.megatron_setup import layer_spec, layer_spec_kind, rope_kwargs
 
 if TYPE_CHECKING:
-    from slipstream.config import Config
+    from slipstream.trainer.settings import TrainerSettings
 
 
 class MegatronEngine(ModelEngine):
     """``ModelEngine`` over megatron-core; every method is collective over the world group."""
 
-    def __init__(self, cfg: Config, *, value_head: bool = False) -> None:
+    def __init__(self, settings: TrainerSettings, *, value_head: bool = False) -> None:
         if value_head:
             raise NotImplementedError(
                 "the Megatron engine has no value head yet; use trainer.engine=fsdp for gae"
             )
-        self.cfg, self.tcfg = cfg, cfg.trainer
-        self.temperature = float(cfg.rollout.sampling.temperature) or 1.0
+        self.settings, self.tcfg = settings, settings.trainer
+        self.temperature = float(settings.sampling_temperature) or 1.0
         self.model = self.optimizer = self.scheduler = None
         self.spec: ArchSpec | None = None
         self.te = True
@@ -94,12 +94,12 @@ class MegatronEngine(ModelEngine):
         if self._device.type == "cuda":
             torch.cuda.set_device(self.rank % torch.cuda.device_count())
             self._device = torch.device("cuda", torch.cuda.current_device())
-            tensor_parallel.model_parallel_cuda_manual_seed(self.cfg.run.seed)
+            tensor_parallel.model_parallel_cuda_manual_seed(self.settings.run.seed)
         else:  # dropout is off, so no RNG fork draws anything: megatron's no-op tracker stands in
-            torch.manual_seed(self.cfg.run.seed)
+            torch.manual_seed(self.settings.run.seed)
             tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
         hf_config = AutoConfig.from_pretrained(
-            self.cfg.model.path, trust_remote_code=self.cfg.model.trust_remote_code
+            self.settings.model.path, trust_remote_code=self.settings.model.trust_remote_code
         )
         self.spec = ArchSpec.from_hf_config(hf_config)
         self.te = layer_spec_kind(self.tcfg.megatron_layer_spec) == "te"
@@ -158,9 +158,9 @@ class MegatronEngine(ModelEngine):
         from megatron.core import parallel_state as ps
         from safetensors.torch import load_file
 
-        files = sorted(Path(self.cfg.model.path).glob("*.safetensors"))
+        files = sorted(Path(self.settings.model.path).glob("*.safetensors"))
         if not files:
-            raise FileNotFoundError(f"{self.cfg.model.path}: no *.safetensors weights")
+            raise FileNotFoundError(f"{self.settings.model.path}: no *.safetensors weights")
         hf: dict[str, torch.Tensor] = {}
         for f in files:
             hf.update(load_file(str(f)))

@@ -1,0 +1,86 @@
+"""What a trainer rank is built from: its own config sections plus the few values it takes from other roles.
+
+The root :class:`~slipstream.config.Config` holds every role's section; a trainer rank needs only
+``trainer``, ``model`` and ``run``, the weight-sync section of the publisher its rank 0 owns, and five values
+that other roles' sections decide. :func:`from_root` is the one place that maps root keys to a trainer, so
+which keys reach it is visible here and tested (tests/trainer/test_settings.py), and the pipeline hands each
+rank this struct (msgspec Structs travel through Ray), never the whole config.
+
+Worked example::
+
+    settings = from_root(load_config("configs/quickstart.yaml"))
+    settings.sampling_temperature        # rollout.sampling.temperature
+    engine = FSDPEngine(settings); trainer = Trainer(settings, engine, queue, rank=0, world_size=1)
+    # the pipeline writes the checkpoints itself, so its ranks never do:
+    msgspec.structs.replace(settings, checkpoint_every=0)
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from slipstream.config import Config, ModelConfig, RunConfig
+from slipstream.trainer.config import TrainerConfig
+from slipstream.weightsync.config import WeightSyncConfig
+
+# Root key of every field that is not a whole section; from_root reads exactly these.
+ROOT_KEYS = {
+    "sampling_temperature": "rollout.sampling.temperature",
+    "loss_scale_tokens": "rollout.sampling.max_new_tokens",
+    "max_staleness": "async.max_staleness",
+    "stale_policy": "async.stale_policy",
+    "sync_every": "async.sync_every",
+    "server_kind": "rollout.backend",
+    "checkpoint_every": "trainer.checkpoint_every",
+}
+
+
+class TrainerSettings(msgspec.Struct, kw_only=True):
+    """A trainer rank's config: its sections, and named values from other roles (root key in ``ROOT_KEYS``).
+
+    Error messages name the root key (``trainer.lr``, ``rollout.sampling.temperature``), which is what
+    users write.
+    """
+
+    trainer: TrainerConfig
+    model: ModelConfig
+    run: RunConfig
+    # Rank 0 owns the weight publisher; push_dtype also sets the dtype every rank gathers weights in.
+    weightsync: WeightSyncConfig
+    sampling_temperature: Annotated[float, Meta(ge=0)]
+    """The rollouter's sampling temperature: logprobs are of logits / temperature (0 counts as 1)."""
+    loss_scale_tokens: Annotated[int, Meta(ge=1)]
+    """The loss scale when ``trainer.algorithm.loss_scale_factor`` is unset: the response token budget."""
+    max_staleness: Annotated[int, Meta(ge=0)]
+    stale_policy: Literal["drop", "keep"]
+    sync_every: Annotated[int, Meta(ge=1)]
+    """Trainer steps between weight pushes; staleness is counted in pushes."""
+    server_kind: str
+    """The inference backend the publisher pushes to (embedded, vllm, sglang)."""
+    checkpoint_every: Annotated[int, Meta(ge=0)]
+    """Steps between the trainer's own checkpoints (0: none; under the pipeline its coordinator writes them)."""
+
+    def staleness(self, trainer_step: int, min_version: int) -> int:
+        """Weight versions (pushes) between a group's oldest token and the trainer at ``trainer_step``."""
+        return max(0, trainer_step - min_version) // self.sync_every
+
+
+def from_root(cfg: Config) -> TrainerSettings:
+    """The trainer's settings from the root config: every root key a trainer reads is named here."""
+    sampling = cfg.rollout.sampling
+    return TrainerSettings(
+        trainer=cfg.trainer,
+        model=cfg.model,
+        run=cfg.run,
+        weightsync=cfg.weightsync,
+        sampling_temperature=sampling.temperature,
+        loss_scale_tokens=sampling.max_new_tokens,
+        max_staleness=cfg.async_.max_staleness,
+        stale_policy=cfg.async_.stale_policy,
+        sync_every=cfg.async_.sync_every,
+        server_kind=cfg.rollout.backend,
+        checkpoint_every=cfg.trainer.checkpoint_every,
+    )
