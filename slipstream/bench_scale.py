@@ -356,6 +356,7 @@ async def _row(n: int, args: argparse.Namespace, tokenizer: Any) -> dict[str, An
     from slipstream.queue.server import start_queue_server
     from slipstream.rollouter.balancer import balancer_from_config
     from slipstream.rollouter.rollouter import Rollouter
+    from slipstream.rollouter.settings import from_root
 
     cfg = _config(n, args)
     handle = start_queue_server(QueueConfig(num_storage_units=2, shm_bytes_per_unit=32 << 20))
@@ -381,7 +382,7 @@ async def _row(n: int, args: argparse.Namespace, tokenizer: Any) -> dict[str, An
         idle_push_s = json.loads(ready)["idle_push_s"]
         queue = _TimedQueue(AsyncQueueClient(handle.address))
         balancer = balancer_from_config(cfg.rollout, urls)
-        rollouter = Rollouter(cfg, balancer, queue, tokenizer, _prompts())
+        rollouter = Rollouter(from_root(cfg), balancer, queue, tokenizer, _prompts())
         foreign = {handle.proc.pid, trainers.pid, *(p.pid for p in sims)}
         usage = _Usage(handle.proc.pid, foreign)
         pusher = _Versions(rollouter)

@@ -2,9 +2,9 @@
 
 The controller (``pipeline/controller.py``) places these on the two node pools with Ray custom resources
 (``cluster.rollout_resource`` / ``cluster.trainer_resource``) and talks to them only through method calls
-whose arguments and results are the Structs of ``pipeline/types.py`` (a trainer rank gets its role's
-settings, ``trainer.settings.TrainerSettings``; the other parts the config as ``to_dict(cfg)``):
-control goes through Ray, data never does. Trajectories travel rollouter → queue → trainer over
+whose arguments and results are the Structs of ``pipeline/types.py``; each part is built from its role's
+settings (``trainer.settings.TrainerSettings``, ``rollouter.settings.RollouterSettings``; a server host
+the ``rollout`` section), never the whole config. Control goes through Ray, data never does. Trajectories travel rollouter → queue → trainer over
 ZeroMQ, weights trainer → servers over the checkpoint engine, requests rollouter → servers over HTTP.
 
 * :class:`ServerHost` owns one inference server process on a rollout node (launched with
@@ -50,6 +50,8 @@ from slipstream.utils.logging import get_logger
 
 if TYPE_CHECKING:
     from slipstream.queue.client import QueueClient
+    from slipstream.rollouter.config import RolloutConfig
+    from slipstream.rollouter.settings import RollouterSettings
     from slipstream.trainer.settings import TrainerSettings
 
 log = get_logger(__name__)
@@ -79,12 +81,6 @@ def wait_for_own_children() -> None:
     ctypes.CDLL(None).signal(int(signal.SIGCHLD), 0)  # 0 is SIG_DFL
 
 
-def _config(cfg: dict[str, Any]):
-    from slipstream.config import from_dict
-
-    return from_dict(cfg)
-
-
 def _node_ip() -> str:
     import ray
 
@@ -99,18 +95,25 @@ def _advertised(host: str) -> str:
 # ------------------------------------------------------------------------------------------ servers
 class ServerHost:
     """One inference server process. Lifecycle: ``start()`` → ``health()`` … → ``stop()``; ``start()``
-    again restarts it (a new port, so a new URL)."""
+    again restarts it (a new port, so a new URL). It holds the ``rollout`` section (the servers' own) and
+    the address it binds (``cluster.server_host``)."""
 
     def __init__(
-        self, cfg: dict[str, Any], index: int, model_path: str, run_dir: str, token: str = ""
+        self,
+        rollout: RolloutConfig,
+        server_host: str,
+        index: int,
+        model_path: str,
+        run_dir: str,
+        token: str = "",
     ) -> None:
         log_to_file(run_dir, f"server-{index}")
         wait_for_own_children()
-        self.cfg = _config(cfg)
+        self.rollout, self.server_host = rollout, server_host
         self.index = index
         self.model_path = model_path
         self.token = token
-        self.log_path = Path(run_dir) / "logs" / f"{self.cfg.rollout.backend}-{index}.log"
+        self.log_path = Path(run_dir) / "logs" / f"{rollout.backend}-{index}.log"
         self.server = None
         self.url = ""
 
@@ -120,7 +123,7 @@ class ServerHost:
         from slipstream.utils.net import free_port
 
         self.stop()
-        rollout, host = self.cfg.rollout, self.cfg.cluster.server_host
+        rollout, host = self.rollout, self.server_host
         threads = rollout.embedded.num_threads or os.cpu_count() or 1
         # Ray sets OMP_NUM_THREADS=1 in actors that reserve no CPU; the server gets its own count.
         env = {"OMP_NUM_THREADS": str(threads)}
@@ -207,10 +210,10 @@ class RolloutWorker:
     """The rollouter in its own process (async actor). Lifecycle: ``start`` → (``set_version``, ``drain``,
     ``metrics``, ``state_dict``, ``add_server``/``remove_server``)* → ``stop``."""
 
-    def __init__(self, cfg: dict[str, Any], run_dir: str) -> None:
+    def __init__(self, settings: RollouterSettings, run_dir: str) -> None:
         log_to_file(run_dir, "rollouter")
         wait_for_own_children()
-        self.cfg = _config(cfg)
+        self.settings = settings
         import slipstream.rollouter.rollouter  # noqa: F401  (imported while the other parts start)
 
         self.rollouter = None
@@ -228,15 +231,15 @@ class RolloutWorker:
         from slipstream.rollouter.balancer import balancer_from_config
         from slipstream.rollouter.rollouter import Rollouter
 
-        cfg = self.cfg
+        cfg = self.settings
         tokenizer = await asyncio.to_thread(
             AutoTokenizer.from_pretrained, cfg.model.path, trust_remote_code=cfg.model.trust_remote_code
         )
-        prompts = PromptSource.from_config(cfg.data, seed=cfg.run.seed)
+        prompts = PromptSource.from_config(cfg.data, seed=cfg.seed)
         self._token = start.token
         self.balancer = balancer_from_config(cfg.rollout, start.urls, start.token)
-        restarting = cfg.cluster.restart_servers and not cfg.rollout.server_urls
-        patience = cfg.rollout.launch_timeout_s + 4 * cfg.cluster.health_interval_s if restarting else 0.0
+        restarting = cfg.restart_servers and not cfg.rollout.server_urls
+        patience = cfg.rollout.launch_timeout_s + 4 * cfg.health_interval_s if restarting else 0.0
         client = _WaitForServers(self.balancer, patience)
         self.queue = AsyncQueueClient(start.queue_address)
         self.rollouter = Rollouter(cfg, client, self.queue, tokenizer, prompts)
@@ -278,7 +281,7 @@ class RolloutWorker:
     async def add_server(self, url: str) -> None:
         from slipstream.rollouter.clients import make_client
 
-        rollout = self.cfg.rollout
+        rollout = self.settings.rollout
         client = make_client(rollout.backend, url, timeout_s=rollout.request_timeout_s + 60.0)
         self.balancer.add(client.authorize(self._token))
 
@@ -302,7 +305,7 @@ class RolloutWorker:
     async def _revive_servers(self) -> None:
         """A server the balancer marked dead after a transient error comes back once ``/health`` answers."""
         while True:
-            await asyncio.sleep(self.cfg.cluster.health_interval_s)
+            await asyncio.sleep(self.settings.health_interval_s)
             if len(self.balancer.alive()) < len(self.balancer.clients):
                 try:
                     await self.balancer.check_health()

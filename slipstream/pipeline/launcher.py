@@ -25,10 +25,11 @@ from typing import Any
 
 import msgspec
 
-from slipstream.config import Config, ConfigError, to_dict
+from slipstream.config import Config, ConfigError
 from slipstream.pipeline.actors import RolloutWorker, ServerHost, TrainerRank, wait_for_own_children
 from slipstream.pipeline.cluster import CALL_TIMEOUT_S, Cluster, PartFailed, RayCluster, ask, first_line
 from slipstream.pipeline.types import RankSetup, RolloutStart
+from slipstream.rollouter.settings import from_root as rollouter_settings
 from slipstream.rollouter.state import RolloutState
 from slipstream.trainer.settings import from_root as trainer_settings
 from slipstream.utils.logging import get_logger
@@ -110,7 +111,15 @@ class Launcher:
 
     def new_host(self, index: int) -> Any:
         """A server host actor for server ``index`` (not started: call its ``start``)."""
-        args = (to_dict(self.cfg), index, self.cfg.model.path, str(self.run_dir), self.server_token)
+        cfg = self.cfg
+        args = (
+            cfg.rollout,
+            cfg.cluster.server_host,
+            index,
+            cfg.model.path,
+            str(self.run_dir),
+            self.server_token,
+        )
         return self.cluster.spawn(f"server{index}", ServerHost, *args, max_concurrency=2)
 
     def start_trainer(self, parts: Parts, resume: Path | None) -> int:
@@ -134,7 +143,8 @@ class Launcher:
         return parts.version
 
     def create_rollouter(self, parts: Parts) -> None:
-        parts.rollouter = self.cluster.spawn("rollouter", RolloutWorker, to_dict(self.cfg), str(self.run_dir))
+        settings = rollouter_settings(self.cfg)
+        parts.rollouter = self.cluster.spawn("rollouter", RolloutWorker, settings, str(self.run_dir))
 
     def start_rollouter(self, parts: Parts, state: RolloutState | None) -> None:
         start = RolloutStart(parts.urls, parts.queue_address, parts.published, state, self.server_token)

@@ -32,7 +32,7 @@ the next collection: ``eval/version``, ``eval/mean@<n>`` (mean reward over every
 
 Worked example::
 
-    ev = Evaluator(cfg, balancer, tokenizer, rewards, load_samples(cfg.data.val_files))
+    ev = Evaluator(settings, balancer, tokenizer, rewards, load_samples(settings.data.val_files))
     ev.on_version(0)          # due: starts evaluating version 0 in the background
     ev.on_version(1)          # not due (eval.every = 5)
     ...
@@ -55,8 +55,8 @@ from slipstream.agents.data import Sample
 from slipstream.agents.protocol import InferenceClient, SamplingParams
 from slipstream.agents.registry import make_agent_loop
 from slipstream.agents.rewards.runner import RewardResult
-from slipstream.config import Config
 from slipstream.rollouter.partial import PartialRolloutClient
+from slipstream.rollouter.settings import RollouterSettings
 from slipstream.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -133,14 +133,21 @@ class Evaluator:
     """
 
     def __init__(
-        self, cfg: Config, client: InferenceClient, tokenizer: Any, rewards: Any, samples: list[Sample]
+        self,
+        settings: RollouterSettings,
+        client: InferenceClient,
+        tokenizer: Any,
+        rewards: Any,
+        samples: list[Sample],
     ) -> None:
-        ecfg, s = cfg.eval_, cfg.rollout.sampling
+        ecfg, s = settings.eval_, settings.rollout.sampling
         self.every = ecfg.every
         self.n = ecfg.n
         self.client = PartialRolloutClient(client, max_in_flight=ecfg.max_concurrent)
         # Built only when evaluating: some loops own resources (the external loop's gateway).
-        self.agent = make_agent_loop(cfg.agent, self.client, tokenizer) if self.every and samples else None
+        self.agent = (
+            make_agent_loop(settings.agent, self.client, tokenizer) if self.every and samples else None
+        )
         self.rewards = rewards
         self.sampling = SamplingParams(
             max_new_tokens=ecfg.max_new_tokens or s.max_new_tokens,
@@ -149,7 +156,7 @@ class Evaluator:
             top_k=s.top_k,
         )
         self.max_concurrent = ecfg.max_concurrent
-        self.samples = self._fitting(samples, cfg.data.max_prompt_tokens) if self.agent else []
+        self.samples = self._fitting(samples, settings.data.max_prompt_tokens) if self.agent else []
         self.running_version: int | None = None
         self.skipped = 0
         self.failed = 0

@@ -38,7 +38,8 @@ in fact put).
 
 Worked example (the controller's side)::
 
-    rollouter = Rollouter(cfg, balancer, queue, tokenizer, PromptSource.from_config(cfg.data))
+    settings = from_root(cfg)             # rollouter/settings.py
+    rollouter = Rollouter(settings, balancer, queue, tokenizer, PromptSource.from_config(settings.data))
     task = asyncio.create_task(rollouter.run())
     ...                                   # trainer steps; every sync_every steps:
     await rollouter.drain()               # only with partial_rollout = off (and sync)
@@ -63,13 +64,13 @@ from slipstream.agents.protocol import InferenceClient, SamplingParams
 from slipstream.agents.registry import make_agent_loop
 from slipstream.agents.rewards.overlong import shape
 from slipstream.agents.rewards.runner import RewardResult, RewardRunner
-from slipstream.config import Config
 from slipstream.queue.base import QueueProducer
 from slipstream.queue.errors import QueueFull
 from slipstream.queue.types import Trajectory, TrajectoryGroup
 from slipstream.rollouter.evaluation import Evaluator
 from slipstream.rollouter.gate import StalenessGate
 from slipstream.rollouter.partial import PartialRolloutClient
+from slipstream.rollouter.settings import RollouterSettings
 from slipstream.rollouter.state import GateCount, PendingPrompt, PromptPosition, RolloutState
 from slipstream.rollouter.stats import RolloutStats
 from slipstream.utils.logging import get_logger
@@ -114,25 +115,27 @@ class Rollouter:
 
     def __init__(
         self,
-        cfg: Config,
+        settings: RollouterSettings,
         client: InferenceClient,
         queue: QueueProducer,
         tokenizer: Any,
         prompts: PromptSource,
         val_samples: list[Sample] | None = None,
     ) -> None:
-        self.cfg = cfg
-        num_servers = len(cfg.rollout.server_urls) or cfg.rollout.num_servers
+        self.settings = settings
+        num_servers = len(settings.rollout.server_urls) or settings.rollout.num_servers
         self.client = PartialRolloutClient(
-            client, max_in_flight=cfg.rollout.max_concurrent_per_server * num_servers
+            client, max_in_flight=settings.rollout.max_concurrent_per_server * num_servers
         )
-        self.agent = make_agent_loop(cfg.agent, self.client, tokenizer)
-        self.rewards = RewardRunner(cfg.reward)
+        self.agent = make_agent_loop(settings.agent, self.client, tokenizer)
+        self.rewards = RewardRunner(settings.reward)
         self.rewards.check({s.data_source for s in prompts.samples})
-        self.gate = StalenessGate.from_config(cfg)
+        self.gate = StalenessGate.for_mode(
+            settings.mode, settings.batch_groups, settings.sync_every, settings.staleness_threshold
+        )
         self.queue = queue
         self.prompts = prompts
-        s = cfg.rollout.sampling
+        s = settings.rollout.sampling
         self.sampling = SamplingParams(
             max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k
         )
@@ -151,10 +154,10 @@ class Rollouter:
         # Seconds between polls for dropped groups (and the longest an idle admission wait sleeps).
         self.poll_s = DROPPED_POLL_S
         # Held-out prompts evaluated beside generation (eval.every); their samples never reach the queue.
-        if val_samples is None and cfg.eval_.every > 0:
-            val_samples = load_samples(cfg.data.val_files)
+        if val_samples is None and settings.eval_.every > 0:
+            val_samples = load_samples(settings.data.val_files)
         self.rewards.check({s.data_source for s in val_samples or []})
-        self.evaluator = Evaluator(cfg, client, tokenizer, self.rewards, val_samples or [])
+        self.evaluator = Evaluator(settings, client, tokenizer, self.rewards, val_samples or [])
 
     # ------------------------------------------------------------------ controller API
     async def run(self) -> None:
@@ -244,7 +247,9 @@ class Rollouter:
         gate = self.gate.state_dict()
         return RolloutState(
             prompts=PromptPosition(**self.prompts.state_dict()),
-            gate=GateCount(admitted=gate["admitted"] - len(self._in_flight), refunded=gate.get("refunded", 0)),
+            gate=GateCount(
+                admitted=gate["admitted"] - len(self._in_flight), refunded=gate.get("refunded", 0)
+            ),
             pending=[PendingPrompt(w.ref.epoch, w.ref.index, w.attempt, w.resamples) for w in pending],
         )
 
@@ -254,7 +259,8 @@ class Rollouter:
         self.prompts.load_state_dict(state.prompts.as_dict())
         self.gate.load_state_dict(state.gate.as_dict())
         self._todo = deque(
-            _Work(ref=PromptRef(p.epoch, p.index), attempt=p.attempt, resamples=p.resamples) for p in state.pending
+            _Work(ref=PromptRef(p.epoch, p.index), attempt=p.attempt, resamples=p.resamples)
+            for p in state.pending
         )
 
     # ------------------------------------------------------------------ admission
@@ -301,13 +307,13 @@ class Rollouter:
 
     def _prompt_fits(self, sample: Sample) -> bool:
         length = len(self.agent.prompt_ids(sample))
-        if length <= self.cfg.data.max_prompt_tokens:
+        if length <= self.settings.data.max_prompt_tokens:
             return True
         log.warning(
             "prompt %d is %d tokens, over data.max_prompt_tokens=%d; skipped",
             sample.index,
             length,
-            self.cfg.data.max_prompt_tokens,
+            self.settings.data.max_prompt_tokens,
         )
         return False
 
@@ -355,7 +361,7 @@ class Rollouter:
         async with asyncio.TaskGroup() as tg:
             episodes = [
                 tg.create_task(self.agent.run(sample, self.sampling, uid=f"{gid}-{i}"))
-                for i in range(self.cfg.rollout.n)
+                for i in range(self.settings.rollout.n)
             ]
         outputs = [e.result() for e in episodes]
         if self._stopping:
@@ -374,8 +380,8 @@ class Rollouter:
             "attempt": work.attempt,
             "data_source": sample.data_source,
         }
-        acfg = self.cfg.async_
-        if acfg.stale_policy == "drop" and work.attempt >= acfg.max_stale_drops:
+        cfg = self.settings
+        if cfg.stale_policy == "drop" and work.attempt >= cfg.max_stale_drops:
             extra["keep_stale"] = True  # dropped often enough: the trainer takes it whatever its staleness
         return TrajectoryGroup.from_trajectories(trajectories, extra=extra)
 
@@ -390,7 +396,7 @@ class Rollouter:
         self, gid: str, i: int, sample: Sample, out: AgentLoopOutput, score: RewardResult
     ) -> Trajectory:
         out.validate()
-        rcfg = self.cfg.reward
+        rcfg = self.settings.reward
         score = shape(
             score,
             len(out.response_ids),
@@ -436,14 +442,14 @@ class Rollouter:
         """Put, waiting on back-pressure; a put that times out (queue full for put_timeout_s) is retried."""
         while True:
             try:
-                stored = await self.queue.put(group, timeout_s=self.cfg.queue.put_timeout_s)
+                stored = await self.queue.put(group, timeout_s=self.settings.put_timeout_s)
                 break
             except QueueFull:
                 if self._stopping:
                     raise
                 log.warning(
                     "queue full for %.0fs; still waiting to put group %s",
-                    self.cfg.queue.put_timeout_s,
+                    self.settings.put_timeout_s,
                     group.group_id,
                 )
         self.stats.count("groups_put" if stored else "groups_duplicate")
@@ -451,7 +457,7 @@ class Rollouter:
     # ------------------------------------------------------------------ dynamic sampling
     def _informative(self, group: TrajectoryGroup) -> bool:
         """Whether the group's samples differ in the filter's metric (always True with the filter off)."""
-        ds = self.cfg.rollout.dynamic_sampling
+        ds = self.settings.rollout.dynamic_sampling
         if not ds.enable:
             return True
         values = set()
@@ -478,7 +484,7 @@ class Rollouter:
         self._in_flight.pop(work.group_id, None)
         self.gate.refund(1)
         self.stats.count("filtered_groups")
-        max_attempts = self.cfg.rollout.dynamic_sampling.max_attempts
+        max_attempts = self.settings.rollout.dynamic_sampling.max_attempts
         if work.resamples + 1 < max_attempts or self._stopping:
             # Stopping: the prompt stays owed, so a resumed run samples it again.
             self._todo.append(msgspec.structs.replace(work, resamples=work.resamples + 1, fresh=False))
@@ -542,7 +548,7 @@ class Rollouter:
                 ref=PromptRef(int(extra.get("epoch", 0)), int(extra["prompt_index"])),
                 attempt=int(extra.get("attempt", 0)) + 1,
             )
-            if work.attempt == self.cfg.async_.max_stale_drops:
+            if work.attempt == self.settings.max_stale_drops:
                 log.warning(
                     "prompt %d was dropped as too stale %d times (async.max_stale_drops); its next group "
                     "is trained on whatever its staleness",
@@ -560,5 +566,6 @@ class Rollouter:
             self._changed.set()
 
     def _drain_timeout_s(self) -> float:
-        per_episode = self.cfg.rollout.request_timeout_s * self.cfg.agent.max_turns
-        return per_episode + self.cfg.reward.timeout_s + self.cfg.queue.put_timeout_s
+        cfg = self.settings
+        per_episode = cfg.rollout.request_timeout_s * cfg.agent.max_turns
+        return per_episode + cfg.reward.timeout_s + cfg.put_timeout_s

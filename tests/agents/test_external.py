@@ -143,6 +143,7 @@ def test_rollouter_trains_on_the_harness_reward_and_keeps_a_failure_reason(serve
     from slipstream.agents.data import PromptSource
     from slipstream.config import load_config
     from slipstream.rollouter.rollouter import Rollouter
+    from slipstream.rollouter.settings import from_root
 
     overrides = {
         "agent.name": "external",
@@ -158,7 +159,7 @@ def test_rollouter_trains_on_the_harness_reward_and_keeps_a_failure_reason(serve
 
     async def main():
         client = SGLangClient(server.url)
-        rollouter = Rollouter(cfg, client, queue, tok, PromptSource([SAMPLE], shuffle=False))
+        rollouter = Rollouter(from_root(cfg), client, queue, tok, PromptSource([SAMPLE], shuffle=False))
         try:
             await rollouter.run()
             return rollouter.metrics()

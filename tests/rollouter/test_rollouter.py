@@ -12,6 +12,7 @@ from rollouter_fakes import ControlledClient, InlineRewards, RecordingQueue, set
 from slipstream.agents.data import PromptSource, Sample
 from slipstream.config import load_config
 from slipstream.rollouter.rollouter import Rollouter
+from slipstream.rollouter.settings import from_root
 from slipstream.testing import make_tiny_tokenizer
 
 
@@ -34,6 +35,7 @@ def prompts(count: int, epochs: int = 1) -> PromptSource:
 
 
 def config(**overrides):
+    """``RollouterSettings`` of a small run; ``overrides`` are root keys (``trainer.batch_groups``)."""
     base = {
         "rollout.n": 2,
         "trainer.batch_groups": 2,
@@ -43,7 +45,7 @@ def config(**overrides):
         "agent.name": "single_turn",
     }
     base.update(overrides)
-    return load_config(None, [f"{k}={v}" for k, v in base.items()])
+    return from_root(load_config(None, [f"{k}={v}" for k, v in base.items()]))
 
 
 def make(tok, cfg, source, client=None, queue=None) -> tuple[Rollouter, ControlledClient, RecordingQueue]:

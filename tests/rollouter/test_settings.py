@@ -1,0 +1,58 @@
+"""The rollouter is built from its own sections plus named values from other roles, each mapped by
+``from_root`` from the root key ``ROOT_KEYS`` documents."""
+
+from __future__ import annotations
+
+import msgspec
+
+from slipstream.config import Config, load_config
+from slipstream.rollouter.settings import ROOT_KEYS, RollouterSettings, from_root
+
+# Sections of the root config the rollouter holds whole; every other section stays out.
+OWN_SECTIONS = {"rollout", "data", "agent", "reward", "eval_", "model"}
+
+
+def _root_value(cfg: Config, key: str):
+    value = msgspec.to_builtins(cfg)
+    for part in key.split("."):
+        value = value[part]
+    return value
+
+
+def test_settings_hold_no_other_roles_section():
+    fields = {f.name for f in msgspec.structs.fields(RollouterSettings)}
+    sections = {f.name for f in msgspec.structs.fields(Config)}
+    assert fields & sections == OWN_SECTIONS
+    assert not {"trainer", "async_", "queue", "weightsync", "cluster", "run", "wandb"} & fields
+    assert fields == OWN_SECTIONS | set(ROOT_KEYS)
+
+
+def test_from_root_maps_each_value_from_its_documented_key():
+    cfg = load_config(
+        None,
+        [
+            "run.seed=7",
+            "async.mode=one_step_off",
+            "async.staleness_threshold=1.5",
+            "async.sync_every=3",
+            "async.stale_policy=keep",
+            "async.max_stale_drops=5",
+            "trainer.batch_groups=9",
+            "queue.put_timeout_s=12",
+            "cluster.restart_servers=false",
+            "cluster.health_interval_s=2",
+            "rollout.n=3",
+            "eval.every=4",
+        ],
+    )
+    settings = from_root(cfg)
+    for field, key in ROOT_KEYS.items():
+        assert getattr(settings, field) == _root_value(cfg, key), (field, key)
+    assert (settings.batch_groups, settings.put_timeout_s, settings.seed) == (9, 12.0, 7)
+    assert settings.rollout.n == 3 and settings.eval_.every == 4
+
+
+def test_settings_travel_as_msgspec():
+    settings = from_root(load_config(None, ["trainer.batch_groups=3"]))
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(settings), type=RollouterSettings)
+    assert back == settings
