@@ -41,7 +41,7 @@ _notice = msgspec.msgpack.Decoder(NixlNotice)
 def _new_agent(name: str):
     try:
         from nixl._api import nixl_agent, nixl_agent_config
-    except ImportError as err:  # pragma: no cover - nixl is in the default install
+    except ImportError as err:  # nixl is an optional extra (slipstream[nixl])
         raise RuntimeError(
             "backend `nixl` needs the `nixl` package (pip install 'slipstream[nixl]')"
         ) from err
