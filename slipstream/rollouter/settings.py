@@ -70,7 +70,7 @@ class RollouterSettings(msgspec.Struct, kw_only=True):
 
 def from_root(cfg: Config) -> RollouterSettings:
     """The rollouter's settings from the root config: every root key the rollouter reads is named here."""
-    sync = cfg.async_
+    knobs = cfg.async_
     return RollouterSettings(
         rollout=cfg.rollout,
         data=cfg.data,
@@ -79,11 +79,11 @@ def from_root(cfg: Config) -> RollouterSettings:
         eval_=cfg.eval_,
         model=cfg.model,
         seed=cfg.run.seed,
-        mode=sync.mode,
-        staleness_threshold=sync.staleness_threshold,
-        sync_every=sync.sync_every,
-        stale_policy=sync.stale_policy,
-        max_stale_drops=sync.max_stale_drops,
+        mode=knobs.mode,
+        staleness_threshold=knobs.staleness_threshold,
+        sync_every=knobs.sync_every,
+        stale_policy=knobs.stale_policy,
+        max_stale_drops=knobs.max_stale_drops,
         batch_groups=cfg.trainer.batch_groups,
         put_timeout_s=cfg.queue.put_timeout_s,
         restart_servers=cfg.cluster.restart_servers,
