@@ -64,10 +64,6 @@ class StorageUnit:
     def drop(self, token: int) -> None:
         del self._blobs[token]
 
-    @property
-    def blob_bytes(self) -> int:
-        return sum(len(b) for bufs in self._blobs.values() for b in bufs)
-
     def info(self) -> P.UnitInfo:
         if self.arena is None:
             return P.UnitInfo(self.port, ipc=self.ipc)

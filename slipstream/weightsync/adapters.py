@@ -40,6 +40,7 @@ import msgspec
 
 from slipstream.serverapi import EMBEDDED, SGLANG, VLLM, Call, Endpoint, PauseMode, ServerAPI, ServerControl
 from slipstream.utils.logging import get_logger
+from slipstream.utils.registry import Registry
 from slipstream.weightsync.base import resolve_device
 from slipstream.weightsync.buckets import Layout
 from slipstream.weightsync.config import WeightSyncConfig
@@ -48,24 +49,11 @@ from slipstream.weightsync.types import BucketMeta
 
 log = get_logger(__name__)
 
-ADAPTERS: dict[str, type[ServerAdapter]] = {}
-
-
-def register_adapter(kind: str):
-    def deco(cls: type[ServerAdapter]) -> type[ServerAdapter]:
-        cls.kind = kind
-        ADAPTERS[kind] = cls
-        return cls
-
-    return deco
-
-
-def get_adapter_class(kind: str) -> type[ServerAdapter]:
-    if kind not in ADAPTERS:
-        raise ValueError(
-            f"unknown server kind `{kind}` for weight sync (known: {', '.join(sorted(ADAPTERS))})"
-        )
-    return ADAPTERS[kind]
+ADAPTERS: Registry[type[ServerAdapter]] = Registry(
+    "inference server kind", "rollout.backend", plural="kinds", name_attr="kind"
+)
+register_adapter = ADAPTERS.register
+get_adapter_class = ADAPTERS.get
 
 
 class GroupSpec(msgspec.Struct, kw_only=True):

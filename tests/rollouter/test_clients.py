@@ -323,7 +323,7 @@ def test_make_client_registry():
         return kinds
 
     assert run(main()) == [SGLangClient, SGLangClient, VLLMClient]
-    with pytest.raises(ValueError, match="unknown inference server kind 'tgi'"):
+    with pytest.raises(ValueError, match="unknown inference server kind `tgi`"):
         make_client("tgi", "http://x")
 
 

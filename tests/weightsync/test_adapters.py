@@ -346,7 +346,7 @@ def test_a_push_that_fails_off_the_wire_leaves_no_server_paused_and_raises():
 
 
 def test_unsupported_combinations_are_refused_by_name():
-    with pytest.raises(ValueError, match="unknown server kind `tgi`"):
+    with pytest.raises(ValueError, match="unknown inference server kind `tgi`"):
         WeightPublisher(WeightSyncConfig(device="cpu"), [], "tgi")
     with pytest.raises(ValueError, match="`nixl` works with embedded servers only"):
         WeightPublisher(WeightSyncConfig(backend="nixl", device="cpu"), [], "sglang")
