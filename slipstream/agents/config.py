@@ -42,18 +42,72 @@ class DataConfig(ConfigStruct):
     ] = 1
 
 
+class RewardServerLaunchConfig(ConfigStruct):
+    """Judge or reward-model servers the pipeline starts for the run: a pool of their own on the rollout
+    nodes, placed like the rollout servers and launched by the same code, never sent a weight push nor a
+    rollout request. Server settings not named here (the embedded server's `rollout.embedded`) are the
+    rollout servers'; `server_args` overrides them per flag."""
+
+    model_path: Annotated[
+        str,
+        Meta(
+            description="The judge or reward model (an HF checkpoint directory or a name the backend loads); "
+            'setting it has the pipeline start the judge servers ("": none, use `urls`).',
+        ),
+    ] = ""
+    backend: Annotated[
+        Literal["embedded", "vllm", "sglang"],
+        Meta(description="Server of the judge: embedded (our server), vllm or sglang, as rollout.backend."),
+    ] = "embedded"
+    num_servers: Annotated[int, Meta(ge=1, description="Judge servers to start.")] = 1
+    gpus_per_server: (
+        Annotated[
+            int,
+            Meta(
+                ge=0,
+                description="GPUs per judge server (its tensor-parallel size); null takes "
+                "cluster.gpus_per_server.",
+            ),
+        ]
+        | None
+    ) = None
+    server_args: Annotated[
+        list[str],
+        Meta(
+            description="Extra command-line arguments of the judge servers (for the embedded server, flags "
+            "of `slipstream serve`, which override rollout.embedded's).",
+        ),
+    ] = []
+    launch_timeout_s: Annotated[
+        float, Meta(gt=0, description="Seconds to wait for a judge server to become healthy.")
+    ] = 600.0
+    max_position_embeddings: (
+        Annotated[
+            int,
+            Meta(
+                ge=1,
+                description="Raise the judge model's position limit on vLLM/SGLang, as "
+                "rollout.max_position_embeddings does for the policy (null keeps the checkpoint's).",
+            ),
+        ]
+        | None
+    ) = None
+
+
 class RewardServiceConfig(ConfigStruct):
     """A served judge or reward model, used by data sources mapped to `service` in reward.sources
-    (agents/rewards/service.py states both wire protocols). The servers are yours: the run starts none and
-    pushes no weights to them."""
+    (agents/rewards/service.py states both wire protocols). Either servers you run (`urls`) or servers the
+    pipeline starts (`launch`); either way no weight push reaches them."""
 
     urls: Annotated[
         list[str],
         Meta(
-            description="Base URLs of the servers (`http://host:port`); requests go round-robin, a retry to "
-            "the next one.",
+            description="Base URLs of servers you run (`http://host:port`); requests go round-robin, a retry "
+            "to the next one. Exclusive with `launch`.",
         ),
     ] = []
+    # Servers the pipeline starts (and stops) for the run, when launch.model_path is set; exclusive with `urls`.
+    launch: RewardServerLaunchConfig = msgspec.field(default_factory=RewardServerLaunchConfig)
     protocol: Annotated[
         Literal["judge", "score"],
         Meta(

@@ -96,7 +96,8 @@ def _advertised(host: str) -> str:
 class ServerHost:
     """One inference server process. Lifecycle: ``start()`` → ``health()`` … → ``stop()``; ``start()``
     again restarts it (a new port, so a new URL). It holds the ``rollout`` section (the servers' own) and
-    the address it binds (``cluster.server_host``)."""
+    the address it binds (``cluster.server_host``). ``role`` names its logs: ``server`` for a rollout
+    server, ``judge`` for a judge server of ``reward.service.launch`` (a rollout section of its own)."""
 
     def __init__(
         self,
@@ -106,14 +107,16 @@ class ServerHost:
         model_path: str,
         run_dir: str,
         token: str = "",
+        role: str = "server",
     ) -> None:
-        log_to_file(run_dir, f"server-{index}")
+        log_to_file(run_dir, f"{role}-{index}")
         wait_for_own_children()
         self.rollout, self.server_host = rollout, server_host
         self.index = index
         self.model_path = model_path
         self.token = token
-        self.log_path = Path(run_dir) / "logs" / f"{rollout.backend}-{index}.log"
+        prefix = "" if role == "server" else f"{role}-"
+        self.log_path = Path(run_dir) / "logs" / f"{prefix}{rollout.backend}-{index}.log"
         self.server = None
         self.url = ""
 
@@ -224,6 +227,7 @@ class RolloutWorker:
         self._token = ""
 
     async def start(self, start: RolloutStart) -> None:
+        import msgspec
         from transformers import AutoTokenizer
 
         from slipstream.agents.data import PromptSource
@@ -236,6 +240,10 @@ class RolloutWorker:
             AutoTokenizer.from_pretrained, cfg.model.path, trust_remote_code=cfg.model.trust_remote_code
         )
         prompts = PromptSource.from_config(cfg.data, seed=cfg.seed)
+        if start.judge_urls:  # judge servers the run started: the reward service calls them
+            service = msgspec.structs.replace(cfg.reward.service, urls=list(start.judge_urls))
+            reward = msgspec.structs.replace(cfg.reward, service=service)
+            cfg = self.settings = msgspec.structs.replace(cfg, reward=reward)
         self._token = start.token
         self.balancer = balancer_from_config(cfg.rollout, start.urls, start.token)
         restarting = cfg.restart_servers and not cfg.rollout.server_urls
@@ -243,6 +251,8 @@ class RolloutWorker:
         client = _WaitForServers(self.balancer, patience)
         self.queue = AsyncQueueClient(start.queue_address)
         self.rollouter = Rollouter(cfg, client, self.queue, tokenizer, prompts)
+        if start.judge_token:
+            self.rollouter.rewards.service.authorize(start.judge_token)
         if start.state is not None:
             self.rollouter.load_state_dict(start.state)
         self.rollouter.set_version(start.version)

@@ -202,12 +202,14 @@ class Pipeline:
         launcher.start_queue(parts)
         # Servers load while the trainer ranks initialise; the rollouter's process imports meanwhile too.
         server_calls = launcher.launch_servers(parts)
+        judge_calls = launcher.launch_judges(parts)
         launcher.create_rollouter(parts)
         launcher.start_trainer(parts, resume)
         if server_calls:
             parts.urls = ask(
                 self.cluster, server_calls, self.cfg.cluster.start_timeout_s, "inference servers"
             )
+        launcher.wait_judges(parts, judge_calls)
         call_ranks(self.cluster, parts.ranks, "attach_servers", CALL_TIMEOUT_S, parts.urls, self.server_token)
         if parts.version > 0:
             self.driver.push(parts.version)  # fresh servers serve the model's initial weights as version 0

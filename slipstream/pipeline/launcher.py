@@ -2,8 +2,8 @@
 trainer ranks and the rollouter; :class:`Parts` holds their handles for the rest of the controller.
 
 Start-up, in order (:meth:`Launcher.connect` then the ``start_*`` methods, driven by ``Pipeline``): Ray
-(local, or ``cluster.ray_address``) and the reservation of every part; the queue; the servers (loading
-while the trainer ranks initialise); the rollouter's actor (its process imports meanwhile too); the
+(local, or ``cluster.ray_address``) and the reservation of every part; the queue; the servers and the
+judge servers of ``reward.service.launch`` (loading while the trainer ranks initialise); the rollouter's actor (its process imports meanwhile too); the
 trainer ranks (process group, engine, resume from the latest checkpoint with the queue restored from its
 snapshot); then the rollouter itself, from its saved state. Every wait has a timeout
 (``cluster.*_timeout_s``); :meth:`Launcher.stop_all` stops what was started, each stop with a timeout and
@@ -32,6 +32,7 @@ from slipstream.pipeline.types import RankSetup, RolloutStart
 from slipstream.rollouter.settings import from_root as rollouter_settings
 from slipstream.rollouter.state import RolloutState
 from slipstream.trainer.settings import from_root as trainer_settings
+from slipstream.utils.http_auth import new_token
 from slipstream.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -48,6 +49,8 @@ class Parts:
     queue_address: str = ""
     hosts: list[Any] = field(default_factory=list)
     urls: list[str] = field(default_factory=list)
+    judge_hosts: list[Any] = field(default_factory=list)  # reward.service.launch: never pushed to
+    judge_urls: list[str] = field(default_factory=list)
     ranks: list[Any] = field(default_factory=list)
     rollouter: Any = None
     rollouter_started: bool = False
@@ -64,6 +67,8 @@ class Launcher:
         self.server_token = server_token
         self.cluster: Cluster | None = None
         self.ray_started = False
+        # The judge servers' own token: the reward service holds it, and it controls no rollout server.
+        self.judge_token = new_token()
 
     # ------------------------------------------------------------------ Ray and placement
     def connect(self, *, reap_if_killed: bool = False) -> Cluster:
@@ -122,6 +127,38 @@ class Launcher:
         )
         return self.cluster.spawn(f"server{index}", ServerHost, *args, max_concurrency=2)
 
+    def launch_judges(self, parts: Parts) -> list[Any]:
+        """Start the judge servers of ``reward.service.launch`` (none unless a data source is scored by
+        the service); returns the calls that give their URLs, for :meth:`wait_judges`.
+
+        They are server hosts like the rollout servers', with a rollout section of their own (the judge's
+        backend, server count and arguments over ``rollout``) and their own token, and they stay out of
+        ``parts.hosts``: the publisher and the balancer never hear of them, so no weight push and no rollout
+        request reaches them, and the supervisor does not restart them (a dead judge's samples fail over to
+        the others, or score ``reward.service.failure_score`` with the reason)."""
+        from slipstream.pipeline.placement import judge_servers
+
+        count = judge_servers(self.cfg)
+        if not count:
+            return []
+        launch = self.cfg.reward.service.launch
+        rollout = msgspec.structs.replace(
+            self.cfg.rollout, backend=launch.backend, num_servers=count, server_urls=[],
+            server_args=list(launch.server_args), launch_timeout_s=launch.launch_timeout_s,
+            max_position_embeddings=launch.max_position_embeddings,
+        )  # fmt: skip
+        host, run_dir, token = self.cfg.cluster.server_host, str(self.run_dir), self.judge_token
+        parts.judge_hosts = []
+        for i in range(count):
+            args = (rollout, host, i, launch.model_path, run_dir, token, "judge")
+            parts.judge_hosts.append(self.cluster.spawn(f"judge{i}", ServerHost, *args, max_concurrency=2))
+        return [self.cluster.call(h, "start") for h in parts.judge_hosts]
+
+    def wait_judges(self, parts: Parts, calls: list[Any]) -> None:
+        if calls:
+            parts.judge_urls = ask(self.cluster, calls, self.cfg.cluster.start_timeout_s, "judge servers")
+            log.info("judge servers for reward.service: %s", ", ".join(parts.judge_urls))
+
     def start_trainer(self, parts: Parts, resume: Path | None) -> int:
         """New trainer ranks, joined and resumed from ``resume``; returns their version."""
         cfg, cluster = self.cfg, self.cluster
@@ -147,7 +184,8 @@ class Launcher:
         parts.rollouter = self.cluster.spawn("rollouter", RolloutWorker, settings, str(self.run_dir))
 
     def start_rollouter(self, parts: Parts, state: RolloutState | None) -> None:
-        start = RolloutStart(parts.urls, parts.queue_address, parts.published, state, self.server_token)
+        start = RolloutStart(parts.urls, parts.queue_address, parts.published, state, self.server_token,
+                             parts.judge_urls, self.judge_token if parts.judge_urls else "")  # fmt: skip
         call = self.cluster.call(parts.rollouter, "start", start)
         ask(self.cluster, call, self.cfg.cluster.start_timeout_s, "rollouter")
         parts.rollouter_started = True
@@ -164,6 +202,7 @@ class Launcher:
             ("trainer", parts.ranks, "close"),
             ("servers", [h for i, h in enumerate(parts.hosts) if i not in restarting], "stop"),
             ("restarting servers", [parts.hosts[i] for i in restarting], None),
+            ("judge servers", parts.judge_hosts, "stop"),
             ("queue", [parts.queue_actor] if parts.queue_actor else [], "stop"),
         ]
         for name, actors, method in steps:

@@ -122,7 +122,7 @@ def check_config(cfg: Config, *, environment: bool = True) -> None:
 
     checks = [_check_registries, _check_trainer, _check_faults, _check_lengths, check_layout, _check_memory]
     if environment:
-        checks += [_check_model, _check_backends]
+        checks += [_check_model, _check_backends, _check_judge]
     else:
         checks.append(_check_pairing)
     for check in checks:
@@ -199,6 +199,33 @@ def _check_backends(cfg: Config) -> None:
             "trainer.engine: megatron-core is not installed (pip install 'slipstream[megatron]')"
         )
     _check_pairing(cfg)
+
+
+def _check_judge(cfg: Config) -> None:
+    """The judge servers the run starts (``reward.service.launch``): a model the embedded server can load,
+    the backend's package installed, GPUs for vLLM/SGLang."""
+    from slipstream.pipeline.placement import judge_gpus, judge_servers
+    from slipstream.rollouter.models import is_hf_model_dir
+
+    if not judge_servers(cfg):
+        return
+    launch = cfg.reward.service.launch
+    if launch.backend == "embedded" and not is_hf_model_dir(Path(launch.model_path).expanduser()):
+        raise ConfigError(
+            f"reward.service.launch.model_path: `{launch.model_path}` is not a local HF checkpoint directory "
+            "(with config.json), which the embedded server loads"
+        )
+    module = BACKEND_MODULES.get(launch.backend)
+    if module and importlib.util.find_spec(module) is None:
+        raise ConfigError(
+            f"reward.service.launch.backend: `{launch.backend}` servers cannot be launched here: `{module}` is "
+            f"not installed (pip install 'slipstream[{launch.backend}]')"
+        )
+    if launch.backend != "embedded" and judge_gpus(cfg) == 0:
+        raise ConfigError(
+            f"reward.service.launch.gpus_per_server: `{launch.backend}` judge servers need GPUs; set it to "
+            "their TP size"
+        )
 
 
 def _check_pairing(cfg: Config) -> None:

@@ -13,10 +13,13 @@ group       one bundle per                                      bundle
 ==========  =================================================  ==========================================
 trainer     trainer rank                                        ``{GPU: g, trainer_pool: g}``
 rollout     inference server (none with ``rollout.server_urls``) ``{GPU: g, rollout_pool: g}``
+            and judge server (``reward.service.launch``)         ``{GPU: j, rollout_pool: j}``
 colocated   GPU shared by rank i and server i (``cluster.colocate``) ``{GPU: 1, trainer_pool: 1, rollout_pool: 1}``
 ==========  =================================================  ==========================================
 
-``g`` is ``cluster.gpus_per_trainer_rank`` / ``cluster.gpus_per_server``; a CPU part (``g = 0``) takes a
+``g`` is ``cluster.gpus_per_trainer_rank`` / ``cluster.gpus_per_server``, ``j`` the judge servers' own
+(``reward.service.launch.gpus_per_server``, by default ``g``; with ``cluster.colocate`` too the judges keep
+GPUs of their own); a CPU part (``g = 0``) takes a
 sliver (0.01) of a pool unit so that it still lands on a node of its pool. Pool units count GPUs on GPU
 nodes (``scripts/_ray_node.sh``), so only GPU parts use them up. The CPU-only parts, the queue server and
 the rollouter (with its reward workers), reserve nothing: they are pinned by node affinity to the node of
@@ -124,8 +127,29 @@ def plan(cfg: Config) -> tuple[dict[str, list[dict[str, float]]], list[Part]]:
             parts += [
                 Part(f"server{i}", "rollout", "rollout", i, groups["rollout"][i]) for i in range(servers)
             ]
+    judges = judge_servers(cfg)
+    if judges:  # the judge pool: bundles of the rollout pool, after the rollout servers'
+        bundle = _bundle(judge_gpus(cfg), rollout)
+        first = len(groups.get("rollout", []))
+        groups["rollout"] = [*groups.get("rollout", []), *[bundle] * judges]
+        parts += [Part(f"judge{i}", "rollout", "rollout", first + i, bundle) for i in range(judges)]
     parts += [Part("queue", "trainer", None, 0, {}), Part("rollouter", "rollout", None, 0, {})]
     return groups, parts
+
+
+def judge_servers(cfg: Config) -> int:
+    """Judge servers the run starts (``reward.service.launch``): none unless a data source is scored by the
+    service and the launch names a model."""
+    from slipstream.agents.rewards import SERVICE_REWARD
+
+    launch = cfg.reward.service.launch
+    used = SERVICE_REWARD in cfg.reward.sources.values()
+    return launch.num_servers if used and launch.model_path else 0
+
+
+def judge_gpus(cfg: Config) -> int:
+    gpus = cfg.reward.service.launch.gpus_per_server
+    return cfg.cluster.gpus_per_server if gpus is None else gpus
 
 
 def _bundle(gpus: int, pool: str) -> dict[str, float]:
@@ -178,6 +202,7 @@ def shortfall(
     pools = (cfg.cluster.trainer_resource, cfg.cluster.rollout_resource)
     have = [f"{n.address} [{n.node_id[:8]}] {_fmt(_pool_view(cfg, n.resources))}" for n in nodes
             if any(k in n.resources for k in pools)]  # fmt: skip
+    judges = " or reward.service.launch.num_servers / gpus_per_server" if judge_servers(cfg) else ""
     one_gpu_node = len(nodes) == 1 and nodes[0].resources.get("GPU", 0) >= 1
     hint = (
         "; on one machine, cluster.colocate=true lets trainer ranks and servers share its GPUs"
@@ -188,7 +213,7 @@ def shortfall(
         f"the cluster cannot hold this config: {len(missing)} of {len(reserved)} reserved parts do not fit "
         f"({asks}). The config needs {_totals(cfg)} in all; nodes of the pools: {', '.join(have) or 'none'}. "
         "Add nodes (scripts/launch_*_cluster.sh) or lower trainer.num_ranks, rollout.num_servers, "
-        f"cluster.gpus_per_trainer_rank or cluster.gpus_per_server{hint}"
+        f"cluster.gpus_per_trainer_rank or cluster.gpus_per_server{judges}{hint}"
     )
 
 
@@ -279,7 +304,8 @@ class Placement:
         return placement
 
     def options(self, name: str, **extra: Any) -> dict[str, Any]:
-        """Ray actor options that put part ``name`` (``rank3``, ``server0``, ``queue``, ``rollouter``) in place."""
+        """Ray actor options that put part ``name`` (``rank3``, ``server0``, ``judge0``, ``queue``,
+        ``rollouter``) in place."""
         from ray.util.scheduling_strategies import (
             NodeAffinitySchedulingStrategy,
             PlacementGroupSchedulingStrategy,
@@ -385,5 +411,5 @@ def format_layout(slots: list[Slot]) -> str:
 
 __all__ = [
     "Node", "Part", "Placement", "PlacementError", "Slot", "check_layout", "cluster_nodes", "fit",
-    "format_layout", "local_resources", "plan", "shortfall",
+    "format_layout", "judge_gpus", "judge_servers", "local_resources", "plan", "shortfall",
 ]  # fmt: skip

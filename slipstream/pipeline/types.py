@@ -12,7 +12,7 @@ RankSetup            controller -> TrainerRank.setup         rendezvous, queue a
 StepReport           TrainerRank.step -> controller          trainer metrics; rank 0: uids, lease wait
 PushReport           TrainerRank.publish / add_server        the publisher's report (rank 0) and wall time
 ServerHealth         ServerHost.health -> controller         process alive, ``/health`` answering
-RolloutStart         controller -> RolloutWorker.start       servers, queue, saved state, version, token
+RolloutStart         controller -> RolloutWorker.start       servers, judges, queue, saved state, version
 RolloutStatus        RolloutWorker.status -> controller      generation done, or the error that ended it
 ===================  ======================================  =============================================
 
@@ -83,13 +83,16 @@ class ServerHealth(msgspec.Struct, frozen=True, gc=False):
 
 class RolloutStart(msgspec.Struct, frozen=True, gc=False):
     """Everything the rollouter starts from: the servers' URLs, the queue server, its saved state (None on a
-    fresh run), the weight version the servers hold, and the servers' control token."""
+    fresh run), the weight version the servers hold, and the servers' control token; with judge servers
+    started by the run (``reward.service.launch``) their URLs and their own token, for the reward service."""
 
     urls: list[str]
     queue_address: str
     version: int
     state: RolloutState | None = None
     token: str = ""
+    judge_urls: list[str] = []
+    judge_token: str = ""
 
 
 class RolloutStatus(msgspec.Struct, frozen=True, gc=False):

@@ -94,7 +94,19 @@ def test_config_check_names_the_key():
         ),
         ({"agent": {"name": "react"}}, "agent.name: unknown agent loop `react`"),
         ({"reward": {"sources": {"mine": f"{EXAMPLES}:nope"}}}, "reward.sources.mine: module `"),
-        ({"reward": {"sources": {"mine": "service"}}}, "reward.service.urls: empty, but reward.sources maps"),
+        (
+            {"reward": {"sources": {"mine": "service"}}},
+            "reward.service.urls, reward.service.launch.model_path: neither is set, but reward.sources maps",
+        ),
+        (
+            {
+                "reward": {
+                    "sources": {"mine": "service"},
+                    "service": {"urls": ["http://x"], "launch": {"model_path": "/judge"}},
+                }
+            },
+            "reward.service.urls, reward.service.launch.model_path: both set",
+        ),
         (
             {"reward": {"sources": {"mine": "service"}, "service": {"urls": ["127.0.0.1:1"]}}},
             "reward.service.urls: `127.0.0.1:1` is not an http",

@@ -27,6 +27,7 @@ class FakeServer:
     def __init__(self) -> None:
         self.cond = threading.Condition()
         self.requests: list[tuple[str, dict]] = []
+        self.auth: list[str] = []  # each request's Authorization header
         self.seen: Counter[str] = Counter()
         self.in_flight = self.max_in_flight = self.arrivals = 0
         self.gate = 0  # > 0: hold each request until its group of `gate` requests has arrived
@@ -39,6 +40,7 @@ class FakeServer:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.auth.append(self.headers.get("Authorization", ""))
                 try:
                     server.handle(self, body)
                 except (BrokenPipeError, ConnectionResetError):
@@ -256,3 +258,21 @@ def test_reward_timeout_bounds_the_whole_call(server):
         assert runner.timeouts == 1 and runner.errors == 1
 
     asyncio.run(main())
+
+
+def test_a_token_handed_over_replaces_the_api_key_env(server, monkeypatch):
+    # The pipeline hands the judge servers it started to the service with their own token (authorize).
+    monkeypatch.setenv("JUDGE_KEY", "from-env")
+
+    async def main(token: str):
+        service = RewardService(service_cfg(server.url, api_key_env="JUDGE_KEY"))
+        if token:
+            service.authorize(token)
+        try:
+            return await service.score("good:1", "x", {})
+        finally:
+            await service.aclose()
+
+    assert asyncio.run(main("")).score == 1.0
+    assert asyncio.run(main("run-token")).score == 1.0
+    assert server.auth == ["Bearer from-env", "Bearer run-token"]

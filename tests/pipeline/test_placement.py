@@ -57,6 +57,30 @@ def test_the_pool_of_a_part_is_never_borrowed_from_the_other_pool():
     )
 
 
+def test_judge_servers_the_run_starts_take_bundles_of_the_rollout_pool():
+    judged = ("reward.sources={math_dapo: service}", "reward.service.launch.model_path=/judge")
+    cfg = recipe(
+        DAPO, *judged, "reward.service.launch.num_servers=2", "reward.service.launch.gpus_per_server=2"
+    )
+    groups, parts = plan(cfg)
+    assert (
+        groups["rollout"]
+        == [{"GPU": 4.0, "rollout_pool": 4.0}] * 16 + [{"GPU": 2.0, "rollout_pool": 2.0}] * 2
+    )
+    judges = [p for p in parts if p.name.startswith("judge")]
+    assert [(p.name, p.pool, p.group, p.bundle) for p in judges] == [
+        ("judge0", "rollout", "rollout", 16),
+        ("judge1", "rollout", "rollout", 17),
+    ]
+    cluster = nodes("trainer_pool", 8) + nodes("rollout_pool", 8)  # the servers use every rollout GPU
+    message = shortfall(cfg, parts, cluster, fit(groups, cluster))
+    assert "judge0, judge1 need {GPU: 2, rollout_pool: 2} each" in message, message
+    assert "reward.service.launch.num_servers" in message
+    # The judges' GPUs default to the rollout servers'; no data source scored by the service: no judge.
+    assert plan(recipe(DAPO, *judged))[0]["rollout"][-1] == {"GPU": 4.0, "rollout_pool": 4.0}
+    assert not [p for p in plan(recipe(DAPO, judged[1]))[1] if p.name.startswith("judge")]
+
+
 def test_colocated_layout_needs_one_gpu_per_part_and_no_more_servers_than_ranks():
     cfg = load_config(None, ["cluster.colocate=true", "cluster.gpus_per_server=1", "cluster.gpus_per_trainer_rank=1",
                              "trainer.device=cuda"])  # fmt: skip

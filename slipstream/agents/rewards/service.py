@@ -2,8 +2,9 @@
 
 A data source mapped to ``service`` in ``reward.sources`` is scored by the servers of ``reward.service``
 instead of a function in the worker pool (rule rewards keep the pool). The servers are the user's own
-(``reward.service.urls``): the run starts none, and since they are not rollout servers no weight push
-ever reaches them.
+(``reward.service.urls``) or a pool the pipeline starts for the run (``reward.service.launch``, handed over
+as URLs and a token with :meth:`RewardService.authorize`); either way they are not rollout servers, so no
+weight push and no rollout request ever reaches them.
 
 Two wire protocols, chosen by ``reward.service.protocol`` (JSON over HTTP, base URLs without ``/v1``):
 
@@ -84,10 +85,16 @@ def check_service(cfg: RewardConfig) -> None:
     if not users:
         return
     s = cfg.service
-    if not s.urls:
+    if s.urls and s.launch.model_path:
         raise ValueError(
-            f"reward.service.urls: empty, but reward.sources maps `{users[0]}` to `{SERVICE_REWARD}`; list the "
-            "base URLs of your judge or reward-model servers"
+            "reward.service.urls, reward.service.launch.model_path: both set; the judge servers are either "
+            "yours (urls) or started by the run (launch), not both"
+        )
+    if not s.urls and not s.launch.model_path:
+        raise ValueError(
+            f"reward.service.urls, reward.service.launch.model_path: neither is set, but reward.sources maps "
+            f"`{users[0]}` to `{SERVICE_REWARD}`; list the base URLs of your judge or reward-model servers, "
+            "or name the model whose servers the run starts"
         )
     if cfg.timeout_s < s.timeout_s:
         raise ValueError(
@@ -146,6 +153,13 @@ class RewardService:
         self._next_url = 0
         self._http: httpx.AsyncClient | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._token = ""
+
+    def authorize(self, token: str) -> RewardService:
+        """Present ``token`` as the bearer token (instead of ``api_key_env``'s): the servers the pipeline
+        started for the run guard their routes with it. Before the first call; returns self."""
+        self._token = token
+        return self
 
     @property
     def batch_size(self) -> int:
@@ -214,7 +228,7 @@ class RewardService:
 
     def _client(self) -> httpx.AsyncClient:
         if self._http is None:
-            key = os.environ.get(self.cfg.api_key_env, "") if self.cfg.api_key_env else ""
+            key = self._token or (os.environ.get(self.cfg.api_key_env, "") if self.cfg.api_key_env else "")
             self._http = httpx.AsyncClient(
                 headers={"Authorization": f"Bearer {key}"} if key else {},
                 timeout=httpx.Timeout(self.cfg.timeout_s),
