@@ -211,7 +211,7 @@ class _WaitForServers:
 
 class RolloutWorker:
     """The rollouter in its own process (async actor). Lifecycle: ``start`` → (``set_version``, ``drain``,
-    ``metrics``, ``state_dict``, ``add_server``/``remove_server``)* → ``stop``."""
+    ``metrics``, ``state_dict``, ``add_server``/``remove_server``, ``set_judge_urls``)* → ``stop``."""
 
     def __init__(self, settings: RollouterSettings, run_dir: str) -> None:
         log_to_file(run_dir, "rollouter")
@@ -294,6 +294,10 @@ class RolloutWorker:
         rollout = self.settings.rollout
         client = make_client(rollout.backend, url, timeout_s=rollout.request_timeout_s + 60.0)
         self.balancer.add(client.authorize(self._token))
+
+    async def set_judge_urls(self, urls: list[str]) -> None:
+        """The judge servers the reward service calls from now on (one was restarted on a new port)."""
+        self.rollouter.rewards.service.set_urls(urls)
 
     async def remove_server(self, url: str) -> None:
         client = self.balancer.remove(url)

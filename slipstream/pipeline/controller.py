@@ -17,13 +17,15 @@ and composes four parts, each with one job, over the actors of ``pipeline/actors
                                    messages: pipeline/types.py Structs
 
     trainer pool   TrainerRank x trainer.num_ranks (rank 0: queue client + WeightPublisher), the queue
-    rollout pool   ServerHost x rollout.num_servers (one inference server process each), RolloutWorker
+    rollout pool   ServerHost x rollout.num_servers (one inference server process each), RolloutWorker,
+                   ServerHost x reward.service.launch.num_servers (judge servers: no pushes, no rollouts)
 
 Start-up (``launcher.py``): Ray and the placement; the model prepared (known names); the queue; the servers
 (healthy); the trainer ranks (resumed from the latest checkpoint with the queue restored from its
 snapshot); a first push when resuming (fresh servers serve version 0); the rollouter (its saved state
 restored), which then streams groups into the queue on its own. Steps and pushes: ``driver.py``. Health
-and restarts of servers and trainer ranks: ``supervisor.py``. Checkpoints: ``checkpoint.py``.
+and restarts of servers and trainer ranks: ``supervisor.py`` (of judge servers: ``judges.py``).
+Checkpoints: ``checkpoint.py``.
 
 One random server token per run guards the servers' control and weight-update routes: the servers get it
 in their environment, the rollouter's clients and the weight publisher as an argument (for servers given by
@@ -262,7 +264,8 @@ class Pipeline:
         self._closed = True
         if self.stop_on_sigterm:  # a second `kill` must not cut the clean-up short (each stop has a timeout)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        self.launcher.stop_all(self.parts, self.servers_restarting)
+        judges = self.supervisor.judges.restarting if self.supervisor is not None else set()
+        self.launcher.stop_all(self.parts, self.servers_restarting, judges)
         if self.logger is not None:
             self.logger.close()
         self.launcher.disconnect()

@@ -134,25 +134,23 @@ class Launcher:
         They are server hosts like the rollout servers', with a rollout section of their own (the judge's
         backend, server count and arguments over ``rollout``) and their own token, and they stay out of
         ``parts.hosts``: the publisher and the balancer never hear of them, so no weight push and no rollout
-        request reaches them, and the supervisor does not restart them (a dead judge's samples fail over to
-        the others, or score ``reward.service.failure_score`` with the reason)."""
+        request reaches them (their restarts: ``judges.py``)."""
         from slipstream.pipeline.placement import judge_servers
 
-        count = judge_servers(self.cfg)
-        if not count:
-            return []
+        parts.judge_hosts = [self.new_judge_host(i) for i in range(judge_servers(self.cfg))]
+        return [self.cluster.call(h, "start") for h in parts.judge_hosts]
+
+    def new_judge_host(self, index: int) -> Any:
+        """A server host actor for judge server ``index`` (not started: call its ``start``)."""
         launch = self.cfg.reward.service.launch
         rollout = msgspec.structs.replace(
-            self.cfg.rollout, backend=launch.backend, num_servers=count, server_urls=[],
+            self.cfg.rollout, backend=launch.backend, num_servers=launch.num_servers, server_urls=[],
             server_args=list(launch.server_args), launch_timeout_s=launch.launch_timeout_s,
             max_position_embeddings=launch.max_position_embeddings,
         )  # fmt: skip
-        host, run_dir, token = self.cfg.cluster.server_host, str(self.run_dir), self.judge_token
-        parts.judge_hosts = []
-        for i in range(count):
-            args = (rollout, host, i, launch.model_path, run_dir, token, "judge")
-            parts.judge_hosts.append(self.cluster.spawn(f"judge{i}", ServerHost, *args, max_concurrency=2))
-        return [self.cluster.call(h, "start") for h in parts.judge_hosts]
+        args = (rollout, self.cfg.cluster.server_host, index, launch.model_path, str(self.run_dir),
+                self.judge_token, "judge")  # fmt: skip
+        return self.cluster.spawn(f"judge{index}", ServerHost, *args, max_concurrency=2)
 
     def wait_judges(self, parts: Parts, calls: list[Any]) -> None:
         if calls:
@@ -191,10 +189,11 @@ class Launcher:
         parts.rollouter_started = True
 
     # ------------------------------------------------------------------ shutdown
-    def stop_all(self, parts: Parts, restarting: set[int]) -> None:
+    def stop_all(self, parts: Parts, restarting: set[int], judges_restarting: set[int] = frozenset()) -> None:
         """Stop every part (each stop has ``cluster.shutdown_timeout_s``, then the actor is killed). Hosts in
-        ``restarting`` cannot answer ``stop`` while they start (or wait for room): they are killed."""
-        cluster = self.cluster
+        ``restarting`` (servers) and ``judges_restarting`` cannot answer ``stop`` while they start (or wait
+        for room): they are killed."""
+        cluster, judges = self.cluster, parts.judge_hosts
         if cluster is None:
             return
         steps: list[tuple[str, list[Any], str | None]] = [
@@ -202,7 +201,8 @@ class Launcher:
             ("trainer", parts.ranks, "close"),
             ("servers", [h for i, h in enumerate(parts.hosts) if i not in restarting], "stop"),
             ("restarting servers", [parts.hosts[i] for i in restarting], None),
-            ("judge servers", parts.judge_hosts, "stop"),
+            ("judge servers", [h for i, h in enumerate(judges) if i not in judges_restarting], "stop"),
+            ("restarting judge servers", [judges[i] for i in judges_restarting], None),
             ("queue", [parts.queue_actor] if parts.queue_actor else [], "stop"),
         ]
         for name, actors, method in steps:

@@ -12,6 +12,8 @@ The step driver calls :meth:`Supervisor.watch` while a step runs (checks at most
   joins after the next push (:meth:`joined_after_push`). A server whose node died waits for room in the
   rollout pool; past ``health_interval_s x unhealthy_checks`` the run goes on with the servers left, or
   stops when none is left;
+* a dead judge server of ``reward.service.launch``, under the same rule: restarted without weights
+  (``judges.py``), out of the reward service's URLs meanwhile;
 * a dead trainer rank with ``cluster.restart_trainer`` (up to ``cluster.max_restarts``): every rank is
   replaced and resumes from the latest checkpoint (a save that died after its queue snapshot is completed
   first), rolling the live queue back to that checkpoint's snapshot; the rollouter and the servers keep
@@ -45,6 +47,7 @@ from slipstream.pipeline.cluster import (
     call_ranks,
     lost_note,
 )
+from slipstream.pipeline.judges import JudgeWatch
 from slipstream.pipeline.launcher import Launcher, Parts
 from slipstream.pipeline.types import PushReport, RolloutStatus, ServerHealth
 from slipstream.utils.logging import get_logger
@@ -54,7 +57,7 @@ log = get_logger(__name__)
 
 class Supervisor:
     """Watches the parts and applies the restart policy (module docstring). ``restarts`` counts restarts
-    per part (``server-<i>``, ``trainer``)."""
+    per part (``server-<i>``, ``judge-<i>``, ``trainer``)."""
 
     def __init__(
         self,
@@ -78,6 +81,8 @@ class Supervisor:
         self._joining: list[str] = []  # restarted servers waiting for a push before they take requests
         self._unhealthy: dict[int, int] = {}
         self._next_health = 0.0
+        # The judge servers of reward.service.launch: the same policy, without weights (judges.py).
+        self.judges = JudgeWatch(cfg, cluster, parts, launcher, self.restarts, clock)
 
     # ------------------------------------------------------------------ what callers see
     @property
@@ -97,6 +102,7 @@ class Supervisor:
     def watch(self) -> None:
         """Health checks, at most every ``cluster.health_interval_s``; restarts progress between them."""
         self._progress_restarts()
+        self.judges.progress()
         if self.clock() < self._next_health:
             return
         self._next_health = self.clock() + self.cfg.cluster.health_interval_s
@@ -105,6 +111,7 @@ class Supervisor:
         for index in range(len(self.parts.hosts)):
             if index not in self._restarting:
                 self._check_server(index)
+        self.judges.check()
 
     def poll(self) -> None:
         """Run the health checks now (and move restarts on)."""

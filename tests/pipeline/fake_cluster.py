@@ -1,6 +1,6 @@
 """A cluster without Ray, processes or sockets, for unit tests of the controller's parts.
 
-Actors are plain objects chosen by part name (``server0`` -> :class:`FakeServer`, ``rank0`` ->
+Actors are plain objects chosen by part name (``server0``, ``judge0`` -> :class:`FakeServer`, ``rank0`` ->
 :class:`FakeRank`, ``rollouter``, ``queue``); the class passed to ``spawn`` is never built. Calls run at
 once, unless the test holds them (``hold("server0", "start")``): a held call stays pending until
 ``finish`` runs it, which is how a test walks a server restart through its states without waiting. Every
@@ -79,6 +79,7 @@ class FakeRollouter:
     def __init__(self, part: str) -> None:
         self.error: str | None = None
         self.servers: set[str] = set()
+        self.judge_urls: list[str] = []
 
     def status(self) -> RolloutStatus:
         return RolloutStatus(error=self.error)
@@ -89,6 +90,9 @@ class FakeRollouter:
     def remove_server(self, url: str) -> None:
         self.servers.discard(url)
 
+    def set_judge_urls(self, urls: list[str]) -> None:
+        self.judge_urls = list(urls)
+
 
 class FakeQueue:
     def __init__(self, part: str) -> None:
@@ -98,7 +102,13 @@ class FakeQueue:
         return self.alive
 
 
-KINDS = {"server": FakeServer, "rank": FakeRank, "rollouter": FakeRollouter, "queue": FakeQueue}
+KINDS = {
+    "server": FakeServer,
+    "judge": FakeServer,
+    "rank": FakeRank,
+    "rollouter": FakeRollouter,
+    "queue": FakeQueue,
+}
 
 
 class FakeActor:

@@ -3,14 +3,19 @@
 The tiny model is the judge too: its replies hold no ``Score: <number>``, so every sample scores
 ``reward.service.failure_score`` with the reason as its reward error. That the judge generated tokens
 proves the reward service's calls reached it; that it still serves weight version 0 while the rollout
-server serves the trainer's proves no push reached it.
+server serves the trainer's proves no push reached it. The judge is killed after step 1: it comes back on
+a new port, and the tokens the new process generates prove the reward service was handed its new URL.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 
 import httpx
+import ray
 
 from slipstream.pipeline import Pipeline
 from slipstream.pipeline.placement import plan
@@ -27,7 +32,7 @@ def test_a_judge_pool_started_by_the_pipeline_scores_and_never_takes_a_push(
     ray_pools, tiny_model_path, tmp_path
 ):
     cfg = pipeline_config(
-        tmp_path, tiny_model_path, "async.mode=sync", "run.total_steps=2",
+        tmp_path, tiny_model_path, "async.mode=sync", "run.total_steps=3",
         "reward.sources={arithmetic: service}",
         f"reward.service.launch.model_path={tiny_model_path}",
         "reward.service.judge_max_tokens=4",
@@ -36,26 +41,38 @@ def test_a_judge_pool_started_by_the_pipeline_scores_and_never_takes_a_push(
         "reward.service.timeout_s=30",
         "reward.timeout_s=60",
         f"reward.service.failure_score={FAILURE_SCORE}",
-        prompts=4,
+        prompts=6,
     )  # fmt: skip
     assert [p.name for p in plan(cfg)[1] if p.group == "rollout"] == ["server0", "judge0"]
     seen: list[tuple[int, dict, dict]] = []
+
+    judge_urls: list[str] = []
 
     def on_step(pipeline, version, metrics):
         parts = pipeline.parts
         assert len(parts.judge_urls) == 1 and parts.judge_urls[0] not in parts.urls
         seen.append((version, model_info(parts.urls[0]), model_info(parts.judge_urls[0])))
+        judge_urls.append(parts.judge_urls[0])
+        if version == 1:
+            os.kill(ray.get(parts.judge_hosts[0].pid.remote()), signal.SIGKILL)
+            deadline = time.monotonic() + 120
+            while not pipeline.restarts.get("judge-0") or pipeline.supervisor.judges.restarting:
+                assert time.monotonic() < deadline, "the judge server did not come back"
+                pipeline.poll_parts()
+                time.sleep(0.2)
 
     result = Pipeline(cfg, on_step=on_step).run()
-    assert result.version == 2
-    assert [v for v, _, _ in seen] == [1, 2]
+    assert result.version == 3 and result.restarts == {"judge-0": 1}
+    assert [v for v, _, _ in seen] == [1, 2, 3]
     for version, server, judge in seen:
         assert server["weight_version"] == str(version)  # the rollout server took every push
         assert judge["weight_version"] == "0"  # the judge took none
-    assert seen[-1][2]["generated_tokens"] > 0  # the reward service's requests reached the judge
+    assert seen[0][2]["generated_tokens"] > 0  # the reward service's requests reached the judge
+    assert judge_urls[0] != judge_urls[1] == judge_urls[2]  # restarted on a new port
+    assert seen[2][2]["generated_tokens"] > 0  # ... and the reward service calls it there
     records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     for rec in records:
         assert rec["trainer/reward_mean"] == FAILURE_SCORE  # malformed verdicts: failure_score each
-    assert sum(rec.get("rollouter/reward_errors", 0.0) for rec in records) >= 2 * 4
+    assert sum(rec.get("rollouter/reward_errors", 0.0) for rec in records) >= 3 * 2 * 4
     logs = result.run_dir / "logs"
     assert (logs / "judge-embedded-0.log").is_file() and (logs / "judge-0.log").is_file()

@@ -27,8 +27,9 @@ class Clock:
         return self.now
 
 
-def running(tmp_path: Path, *overrides: str, servers: int = 1, published: int = 3):
-    """A supervisor over a run with ``servers`` serving servers, one rank, a rollouter and a queue."""
+def running(tmp_path: Path, *overrides: str, servers: int = 1, published: int = 3, judges: int = 0):
+    """A supervisor over a run with ``servers`` serving servers, ``judges`` judge servers of
+    reward.service.launch, one rank, a rollouter and a queue."""
     cfg = fake_config(*overrides)
     cluster, clock = FakeCluster(), Clock()
     launcher = Launcher(cfg, tmp_path, "token")
@@ -42,6 +43,8 @@ def running(tmp_path: Path, *overrides: str, servers: int = 1, published: int = 
         rollouter_started=True,
         version=published,
         published=published,
+        judge_hosts=[cluster.spawn(f"judge{i}", object) for i in range(judges)],
+        judge_urls=[f"http://judge{i}:8000" for i in range(judges)],
     )
     FakeRank.version, FakeRank.kept_copy = published, True
     supervisor = Supervisor(cfg, cluster, parts, launcher, run_dir=tmp_path, clock=clock)
@@ -114,6 +117,53 @@ def test_a_dead_host_actor_is_replaced_before_the_restart(tmp_path):
     assert cluster.killed == ["server0"] and supervisor.parts.hosts[0] is not old
     assert supervisor.parts.hosts[0] is cluster.actor("server0") and cluster.actor("server0").obj.starts == 1
     assert supervisor.restarts == {"server-0": 1}
+
+
+def test_a_dead_judge_server_is_restarted_without_weights_and_handed_back_to_the_reward_service(tmp_path):
+    supervisor, cluster, _ = running(tmp_path, "cluster.restart_servers=true", judges=2)
+    cluster.hold("judge0", "start")
+    cluster.actor("judge0").obj.health_now = DEAD
+    supervisor.poll()
+    assert supervisor.restarts == {"judge-0": 1} and supervisor.judges.restarting == {0}
+    assert supervisor.servers_restarting == set()  # the rollout server serves on
+    assert cluster.calls_of("rollouter", "set_judge_urls") == [(["http://judge1:8000"],)]
+    cluster.actor("judge0").obj.health_now = ServerHealth(alive=True, healthy=True)
+    cluster.finish("judge0", "start")
+    supervisor.watch()
+    urls = ["http://judge0:8001", "http://judge1:8000"]
+    assert supervisor.parts.judge_urls == urls and supervisor.judges.restarting == set()
+    assert cluster.calls_of("rollouter", "set_judge_urls")[-1] == (urls,)
+    # A judge is no rollout server: the publisher and the balancer never hear of it.
+    for part, method in (("rank0", "add_server"), ("rank0", "remove_server"), ("rollouter", "add_server")):
+        assert not cluster.calls_of(part, method)
+
+
+def test_a_lone_judge_keeps_its_url_while_its_dead_host_is_replaced_and_restarts_are_bounded(tmp_path):
+    supervisor, cluster, _ = running(
+        tmp_path, "cluster.restart_servers=true", "cluster.max_restarts=1", judges=1
+    )
+    old = cluster.actor("judge0")
+    cluster.hold("judge0", "start")
+    cluster.die(old)
+    supervisor.poll()
+    assert cluster.killed == ["judge0"] and supervisor.parts.judge_hosts[0] is cluster.actor("judge0") != old
+    # No judge left: the reward service keeps the URL and retries it (samples then score failure_score).
+    assert cluster.calls_of("rollouter", "set_judge_urls") == [(["http://judge0:8000"],)]
+    cluster.finish("judge0", "start")
+    cluster.actor("judge0").obj.health_now = DEAD
+    with pytest.raises(
+        PartFailed, match=r"judge server 0 \(http://judge0:8001\) died: .*max_restarts used up"
+    ):
+        supervisor.poll()
+
+
+def test_a_dead_judge_server_ends_the_run_when_restarts_are_off(tmp_path):
+    supervisor, cluster, _ = running(tmp_path, "cluster.restart_servers=false", judges=1)
+    cluster.actor("judge0").obj.health_now = DEAD
+    with pytest.raises(
+        PartFailed, match=r"judge server 0 .*\(cluster.restart_servers is off\)(.|\n)*judge0: last words"
+    ):
+        supervisor.poll()
 
 
 def test_health_is_checked_at_most_once_an_interval(tmp_path):

@@ -161,6 +161,10 @@ class RewardService:
         self._token = token
         return self
 
+    def set_urls(self, urls: list[str]) -> None:
+        """Call ``urls`` from now on (requests in flight finish, or are retried on these)."""
+        self.cfg = msgspec.structs.replace(self.cfg, urls=list(urls))
+
     @property
     def batch_size(self) -> int:
         return self.cfg.batch_size if self.cfg.protocol == "score" else 1
