@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 
@@ -18,7 +19,7 @@ import httpx
 import ray
 
 from slipstream.pipeline import Pipeline
-from slipstream.pipeline.placement import plan
+from slipstream.pipeline.placement import format_layout, plan
 from tests.pipeline.conftest import pipeline_config
 
 FAILURE_SCORE = -0.5
@@ -53,7 +54,13 @@ def test_a_judge_pool_started_by_the_pipeline_scores_and_never_takes_a_push(
         assert len(parts.judge_urls) == 1 and parts.judge_urls[0] not in parts.urls
         seen.append((version, model_info(parts.urls[0]), model_info(parts.judge_urls[0])))
         judge_urls.append(parts.judge_urls[0])
-        if version == 1:
+        if version == 1:  # reserved in the rollout pool, as `--check-placement` prints it
+            layout = pipeline.placement.layout()
+            assert [(s.part, s.pool) for s in layout if s.pool == "rollout"][:2] == [
+                ("server0", "rollout"),
+                ("judge0", "rollout"),
+            ]
+            assert re.search(r"^judge0 +rollout ", format_layout(layout), re.MULTILINE)
             os.kill(ray.get(parts.judge_hosts[0].pid.remote()), signal.SIGKILL)
             deadline = time.monotonic() + 120
             while not pipeline.restarts.get("judge-0") or pipeline.supervisor.judges.restarting:
