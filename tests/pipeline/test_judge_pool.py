@@ -16,9 +16,12 @@ import signal
 import time
 
 import httpx
+import pytest
 import ray
 
+from slipstream.config import ConfigError
 from slipstream.pipeline import Pipeline
+from slipstream.pipeline.modes import check_config, prepare_config
 from slipstream.pipeline.placement import format_layout, plan
 from tests.pipeline.conftest import pipeline_config
 
@@ -83,3 +86,30 @@ def test_a_judge_pool_started_by_the_pipeline_scores_and_never_takes_a_push(
     assert sum(rec.get("rollouter/reward_errors", 0.0) for rec in records) >= 3 * 2 * 4
     logs = result.run_dir / "logs"
     assert (logs / "judge-embedded-0.log").is_file() and (logs / "judge-0.log").is_file()
+    # The first failure's reason is in the rollouter's log: the judge answered, with no score.
+    assert "reward service: " in (text := (logs / "rollouter.log").read_text()), text[-2000:]
+    assert "malformed judge reply: no `Score: <number>`" in text, text[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["reward.service.launch.model_path=/nonexistent/judge"], "reward.service.launch.model_path: `"),
+        (
+            ["reward.service.launch.backend=sglang", "reward.service.launch.gpus_per_server=0"],
+            "reward.service.launch.",  # not installed here, or (where it is) no GPUs
+        ),
+        (
+            ["reward.service.urls=[http://127.0.0.1:1]"],
+            "reward.service.urls, reward.service.launch.model_path: both set",
+        ),
+    ],
+)
+def test_a_judge_pool_that_cannot_start_fails_the_config_check(tiny_model_path, tmp_path, overrides, message):
+    cfg = pipeline_config(
+        tmp_path, tiny_model_path, "reward.sources={arithmetic: service}",
+        f"reward.service.launch.model_path={tiny_model_path}", *overrides,
+    )  # fmt: skip
+    with pytest.raises(ConfigError) as err:
+        check_config(prepare_config(cfg)[0])
+    assert str(err.value).startswith(message), str(err.value)

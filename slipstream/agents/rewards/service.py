@@ -30,7 +30,8 @@ the next free slot takes up to ``batch_size`` of the waiting samples at once. A 
 (``timeout_s``, the whole request), cannot connect, gets 408, 429 or 5xx, or gets a malformed reply is
 retried on the next URL after ``backoff_s * 2**(n-1)`` seconds (at most ``backoff_max_s``), up to
 ``retries`` times; only the items of a batch that failed are sent again. Another 4xx is not retried. A
-sample that still fails scores ``failure_score`` with its reason as the reward error: the run goes on.
+sample that still fails scores ``failure_score`` with its reason as the reward error (and in a warning,
+at most one per ``WARN_EVERY_S``): the run goes on.
 :class:`~slipstream.agents.rewards.runner.RewardRunner` also bounds a sample's whole call (waiting for a
 slot, every retry) by ``reward.timeout_s``, as it bounds a reward function.
 
@@ -46,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import time
 from collections import deque
 from typing import Any
 
@@ -54,10 +56,14 @@ import msgspec
 
 from slipstream.agents.config import RewardConfig, RewardServiceConfig
 from slipstream.agents.rewards.result import RewardResult, normalise
+from slipstream.utils.logging import get_logger
 
 # The judge's verdict: the last `Score: <number>` of its reply.
 _SCORE_RE = re.compile(r"score\s*[:=]\s*\**\s*([-+]?\d+(?:\.\d+)?)", re.IGNORECASE)
 _RETRY_STATUS = {408, 429}
+WARN_EVERY_S = 30.0  # a failing server logs one warning per this many seconds, with the latest reason
+
+log = get_logger(__name__)
 
 
 class _Failure(msgspec.Struct):
@@ -154,6 +160,7 @@ class RewardService:
         self._http: httpx.AsyncClient | None = None
         self._tasks: set[asyncio.Task] = set()
         self._token = ""
+        self._next_warning = 0.0
 
     def authorize(self, token: str) -> RewardService:
         """Present ``token`` as the bearer token (instead of ``api_key_env``'s): the servers the pipeline
@@ -317,6 +324,11 @@ class RewardService:
 
     def _failed(self, reason: str) -> RewardResult:
         self.failures += 1
+        now = time.monotonic()
+        if now >= self._next_warning:  # the reason reaches the log, not only the trajectory's extra
+            self._next_warning = now + WARN_EVERY_S
+            log.warning("reward service: %d samples scored failure_score so far; the latest: %s",
+                        self.failures, reason[:300])  # fmt: skip
         return RewardResult(score=self.cfg.failure_score, error=f"reward service: {reason}"[:500])
 
     async def aclose(self) -> None:
