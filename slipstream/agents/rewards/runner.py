@@ -93,8 +93,10 @@ class RewardRunner:
         for source in sorted(set(data_sources)):
             if reward_name(source, self.sources) == SERVICE_REWARD:
                 if not self.cfg.service.urls:
+                    started = " (the servers of reward.service.launch are started by `slipstream train`)"
                     raise KeyError(
                         f"data source `{source}` is scored by `service`, but reward.service.urls is empty"
+                        + (started if self.cfg.service.launch.model_path else "")
                     )
                 continue
             resolve(source, self.sources)
