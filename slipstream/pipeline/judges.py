@@ -21,9 +21,9 @@ from collections.abc import Callable
 from typing import Any
 
 from slipstream.config import Config
-from slipstream.pipeline.cluster import CALL_TIMEOUT_S, ActorDied, Cluster, PartFailed, ask
+from slipstream.pipeline.cluster import CALL_TIMEOUT_S, Cluster, PartFailed, ask
+from slipstream.pipeline.health import count_restart, death_of
 from slipstream.pipeline.launcher import Launcher, Parts
-from slipstream.pipeline.types import ServerHealth
 from slipstream.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -73,34 +73,22 @@ class JudgeWatch:
             log.info("judge server %d is back at %s", index, url)
 
     def _check(self, index: int) -> None:
-        host = self.parts.judge_hosts[index]
-        try:
-            health: ServerHealth = self.cluster.get(self.cluster.call(host, "health"), CALL_TIMEOUT_S)
-        except ActorDied:
-            self._died(index, "its host actor died", replace_host=True)
-            return
-        if not health.alive:
-            self._died(index, f"its process exited with code {health.returncode}")
-        elif health.healthy:
-            self._unhealthy.pop(index, None)
-        else:
-            self._unhealthy[index] = self._unhealthy.get(index, 0) + 1
-            if self._unhealthy[index] >= self.cfg.cluster.unhealthy_checks:
-                self._died(index, f"/health failed {self._unhealthy[index]} checks in a row")
+        limit = self.cfg.cluster.unhealthy_checks
+        death = death_of(self.cluster, self.parts.judge_hosts[index], self._unhealthy, index, limit)
+        if death is not None:
+            self._died(index, death[0], replace_host=death[1])
 
     def _died(self, index: int, reason: str, *, replace_host: bool = False) -> None:
-        c = self.cfg.cluster
         url, key = self.parts.judge_urls[index], f"judge-{index}"
-        count = self.restarts.get(key, 0)
-        if not c.restart_servers or count >= c.max_restarts:
-            tail = "" if replace_host else self._ask(self.parts.judge_hosts[index], "log_tail", what=key)
-            why = "cluster.restart_servers is off" if count == 0 else "cluster.max_restarts used up"
-            raise PartFailed(
-                f"judge server {index} ({url}) died: {reason}; not restarted ({why}). Its last output:\n{tail}"
-            )
-        log.warning("judge server %d (%s) died: %s; restarting it (%d/%d)", index, url, reason, count + 1,
-                    c.max_restarts)  # fmt: skip
-        self.restarts[key] = count + 1
+
+        def last_output() -> str:
+            return "" if replace_host else self._ask(self.parts.judge_hosts[index], "log_tail", what=key)
+
+        count = count_restart(
+            self.cfg.cluster, self.restarts, key, f"judge server {index} ({url})", reason, last_output
+        )
+        log.warning("judge server %d (%s) died: %s; restarting it (%d/%d)", index, url, reason, count,
+                    self.cfg.cluster.max_restarts)  # fmt: skip
         self._unhealthy.pop(index, None)
         self._restarting[index] = None  # out of the reward service's URLs from now on
         self._hand_over()

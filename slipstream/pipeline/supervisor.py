@@ -40,16 +40,16 @@ from slipstream.config import Config
 from slipstream.pipeline import checkpoint as ckpt
 from slipstream.pipeline.cluster import (
     CALL_TIMEOUT_S,
-    ActorDied,
     Cluster,
     PartFailed,
     ask,
     call_ranks,
     lost_note,
 )
+from slipstream.pipeline.health import count_restart, death_of
 from slipstream.pipeline.judges import JudgeWatch
 from slipstream.pipeline.launcher import Launcher, Parts
-from slipstream.pipeline.types import PushReport, RolloutStatus, ServerHealth
+from slipstream.pipeline.types import PushReport, RolloutStatus
 from slipstream.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -128,35 +128,22 @@ class Supervisor:
             raise PartFailed("the queue server's loop stopped (see the Ray logs of QueueServerActor)")
 
     def _check_server(self, index: int) -> None:
-        try:
-            health: ServerHealth = self.cluster.get(self.cluster.call(self.parts.hosts[index], "health"),
-                                                    CALL_TIMEOUT_S)  # fmt: skip
-        except ActorDied:
-            self._server_died(index, "its host actor died", replace_host=True)
-            return
-        if not health.alive:
-            self._server_died(index, f"its process exited with code {health.returncode}")
-        elif health.healthy:
-            self._unhealthy.pop(index, None)
-        else:
-            self._unhealthy[index] = self._unhealthy.get(index, 0) + 1
-            if self._unhealthy[index] >= self.cfg.cluster.unhealthy_checks:
-                self._server_died(index, f"/health failed {self._unhealthy[index]} checks in a row")
+        limit = self.cfg.cluster.unhealthy_checks
+        death = death_of(self.cluster, self.parts.hosts[index], self._unhealthy, index, limit)
+        if death is not None:
+            self._server_died(index, death[0], replace_host=death[1])
 
     # ------------------------------------------------------------------ server restarts
     def _server_died(self, index: int, reason: str, *, replace_host: bool = False) -> None:
-        c = self.cfg.cluster
         url, key = self.parts.urls[index], f"server-{index}"
-        count = self.restarts.get(key, 0)
-        if not c.restart_servers or count >= c.max_restarts:
-            tail = "" if replace_host else self._ask(self.parts.hosts[index], "log_tail", what=key)
-            why = "cluster.restart_servers is off" if count == 0 else "cluster.max_restarts used up"
-            raise PartFailed(
-                f"inference server {index} ({url}) died: {reason}; not restarted ({why}). Its last output:\n{tail}"
-            )
-        log.warning("inference server %d (%s) died: %s; restarting it (%d/%d)", index, url, reason, count + 1,
-                    c.max_restarts)  # fmt: skip
-        self.restarts[key] = count + 1
+
+        def last_output() -> str:
+            return "" if replace_host else self._ask(self.parts.hosts[index], "log_tail", what=key)
+
+        what = f"inference server {index} ({url})"
+        count = count_restart(self.cfg.cluster, self.restarts, key, what, reason, last_output)
+        log.warning("inference server %d (%s) died: %s; restarting it (%d/%d)", index, url, reason, count,
+                    self.cfg.cluster.max_restarts)  # fmt: skip
         self._unhealthy.pop(index, None)
         self._ask(self.parts.rollouter, "remove_server", url, what="rollouter")
         self._ask(self.parts.ranks[0], "remove_server", url, what="trainer rank 0")
