@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from slipstream.serverapi.sglang import SGLANG, SGLangAPI, post
-from slipstream.serverapi.spec import PauseMode, WeightUpdate
+from slipstream.serverapi.sglang import SGLANG, SGLangAPI
+from slipstream.serverapi.spec import PauseMode
 
 _ABORT = PauseMode("abort", in_flight="abort", new_requests="held")
 _IN_PLACE = PauseMode("in_place", in_flight="keep", new_requests="held")
@@ -31,12 +31,8 @@ EMBEDDED: SGLangAPI = dataclasses.replace(
     dist="",
     version="",
     pause_modes={"abort": _ABORT, "in_place": _IN_PLACE, "retract": _ABORT},
-    weights=WeightUpdate(
-        init_group=post("/init_weights_update_group"),
-        destroy_group=post("/destroy_weights_update_group"),
-        begin=post("/begin_weight_update"),
-        update=post("/update_weights_from_distributed"),
-        end=post("/end_weight_update"),
+    weights=dataclasses.replace(
+        SGLANG.weights,
         pause="at_end",
         ranks=None,  # one receiver per server, whatever its devices
         stream_prepare="/weightsync/{stream}/prepare",
