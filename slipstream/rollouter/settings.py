@@ -4,7 +4,7 @@ The rollouter owns the sections of what it runs (``rollout``: servers and sampli
 ``reward``, ``eval``) and the shared ``model``; from other roles it needs the admission budget (the
 ``async`` knobs and ``trainer.batch_groups``), the queue's put timeout and how the pipeline watches servers.
 :func:`from_root` is the one place that maps root keys to the rollouter, so which keys reach it is visible
-here and tested (tests/rollouter/test_settings.py), and the pipeline hands the rollouter's actor this
+here and tested (tests/rollouter/test_rollouter_settings.py), and the pipeline hands the rollouter's actor this
 struct (msgspec Structs travel through Ray), never the whole config.
 
 Worked example::

@@ -3,7 +3,7 @@
 The root :class:`~slipstream.config.Config` holds every role's section; a trainer rank needs only
 ``trainer``, ``model`` and ``run``, the weight-sync section of the publisher its rank 0 owns, and five values
 that other roles' sections decide. :func:`from_root` is the one place that maps root keys to a trainer, so
-which keys reach it is visible here and tested (tests/trainer/test_settings.py), and the pipeline hands each
+which keys reach it is visible here and tested (tests/trainer/test_trainer_settings.py), and the pipeline hands each
 rank this struct (msgspec Structs travel through Ray), never the whole config.
 
 Worked example::
