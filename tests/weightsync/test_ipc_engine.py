@@ -178,7 +178,10 @@ def test_a_sender_killed_mid_sync_leaves_receivers_on_the_old_version_with_nothi
             if version == 1:
                 assert all(r["ok"] and r["version"] == 1 for r in replies)
         assert all(not r["ok"] and r["version"] == 1 for r in replies), replies
-        assert all("went away" in r["error"] for r in replies)
+        # Usually "... went away (its connection ended)"; a sender killed in the middle of a message can also
+        # end the stream inside one (a decode error or a buffer without its descriptor): any failure will do,
+        # what matters is the version, the digest and the mappings below.
+        assert all(r["error"] for r in replies), replies
         assert all(r["digest"] == digest(mixed_tensors(1)) for r in replies)
         sender.join(timeout=30)
         assert sender.exitcode == 1
