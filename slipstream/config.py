@@ -52,6 +52,12 @@ __all__ = [
 Mode = Literal["sync", "one_step_off", "fully_async"]
 
 
+def versions_behind(trainer_step: int, min_version: int, sync_every: int) -> int:
+    """Weight versions (pushes, one every ``sync_every`` steps) between tokens stamped ``min_version`` and the
+    trainer at ``trainer_step``: the staleness every cap and metric counts."""
+    return max(0, trainer_step - min_version) // sync_every
+
+
 class AsyncConfig(ConfigStruct):
     """The knobs users tune to trade freshness for throughput (design.md §3, docs/tuning.md).
 
@@ -120,7 +126,7 @@ class AsyncConfig(ConfigStruct):
     def staleness(self, trainer_step: int, min_version: int) -> int:
         """Weight versions (pushes) between the oldest token of a group and the trainer at ``trainer_step``:
         tokens stamped with step 8 are 0 versions old at steps 8-11 and 1 at step 12 when sync_every is 4."""
-        return max(0, trainer_step - min_version) // self.sync_every
+        return versions_behind(trainer_step, min_version, self.sync_every)
 
 
 class RunConfig(ConfigStruct):

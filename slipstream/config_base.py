@@ -70,3 +70,27 @@ def _allows_infinity(tp: Any) -> bool:
         opted = any(isinstance(m, msgspec.Meta) and (m.extra or {}).get(ALLOW_INF) for m in metas)
         return opted or _allows_infinity(base)
     return any(_allows_infinity(arg) for arg in get_args(tp))
+
+
+def value_at(root: msgspec.Struct, key: str) -> Any:
+    """The value at dotted ``key`` of a config tree, spelled as users write it (``async.sync_every``)."""
+    value: Any = root
+    for part in key.split("."):
+        names = {f.encode_name: f.name for f in msgspec.structs.fields(type(value))}
+        value = getattr(value, names[part])
+    return value
+
+
+def settings_from_root(cls: type[msgspec.Struct], root: msgspec.Struct, root_keys: dict[str, str]) -> Any:
+    """A role's settings struct ``cls`` from the root config: each field that names a root section takes that
+    section whole, each field in ``root_keys`` the value at its dotted root key (the one mapping, read by the
+    settings tests too)."""
+    sections = {f.name for f in msgspec.structs.fields(type(root))}
+    values = {}
+    for field in msgspec.structs.fields(cls):
+        values[field.name] = (
+            value_at(root, root_keys[field.name]) if field.name in root_keys else getattr(root, field.name)
+        )
+        if field.name not in root_keys and field.name not in sections:
+            raise TypeError(f"{cls.__name__}.{field.name}: neither a root section nor in its ROOT_KEYS")
+    return cls(**values)

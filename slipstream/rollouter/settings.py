@@ -23,6 +23,7 @@ from msgspec import Meta
 
 from slipstream.agents.config import AgentConfig, DataConfig, RewardConfig
 from slipstream.config import Config, ModelConfig
+from slipstream.config_base import settings_from_root
 from slipstream.rollouter.config import EvalConfig, RolloutConfig
 
 # Root key of every field that is not a whole section; from_root reads exactly these.
@@ -69,23 +70,5 @@ class RollouterSettings(msgspec.Struct, kw_only=True):
 
 
 def from_root(cfg: Config) -> RollouterSettings:
-    """The rollouter's settings from the root config: every root key the rollouter reads is named here."""
-    knobs = cfg.async_
-    return RollouterSettings(
-        rollout=cfg.rollout,
-        data=cfg.data,
-        agent=cfg.agent,
-        reward=cfg.reward,
-        eval_=cfg.eval_,
-        model=cfg.model,
-        seed=cfg.run.seed,
-        mode=knobs.mode,
-        staleness_threshold=knobs.staleness_threshold,
-        sync_every=knobs.sync_every,
-        stale_policy=knobs.stale_policy,
-        max_stale_drops=knobs.max_stale_drops,
-        batch_groups=cfg.trainer.batch_groups,
-        put_timeout_s=cfg.queue.put_timeout_s,
-        restart_servers=cfg.cluster.restart_servers,
-        health_interval_s=cfg.cluster.health_interval_s,
-    )
+    """The rollouter's settings from the root config: its sections whole, every other value from its ROOT_KEYS key."""
+    return settings_from_root(RollouterSettings, cfg, ROOT_KEYS)

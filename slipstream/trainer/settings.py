@@ -22,7 +22,8 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from slipstream.config import Config, ModelConfig, RunConfig
+from slipstream.config import Config, ModelConfig, RunConfig, versions_behind
+from slipstream.config_base import settings_from_root
 from slipstream.trainer.config import TrainerConfig
 from slipstream.weightsync.config import WeightSyncConfig
 
@@ -65,22 +66,9 @@ class TrainerSettings(msgspec.Struct, kw_only=True):
 
     def staleness(self, trainer_step: int, min_version: int) -> int:
         """Weight versions (pushes) between a group's oldest token and the trainer at ``trainer_step``."""
-        return max(0, trainer_step - min_version) // self.sync_every
+        return versions_behind(trainer_step, min_version, self.sync_every)
 
 
 def from_root(cfg: Config) -> TrainerSettings:
-    """The trainer's settings from the root config: every root key a trainer reads is named here."""
-    sampling = cfg.rollout.sampling
-    return TrainerSettings(
-        trainer=cfg.trainer,
-        model=cfg.model,
-        run=cfg.run,
-        weightsync=cfg.weightsync,
-        sampling_temperature=sampling.temperature,
-        loss_scale_tokens=sampling.max_new_tokens,
-        max_staleness=cfg.async_.max_staleness,
-        stale_policy=cfg.async_.stale_policy,
-        sync_every=cfg.async_.sync_every,
-        server_kind=cfg.rollout.backend,
-        checkpoint_every=cfg.trainer.checkpoint_every,
-    )
+    """The trainer's settings from the root config: its sections whole, every other value from its ROOT_KEYS key."""
+    return settings_from_root(TrainerSettings, cfg, ROOT_KEYS)
