@@ -2,9 +2,10 @@
 
 Everything but the model is real: a queue server process, the rollouter (staleness gate, load balancer over
 one :class:`~slipstream.rollouter.clients.sglang.SGLangClient` per server, partial-rollout resumption,
-reward scoring, puts) in this process, and ``--consumers`` simulated trainers in a child process that lease
-batches and ack them at once (real queue clients) while their rank 0 pushes weights through the real
-:class:`~slipstream.weightsync.publisher.WeightPublisher`, as trainer rank 0 does in a run. The
+reward scoring, puts) in this process, ``--consumers`` simulated trainers in a child process that lease
+batches and ack them at once (real queue clients), and trainer rank 0's push in another child process, the
+real :class:`~slipstream.weightsync.publisher.WeightPublisher` pushing a version every ``batch_groups``
+acked groups (its own process: a trainer rank acks and then pushes, never both at once). The
 inference servers are :mod:`slipstream.testing_servers`: real HTTP servers speaking the SGLang-style API,
 ``--servers-per-proc`` of them per child process, decoding on a clock at ``--tokens-per-s`` per request
 with log-normal response lengths (median ``--median-tokens``, sigma 0.6, capped at ``--max-new-tokens``).
@@ -17,8 +18,8 @@ Per server count N, a fresh set of processes runs ``--warmup-s`` then ``--second
   ``ping_p99_us`` is a bare ping from the trainers' process every 10 ms, the queue server's own latency;
 * ``fanout_s``: median wall time of a weight push to all N servers with no data plane: the publisher runs
   its adapters' whole control sequence (``/begin_weight_update``, one ``/update_weights_from_distributed``
-  per bucket, ``/pause_generation``, ``/end_weight_update``, ``/continue_generation``) over a link that
-  sends no bytes. The trainers' acks drive the pushes: every ``batch_groups`` acked groups is one version;
+  per bucket, ``/end_weight_update`` with ``abort_running``, which pauses around the switch) over a link
+  that sends no bytes. The trainers' acks drive the pushes: every ``batch_groups`` acked groups is one version;
   with ``async.partial_rollout = abort`` every push aborts what is in flight and the rollouter resumes it;
   ``fanout_idle_s``: the same push before generation starts (median of three), the fan-out on its own;
 * ``controller_cpu``: CPU seconds of the rollouter process (with its reward workers) and of the queue
@@ -108,24 +109,16 @@ def _emit(record: dict) -> None:
 
 
 async def _trainers(address: str, consumers: int, lease_groups: int) -> None:
-    """The trainers' process: ``consumers`` queue clients lease ``lease_groups`` and ack at once; rank 0's
-    publisher pushes a version (control only) every ``batch_groups`` acked groups, as a trainer with
-    ``sync_every`` 1 does; a pinger. Reads its setup as one JSON line on stdin; stops when stdin closes."""
-    import torch
-
+    """The trainers' process: ``consumers`` queue clients lease ``lease_groups`` and ack at once, and a
+    pinger; every ack is reported on stdout (the controller has the publisher push a version every
+    ``batch_groups`` acked groups). Stops when stdin closes."""
     from slipstream.queue.client import AsyncQueueClient
 
     loop = asyncio.get_running_loop()
-    setup = json.loads(await loop.run_in_executor(None, sys.stdin.readline))
-    publisher = _control_only_publisher(setup["urls"], setup["pause_mode"])
-    tensors = [(f"layer{i}.weight", torch.zeros(4)) for i in range(setup["buckets"])]
-    batch_groups = setup["batch_groups"]
     clients = [AsyncQueueClient(address) for _ in range(consumers + 1)]
     acks: list[tuple[float, float]] = []
     pings: list[tuple[float, float]] = []
     stop = asyncio.Event()
-    more = asyncio.Event()
-    state = {"acked": 0, "version": 0}
 
     async def trainer(client: AsyncQueueClient) -> None:
         while not stop.is_set():
@@ -136,24 +129,7 @@ async def _trainers(address: str, consumers: int, lease_groups: int) -> None:
             await client.ack(lease)
             t1 = time.perf_counter()
             acks.append((t1, t1 - t0))
-            state["acked"] += len(lease.groups)
-            more.set()
             _emit({"acked": len(lease.groups)})
-
-    async def pusher() -> None:
-        while not stop.is_set():
-            await more.wait()
-            more.clear()
-            while state["acked"] >= (state["version"] + 1) * batch_groups and not stop.is_set():
-                version = state["version"] + 1
-                t0 = time.perf_counter()
-                report = await asyncio.to_thread(publisher.publish, version, list(tensors))
-                t1 = time.perf_counter()
-                state["version"] = version
-                failed = next(iter(report.failed.values()), "")
-                _emit(
-                    {"version": version, "t": t1, "push_s": t1 - t0, "ok": len(report.ok), "failed": failed}
-                )
 
     async def pinger(client: AsyncQueueClient) -> None:
         while not stop.is_set():
@@ -165,22 +141,45 @@ async def _trainers(address: str, consumers: int, lease_groups: int) -> None:
 
     for client in clients:
         await client.ping()  # connected (and imports done) before the controller starts its clock
-    idle = []  # pushes before any generation (version 0 again: the servers' version does not move)
-    for _ in range(3):
-        t0 = time.perf_counter()
-        await asyncio.to_thread(publisher.publish, 0, list(tensors))
-        idle.append(time.perf_counter() - t0)
-    _emit({"ready": True, "idle_push_s": sorted(idle)[1]})
+    _emit({"ready": True})
     tasks = [asyncio.create_task(trainer(c)) for c in clients[:-1]]
-    tasks += [asyncio.create_task(pinger(clients[-1])), asyncio.create_task(pusher())]
+    tasks.append(asyncio.create_task(pinger(clients[-1])))
     await loop.run_in_executor(None, sys.stdin.read)
     stop.set()
-    more.set()
     await asyncio.gather(*tasks, return_exceptions=True)
     for client in clients:
         await client.close()
-    await asyncio.to_thread(publisher.close)
     _emit({"acks": acks, "pings": pings})
+
+
+def _publisher() -> None:
+    """Trainer rank 0's push, in a process of its own: reads its setup as one JSON line on stdin, pushes
+    three versions before generation starts (``idle_push_s``), then one version per ``{"version"}`` line,
+    reporting each; stops when stdin closes.
+
+    Not in the trainers' process: a trainer rank acks its batch and then pushes, one after the other, so
+    its queue requests never wait for a push's thread; sharing one process here would time the GIL."""
+    import torch
+
+    setup = json.loads(sys.stdin.readline())
+    publisher = _control_only_publisher(setup["urls"], setup["pause_mode"])
+    tensors = [(f"layer{i}.weight", torch.zeros(4)) for i in range(setup["buckets"])]
+    try:
+        idle = []  # version 0 again: the servers' version does not move
+        for _ in range(3):
+            t0 = time.perf_counter()
+            publisher.publish(0, list(tensors))
+            idle.append(time.perf_counter() - t0)
+        _emit({"ready": True, "idle_push_s": sorted(idle)[1]})
+        for line in sys.stdin:
+            version = int(json.loads(line)["version"])
+            t0 = time.perf_counter()
+            report = publisher.publish(version, list(tensors))
+            t1 = time.perf_counter()
+            failed = next(iter(report.failed.values()), "")
+            _emit({"version": version, "t": t1, "push_s": t1 - t0, "ok": len(report.ok), "failed": failed})
+    finally:
+        publisher.close()
 
 
 # ---------------------------------------------------------------------------------------- controller side
@@ -328,26 +327,40 @@ async def _finish_child(proc: asyncio.subprocess.Process) -> dict:
 
 
 class _Versions:
-    """What the trainers' process reports: acked groups, and each pushed version (opens the gate)."""
+    """Acked groups from the trainers' process; a push asked of the publisher's every ``batch_groups`` of
+    them (one at a time, as a trainer with ``sync_every`` 1 pushes after each batch); each pushed version
+    opens the rollouter's gate."""
 
-    def __init__(self, rollouter: Any) -> None:
+    def __init__(self, rollouter: Any, publisher: asyncio.subprocess.Process, batch_groups: int) -> None:
         self.rollouter = rollouter
+        self.publisher = publisher
+        self.batch_groups = batch_groups
         self.acked = 0
+        self.asked = 0  # the last version asked for
         self.pushes: list[tuple[float, float, int]] = []  # (end time, seconds, servers reached)
 
-    async def follow(self, proc: asyncio.subprocess.Process) -> None:
+    def _ask(self) -> None:
+        if len(self.pushes) == self.asked and self.acked >= (self.asked + 1) * self.batch_groups:
+            self.asked += 1
+            self.publisher.stdin.write((json.dumps({"version": self.asked}) + "\n").encode())
+
+    async def follow_trainers(self, proc: asyncio.subprocess.Process) -> None:
         while line := await proc.stdout.readline():
             record = json.loads(line)
-            if "acked" in record:
-                self.acked += int(record["acked"])
-            elif "version" in record:
-                self.pushes.append((record["t"], record["push_s"], record["ok"]))
-                if record["failed"]:
-                    _log(f"push {record['version']} failed on some servers: {record['failed']}")
-                self.rollouter.set_version(int(record["version"]))
-            else:
+            if "acked" not in record:
                 self.final = record
                 return
+            self.acked += int(record["acked"])
+            self._ask()
+
+    async def follow_publisher(self) -> None:
+        while line := await self.publisher.stdout.readline():
+            record = json.loads(line)
+            self.pushes.append((record["t"], record["push_s"], record["ok"]))
+            if record["failed"]:
+                _log(f"push {record['version']} failed on some servers: {record['failed']}")
+            self.rollouter.set_version(int(record["version"]))
+            self._ask()
 
 
 async def _row(n: int, args: argparse.Namespace, tokenizer: Any) -> dict[str, Any]:
@@ -361,32 +374,38 @@ async def _row(n: int, args: argparse.Namespace, tokenizer: Any) -> dict[str, An
     cfg = _config(n, args)
     handle = start_queue_server(QueueConfig(num_storage_units=2, shm_bytes_per_unit=32 << 20))
     sims: list[asyncio.subprocess.Process] = []
-    trainers = None
+    trainers = publisher = None
     try:
         sims, urls = await _start_servers(n, args)
         lease_groups = max(1, cfg.trainer.batch_groups // args.consumers)
+        publisher = await _spawn("-m", "slipstream.bench_scale", "--role", "publisher")
+        setup = {
+            "urls": urls,
+            "buckets": args.buckets,
+            "pause_mode": "in_place" if args.partial_rollout == "in_place" else "abort",
+        }
+        publisher.stdin.write((json.dumps(setup) + "\n").encode())
+        ready = await publisher.stdout.readline()
+        if not ready:
+            raise RuntimeError("the publisher's process exited before it was ready")
+        idle_push_s = json.loads(ready)["idle_push_s"]
         trainers = await _spawn(
             "-m", "slipstream.bench_scale", "--role", "trainers", "--address", handle.address,
             "--consumers", str(args.consumers), "--lease-groups", str(lease_groups),
         )  # fmt: skip
-        setup = {
-            "urls": urls,
-            "batch_groups": cfg.trainer.batch_groups,
-            "buckets": args.buckets,
-            "pause_mode": "in_place" if args.partial_rollout == "in_place" else "abort",
-        }
-        trainers.stdin.write((json.dumps(setup) + "\n").encode())
-        ready = await trainers.stdout.readline()
-        if not ready:
+        if not await trainers.stdout.readline():
             raise RuntimeError("the trainers' process exited before it was ready")
-        idle_push_s = json.loads(ready)["idle_push_s"]
         queue = _TimedQueue(AsyncQueueClient(handle.address))
         balancer = balancer_from_config(cfg.rollout, urls)
         rollouter = Rollouter(from_root(cfg), balancer, queue, tokenizer, _prompts())
-        foreign = {handle.proc.pid, trainers.pid, *(p.pid for p in sims)}
+        foreign = {handle.proc.pid, trainers.pid, publisher.pid, *(p.pid for p in sims)}
         usage = _Usage(handle.proc.pid, foreign)
-        pusher = _Versions(rollouter)
-        tasks = [asyncio.create_task(rollouter.run()), asyncio.create_task(pusher.follow(trainers))]
+        pusher = _Versions(rollouter, publisher, cfg.trainer.batch_groups)
+        tasks = [
+            asyncio.create_task(rollouter.run()),
+            asyncio.create_task(pusher.follow_trainers(trainers)),
+            asyncio.create_task(pusher.follow_publisher()),
+        ]
         profiler = None
         try:
             await _sleep_sampling(args.warmup_s, usage, tasks)
@@ -412,9 +431,13 @@ async def _row(n: int, args: argparse.Namespace, tokenizer: Any) -> dict[str, An
             await queue.client.close()
         done = await _finish_child(trainers)
         trainers = None
+        publisher.stdin.close()
+        await publisher.wait()
+        publisher = None
     finally:
-        if trainers is not None:
-            trainers.kill()
+        for child in (trainers, publisher):
+            if child is not None:
+                child.kill()
         counts = [await _finish_child(p) for p in sims]
         handle.stop()
     wall = t1 - t0
@@ -515,6 +538,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.role == "trainers":
         asyncio.run(_trainers(args.address, args.consumers, args.lease_groups))
+        return 0
+    if args.role == "publisher":
+        _publisher()
         return 0
     result = run(args)
     if args.json:

@@ -16,7 +16,8 @@ no CPU machine could serve with real models: ``slipstream bench scale`` runs 8 t
 ``POST /continue_generation``      unfreeze and let held requests start
 ``GET /health``, ``/model_info``   200; ``weight_version`` as a string, as SGLang sends it
 weight-update routes               ``/begin_weight_update``, ``/update_weights_from_distributed``,
-                                   ``/end_weight_update`` (switches the version: later tokens carry it),
+                                   ``/end_weight_update`` (switches the version: later tokens carry it;
+                                   ``abort_running`` aborts what runs first),
                                    ``/init_weights_update_group``, ``/destroy_weights_update_group``:
                                    control only, no weight bytes are received
 =================================  =====================================================================
@@ -267,6 +268,10 @@ class SimServer:
 
     def end_update(self, data: dict) -> dict:
         version = int(data.get("weight_version", self.staged if self.staged is not None else self.version))
+        if data.get("abort_running"):  # the pause around the switch, taken and lifted here
+            self.counts["pause"] += 1
+            for req in list(self.requests.values()):
+                req.finish("abort")
         now = asyncio.get_running_loop().time()
         for req in self.requests.values():
             made = req.made(now)

@@ -7,7 +7,8 @@ It speaks SGLang's routes and bodies (``rollouter/embedded/app.py``), so it shar
   maps to ``abort``, as for vLLM;
 * a version is staged while generation goes on (``pause="at_end"``): no pause before
   ``/begin_weight_update``, and a pause only around ``/end_weight_update`` when running requests must
-  be aborted at the switch;
+  be aborted at the switch, which ``/end_weight_update {abort_running: true}`` does itself
+  (``end_aborts``: one call instead of pause, end and continue);
 * the version may travel in-band instead of per-bucket calls: ``/weightsync/{nixl,ipc}/prepare`` then
   ``/connect``, after ``/begin_weight_update {stream}``.
 
@@ -37,5 +38,6 @@ EMBEDDED: SGLangAPI = dataclasses.replace(
         ranks=None,  # one receiver per server, whatever its devices
         stream_prepare="/weightsync/{stream}/prepare",
         stream_connect="/weightsync/{stream}/connect",
+        end_aborts=True,
     ),
 )

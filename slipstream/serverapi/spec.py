@@ -88,7 +88,9 @@ class WeightUpdate:
     not keep running requests (our embedded server). ``ranks`` asks how many group ranks the server
     takes (None: one); ``init_group``/``destroy_group`` join and leave the trainer's group.
     ``stream_prepare``/``stream_connect`` (paths with ``{stream}``, e.g. ``nixl``) open an in-band stream
-    instead of per-bucket calls, where the server has one.
+    instead of per-bucket calls, where the server has one. ``end_aborts``: ``end`` takes
+    ``abort_running: true`` and does the pause around the switch itself (aborts what runs, holds new
+    requests, switches, resumes): one call per server where ``at_end`` would otherwise send three.
     """
 
     init_group: Endpoint
@@ -100,6 +102,7 @@ class WeightUpdate:
     ranks: Endpoint | None = None
     stream_prepare: str = ""
     stream_connect: str = ""
+    end_aborts: bool = False
 
     def endpoints(self) -> list[Endpoint]:
         eps = [self.init_group, self.destroy_group, self.begin, self.update, self.end]

@@ -22,8 +22,9 @@ rollouter's clients use. What stays here is each request's body. The sequences (
   {weight_version}`` → ``/resume``. Group: ``/init_weight_transfer_engine`` with an NCCL unique id we mint
   (the torch-free rendezvous; no pickled store objects), ``packed: true`` and our bucket size.
 * ``embedded`` (ours): SGLang's sequence, except that it stages: no pause before the transfer (it keeps
-  generating), exact bucket layout in ``slipstream_bucket`` (chunks, mixed dtypes), and a pause only around
-  ``/end_weight_update`` when in-flight requests must be aborted. With ``backend: nixl`` the version travels
+  generating), exact bucket layout in ``slipstream_bucket`` (chunks, mixed dtypes), and no pause or
+  continue call at all: when in-flight requests must be aborted, ``/end_weight_update {abort_running:
+  true}`` aborts them under a pause the server takes and lifts itself. With ``backend: nixl`` the version travels
   in-band (``/begin_weight_update {stream: "nixl"}``) and the per-bucket calls disappear.
 
 To add a server kind: describe its API in ``slipstream.serverapi``, subclass :class:`ServerAdapter` with
@@ -35,10 +36,10 @@ from __future__ import annotations
 import contextlib
 from typing import Any, ClassVar
 
-import httpx
 import msgspec
 
 from slipstream.serverapi import EMBEDDED, SGLANG, VLLM, Call, Endpoint, PauseMode, ServerAPI, ServerControl
+from slipstream.utils.http_client import HTTPClient, HTTPClientError
 from slipstream.utils.logging import get_logger
 from slipstream.utils.registry import Registry
 from slipstream.weightsync.base import resolve_device
@@ -81,7 +82,7 @@ class ServerAdapter:
     api: ClassVar[ServerAPI]
     transport: ClassVar[str] = "dist"
 
-    def __init__(self, url: str, cfg: WeightSyncConfig, http: httpx.AsyncClient) -> None:
+    def __init__(self, url: str, cfg: WeightSyncConfig, http: HTTPClient) -> None:
         self.url = url.rstrip("/")
         self.cfg = cfg
         self.http = http
@@ -119,6 +120,9 @@ class ServerAdapter:
         only when running requests must be aborted at the switch (a pause mode that keeps them needs none).
         """
         at_end = self.api.weights.pause == "at_end"
+        if at_end and not self.mode.keeps_requests and self.api.weights.end_aborts:
+            await self.end(version, abort_running=True)  # the server pauses around the switch itself
+            return
         if at_end and not self.mode.keeps_requests:
             await self.control.pause(self.cfg.pause_mode)
         try:
@@ -132,7 +136,8 @@ class ServerAdapter:
     def begin_body(self, version: int) -> dict:
         return {}
 
-    async def end(self, version: int) -> None:
+    async def end(self, version: int, *, abort_running: bool = False) -> None:
+        """Switch to the staged version (``abort_running`` only where ``api.weights.end_aborts``)."""
         await self.request(self.api.weights.end, json={})
 
     async def recover(self, version: int) -> None:
@@ -143,7 +148,7 @@ class ServerAdapter:
             resp = await self.http.get(
                 f"{self.url}{self.api.health.path}", timeout=min(5.0, self.cfg.timeout_s)
             )
-        except httpx.HTTPError:
+        except HTTPClientError:
             return False
         return resp.status_code == 200
 
@@ -153,8 +158,8 @@ class ServerAdapter:
             resp = await self.http.request(
                 method, f"{self.url}{path}", json=json, params=params, timeout=self.cfg.timeout_s
             )
-        except httpx.HTTPError as err:
-            raise TransferError(f"{self.url}{path}: {type(err).__name__}: {err}") from err
+        except HTTPClientError as err:
+            raise TransferError(f"{self.url}{path}: {err}") from err
         try:
             body = resp.json()
         except ValueError:
@@ -245,7 +250,7 @@ class EmbeddedAdapter(SGLangAdapter):
 
     api = EMBEDDED
 
-    def __init__(self, url: str, cfg: WeightSyncConfig, http: httpx.AsyncClient) -> None:
+    def __init__(self, url: str, cfg: WeightSyncConfig, http: HTTPClient) -> None:
         super().__init__(url, cfg, http)
         self.transport = "nixl" if cfg.backend == "nixl" else "dist"  # type: ignore[misc]
 
@@ -275,8 +280,11 @@ class EmbeddedAdapter(SGLangAdapter):
             body["slipstream_bucket"] = msgspec.to_builtins(meta)
         return body
 
-    async def end(self, version: int) -> None:
-        await self.request(self.api.weights.end, json={"weight_version": version})
+    async def end(self, version: int, *, abort_running: bool = False) -> None:
+        body: dict[str, Any] = {"weight_version": version}
+        if abort_running:
+            body["abort_running"] = True
+        await self.request(self.api.weights.end, json=body)
 
     async def recover(self, version: int) -> None:
         if self.control.paused:  # only what this adapter paused, at the switch
@@ -290,7 +298,7 @@ class EmbeddedAdapter(SGLangAdapter):
         path = self.api.weights.stream_prepare.format(stream="nixl")
         try:
             resp = await self.http.post(f"{self.url}{path}", timeout=self.cfg.timeout_s)
-        except httpx.HTTPError as err:
+        except HTTPClientError as err:
             raise TransferError(f"{self.url}{path}: {err}") from err
         if resp.status_code != 200:
             raise TransferError(f"{self.url}{path}: HTTP {resp.status_code}: {resp.text[:300]}")
@@ -308,7 +316,7 @@ class VLLMAdapter(ServerAdapter):
     api = VLLM
     transport = "nccl_uid"
 
-    def __init__(self, url: str, cfg: WeightSyncConfig, http: httpx.AsyncClient) -> None:
+    def __init__(self, url: str, cfg: WeightSyncConfig, http: HTTPClient) -> None:
         super().__init__(url, cfg, http)
         self._session = False  # between a successful /start_weight_update and its /finish_weight_update
         self._loading = False  # an /update_weights of this session was sent: the layers may mix versions
@@ -349,7 +357,7 @@ class VLLMAdapter(ServerAdapter):
             self._loading = True
             await self.request(self.api.weights.update, json={"update_info": update_info})
 
-    async def end(self, version: int) -> None:
+    async def end(self, version: int, *, abort_running: bool = False) -> None:
         await self.request(self.api.weights.end, json={"weight_version": str(version)})
         self._session = False
 

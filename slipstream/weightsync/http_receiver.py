@@ -8,6 +8,7 @@ endpoints, so the trainer drives our embedded server and a real SGLang server wi
   ``/update_weights_from_distributed`` receive one broadcast (``load_format: flattened_bucket``: one flat
                                        bucket; otherwise one broadcast per tensor) into staging memory
   ``/end_weight_update``               apply the staged version at once through ``WeightTarget``
+                                       (``abort_running``: aborting what runs, under a pause of its own)
   ``/destroy_weights_update_group``    leave the group
 
 The difference from SGLang, and the reason this module exists: a version is *staged*. Broadcasts land in
@@ -67,6 +68,7 @@ from slipstream.weightsync.types import (
     InitInfo,
     InitWeightsUpdateGroupReq,
     NixlStreamReq,
+    PausableTarget,
     ReceiverStatus,
     UpdateWeightsFromDistributedReq,
     WeightTarget,
@@ -233,13 +235,21 @@ class WeightReceiver:
         if session is None:
             raise RequestError("no weight update in progress (call /begin_weight_update first)")
         version = parse_version(req.weight_version)
+        paused = False
         try:
+            if req.abort_running:
+                if not isinstance(self.target, PausableTarget):
+                    raise RequestError("this server cannot abort running requests at the switch")
+                await self.target.pause("abort")
+                paused = True
             return await self._apply(session, version)
         except Exception as err:
             self._fail(session, str(err) or type(err).__name__)  # no-op when already failed
             raise
         finally:
             self._end(session)  # applied or not, this version is over
+            if paused:
+                await self.target.resume()
 
     async def _apply(self, session: _Session, version: int | None) -> WeightUpdateResp:
         if session.stream_task is not None:

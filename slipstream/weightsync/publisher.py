@@ -32,11 +32,11 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 
-import httpx
 import msgspec
 import torch
 
-from slipstream.utils.http_auth import bearer_headers, env_token
+from slipstream.utils.http_auth import env_token
+from slipstream.utils.http_client import HTTPClient
 from slipstream.utils.logging import get_logger
 from slipstream.weightsync.adapters import ServerAdapter, get_adapter_class
 from slipstream.weightsync.base import SendStats, resolve_device, send_pipelined
@@ -121,10 +121,9 @@ class WeightPublisher:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="weight-publisher", daemon=True)
         self._thread.start()
-        # One HTTP client per server: a shared one scans its whole pool on every call (O(servers) per call,
-        # O(servers^2) per push) and, at httpx's default limits, queues calls past 100 connections and
-        # reconnects all but 20 servers at each push.
-        self._http: dict[str, httpx.AsyncClient] = {}
+        # One HTTP client per server: a shared pool is scanned whole on every call (O(servers) per call,
+        # O(servers^2) per push) and, at a pool's connection limit, queues calls and reconnects servers.
+        self._http: dict[str, HTTPClient] = {}
         for url in server_urls:
             self.servers[url.rstrip("/")] = self._adapter(url)
 
@@ -171,11 +170,8 @@ class WeightPublisher:
         old = self._http.pop(url, None)
         if old is not None:
             self._run(old.aclose())
-        self._http[url] = self._run(self._make_http())
+        self._http[url] = HTTPClient(token=self._token, timeout_s=self.cfg.timeout_s)
         return self._adapter_cls(url, self.cfg, self._http[url])
-
-    async def _make_http(self) -> httpx.AsyncClient:
-        return httpx.AsyncClient(timeout=self.cfg.timeout_s, headers=bearer_headers(self._token))
 
     async def _publish(self, version: int, named_tensors: Iterable) -> PublishReport:
         source: Iterable = self.snapshot.record(named_tensors, version) if self.snapshot else named_tensors

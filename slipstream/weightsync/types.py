@@ -45,6 +45,19 @@ class WeightTarget(Protocol):
         ...
 
 
+@runtime_checkable
+class PausableTarget(WeightTarget, Protocol):
+    """A target that can also pause generation itself (``/end_weight_update {abort_running: true}``)."""
+
+    async def pause(self, mode: str) -> None:
+        """Hold new requests; ``abort`` ends the running ones (they return their partial output)."""
+        ...
+
+    async def resume(self) -> None:
+        """Let held requests start."""
+        ...
+
+
 # ------------------------------------------------------------------------------------------ wire types
 #
 # Everything below travels between processes: msgspec Structs read by typed decoders, never pickle. Tensor
@@ -172,6 +185,9 @@ class UpdateWeightsFromDistributedReq(msgspec.Struct, kw_only=True):
 class EndWeightUpdateReq(msgspec.Struct, kw_only=True):
     # Extension: a receiver checks the staged version against it before applying.
     weight_version: str | int | None = None
+    # Extension: abort the running requests at the switch (they return their partial output with an
+    # ``abort`` finish) and hold new ones until it is done; the caller sends no pause and no continue.
+    abort_running: bool = False
 
 
 class WeightUpdateResp(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -8,11 +8,10 @@ import json
 import subprocess
 import sys
 
-import httpx
-
 from slipstream.agents.protocol import SamplingParams
 from slipstream.rollouter.clients import SGLangClient
 from slipstream.testing_servers import SimPool, SimProfile
+from slipstream.utils.http_client import HTTPClient
 from slipstream.weightsync.adapters import EmbeddedAdapter
 from slipstream.weightsync.config import WeightSyncConfig
 
@@ -76,7 +75,7 @@ def test_weight_update_switches_the_version_of_later_tokens():
 
     async def main():
         pool, client, url = await _pool(tokens_per_s=40, median_tokens=10_000, length_sigma=0.0)
-        http = httpx.AsyncClient()
+        http = HTTPClient()
         adapter = EmbeddedAdapter(url, WeightSyncConfig(device="cpu", pause_mode="in_place"), http)
         try:
             task = asyncio.create_task(client.generate([1], SamplingParams(max_new_tokens=10_000), rid="r"))
@@ -142,4 +141,5 @@ def test_control_only_push_reaches_many_servers_each_on_its_own_client():
     assert sorted(report.ok) == sorted(urls) and not report.failed
     assert {s.version for s in pool.servers} == {3}
     assert {s.counts["weight_updates"] for s in pool.servers} == {1}
+    assert {s.counts["pause"] for s in pool.servers} == {1}  # the abort at the switch, inside /end_weight_update
     assert len(clients) == 64 and left == 63

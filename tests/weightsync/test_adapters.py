@@ -17,9 +17,11 @@ import time
 import httpx
 import pytest
 import torch
+from aiohttp import web
 from fastapi import FastAPI, Request
 from wsync_helpers import digest, mixed_tensors, spawn
 
+from slipstream.utils.http_client import HTTPClient
 from slipstream.utils.net import free_port
 from slipstream.weightsync.adapters import EmbeddedAdapter, GroupSpec, SGLangAdapter, VLLMAdapter
 from slipstream.weightsync.buckets import BucketPacker, BufferPool, Layout, parse_dtype
@@ -213,7 +215,8 @@ def test_vllm_gets_init_pause_start_packed_updates_finish_resume(pause_mode, vll
     metas = metas_of(named, 3, Layout.vllm(1 << 20))
 
     async def drive():
-        async with httpx.AsyncClient() as http:
+        http = HTTPClient(timeout_s=10)
+        try:
             adapter = VLLMAdapter(f"http://127.0.0.1:{fake.port}", cfg, http)
             ranks = await adapter.ranks()
             spec = GroupSpec(master_address="", master_port=0, rank_offset=1, world_size=1 + ranks,
@@ -224,6 +227,8 @@ def test_vllm_gets_init_pause_start_packed_updates_finish_resume(pause_mode, vll
                 await adapter.update(meta)
             await adapter.after(3)
             await adapter.destroy_group("g")
+        finally:
+            await http.aclose()
 
     try:
         asyncio.run(drive())
@@ -252,7 +257,8 @@ def test_vllm_recovery_closes_the_update_session_and_resumes_only_whole_weights(
     metas = metas_of(mixed_tensors(3), 3, Layout.vllm(1 << 20))
 
     async def drive():
-        async with httpx.AsyncClient() as http:
+        http = HTTPClient(timeout_s=10)
+        try:
             adapter = VLLMAdapter(f"http://127.0.0.1:{fake.port}", cfg, http)
             await adapter.before(3)
             await adapter.recover(3)  # failed before any byte: the weights are whole
@@ -263,6 +269,8 @@ def test_vllm_recovery_closes_the_update_session_and_resumes_only_whole_weights(
             for meta in metas:
                 await adapter.update(meta)
             await adapter.after(3)
+        finally:
+            await http.aclose()
 
     try:
         asyncio.run(drive())
@@ -353,39 +361,52 @@ def test_unsupported_combinations_are_refused_by_name():
 
 
 def _control_calls(cls, pause_mode: str, fail_end: bool = False) -> list:
-    """The control requests an adapter sends for one version (``fail_end``: the switch fails)."""
+    """The control requests an adapter sends for one version (``fail_end``: the switch fails), as a
+    server on loopback receives them."""
     sent: list = []
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content) if request.content else None
-        sent.append((request.url.path, dict(request.url.params), body))
-        if fail_end and request.url.path == cls.api.weights.end.path:
-            return httpx.Response(500, json={"success": False, "message": "apply failed"})
-        return httpx.Response(200, json={"success": True})
+    async def handler(request: web.Request) -> web.Response:
+        body = await request.read()
+        sent.append((request.path, dict(request.query), json.loads(body) if body else None))
+        if fail_end and request.path == cls.api.weights.end.path:
+            return web.json_response({"success": False, "message": "apply failed"}, status=500)
+        return web.json_response({"success": True})
 
     async def drive():
-        cfg = WeightSyncConfig(device="cpu", pause_mode=pause_mode)
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
-            adapter = cls("http://server", cfg, http)
+        app = web.Application()
+        app.router.add_route("*", "/{path:.*}", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        http = HTTPClient(timeout_s=10)
+        try:
+            adapter = cls(
+                f"http://127.0.0.1:{port}", WeightSyncConfig(device="cpu", pause_mode=pause_mode), http
+            )
             await adapter.before(5)
             try:
                 await adapter.after(5)
             except TransferError:
                 await adapter.recover(5)
             return adapter.control.paused
+        finally:
+            await http.aclose()
+            await runner.cleanup()
 
     assert asyncio.run(drive()) is None  # nothing is left paused
     return sent
 
 
-def test_embedded_stages_while_generating_and_pauses_only_around_the_switch():
+def test_embedded_stages_while_generating_and_aborts_only_at_the_switch_in_one_call():
     begin = ("/begin_weight_update", {}, {"weight_version": 5})
     end = ("/end_weight_update", {}, {"weight_version": 5})
     assert _control_calls(EmbeddedAdapter, "in_place") == [begin, end]  # running requests keep going
-    pause, resume = ("/pause_generation", {}, {"mode": "abort"}), ("/continue_generation", {}, {})
-    assert _control_calls(EmbeddedAdapter, "abort") == [begin, pause, end, resume]
-    assert _control_calls(EmbeddedAdapter, "retract") == [begin, pause, end, resume]  # its nearest: abort
-    assert _control_calls(EmbeddedAdapter, "abort", fail_end=True) == [begin, pause, end, resume]
+    # the server pauses, aborts, switches and resumes inside the one call: no pause or continue is sent
+    end_aborting = ("/end_weight_update", {}, {"weight_version": 5, "abort_running": True})
+    assert _control_calls(EmbeddedAdapter, "abort") == [begin, end_aborting]
+    assert _control_calls(EmbeddedAdapter, "retract") == [begin, end_aborting]  # its nearest: abort
+    assert _control_calls(EmbeddedAdapter, "abort", fail_end=True) == [begin, end_aborting]
 
 
 def test_adapters_pause_with_the_same_requests_as_the_clients():

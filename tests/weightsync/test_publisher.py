@@ -220,6 +220,60 @@ def test_the_embedded_server_keeps_answering_while_a_version_arrives_and_then_se
         server.stop()
 
 
+def test_an_abort_at_the_switch_is_one_call_that_aborts_what_runs_and_leaves_the_server_serving(
+    tiny_model_path,
+):
+    """pause_mode abort on the embedded server: ``/end_weight_update {abort_running}`` ends the running
+    request (frozen by an operator's in-place pause, so that it cannot finish first) with its partial
+    output on the old version, switches, resumes, and the next request runs on the new version."""
+    from transformers import AutoModelForCausalLM
+
+    from slipstream.rollouter.config import EmbeddedServerConfig, RolloutConfig
+    from slipstream.rollouter.launch import launch_server
+
+    engine_cfg = EmbeddedServerConfig(num_threads=1, max_model_len=2048, kv_cache_tokens=8192, seed=0)
+    server = launch_server("embedded", tiny_model_path, cfg=RolloutConfig(embedded=engine_cfg))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    long = {"input_ids": [5, 77], "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}
+    answer: dict = {}
+
+    def ask() -> None:
+        answer.update(httpx.post(f"{server.url}/generate", json=long, timeout=300).json())
+
+    try:
+        server.wait_healthy(180)
+        pub = WeightPublisher(config(pause_mode="abort"), [server.url], "embedded")
+        asker = threading.Thread(target=ask)
+        try:
+            asker.start()
+            deadline = time.monotonic() + 120
+            while httpx.get(f"{server.url}/model_info", timeout=10).json()["num_running_requests"] == 0:
+                assert time.monotonic() < deadline, "the long request never started"
+                time.sleep(0.05)
+            # frozen where it is, so that it is still running at the switch however fast the machine is
+            httpx.post(
+                f"{server.url}/pause_generation", json={"mode": "in_place"}, timeout=60
+            ).raise_for_status()
+            report = pub.publish(1, ((n, p.detach()) for n, p in model.named_parameters()))
+            assert report.ok == [server.url], report
+            asker.join(timeout=300)
+            info = httpx.get(f"{server.url}/model_info", timeout=10).json()
+            after = httpx.post(
+                f"{server.url}/generate",
+                json={"input_ids": [5], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}},
+                timeout=60,
+            ).json()
+        finally:
+            pub.close()
+    finally:
+        server.stop()
+    meta = answer["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort" and len(answer["output_ids"]) < 1500
+    assert [span["version"] for span in meta["weight_versions"]] == ["0"]  # never a token of version 1
+    assert info["paused"] is None and info["weight_version"] == "1"
+    assert after["meta_info"]["weight_version"] == "1" and len(after["output_ids"]) == 3
+
+
 def test_a_version_the_server_cannot_take_is_refused_by_name_and_the_next_one_goes_through(servers):
     url = servers.start()
     pub = WeightPublisher(config(keep_last=False), [url], "embedded")
