@@ -16,9 +16,15 @@ class SingleTurnAgentLoop(AgentLoop):
     def __init__(self, cfg, client, tokenizer) -> None:
         super().__init__(cfg, client, tokenizer)
         self.renderer = ChatRenderer(tokenizer)
+        # The group's rollout.n episodes start one after the other with the same Sample object: its prompt
+        # is rendered and tokenized once, not n times (the chat template is most of the rollouter's CPU
+        # per request after HTTP).
+        self._last: tuple[Sample, list[int]] | None = None
 
     def prompt_ids(self, sample: Sample) -> list[int]:
-        return self.renderer.prompt_ids(sample.messages)
+        if self._last is None or self._last[0] is not sample:
+            self._last = (sample, self.renderer.prompt_ids(sample.messages))
+        return list(self._last[1])
 
     async def run(self, sample: Sample, sampling_params: SamplingParams, *, uid: str = "") -> AgentLoopOutput:
         prompt_ids = self.prompt_ids(sample)

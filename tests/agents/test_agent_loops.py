@@ -59,6 +59,24 @@ def test_single_turn_keeps_server_tokens(tok):
     assert tok.convert_tokens_to_ids("<|im_end|>") in client.requests[0][1].stop_token_ids
 
 
+def test_single_turn_renders_a_groups_prompt_once(tok):
+    """A group's episodes share one Sample object: the chat template runs once for all of them, and each
+    episode still gets its own copy of the ids."""
+    client = ScriptedClient(tok, ["4", "5", "6", "7"])
+    loop = make_agent_loop(AgentConfig(name="single_turn"), client, tok)
+    rendered = []
+    render = loop.renderer.prompt_ids
+    loop.renderer.prompt_ids = lambda messages: rendered.append(messages) or render(messages)
+    other = Sample(
+        index=1, messages=[{"role": "user", "content": "What is 2 + 2?"}], data_source="arithmetic"
+    )
+    outs = [run(loop, SAMPLE), run(loop, SAMPLE), run(loop, SAMPLE), run(loop, other)]
+    assert len(rendered) == 2  # SAMPLE once, then the other prompt
+    assert outs[0].prompt_ids == outs[1].prompt_ids == ChatRenderer(tok).prompt_ids(SAMPLE.messages)
+    assert outs[0].prompt_ids is not outs[1].prompt_ids
+    assert outs[3].prompt_ids == ChatRenderer(tok).prompt_ids(other.messages)
+
+
 def test_tool_episode_masks_tool_tokens_and_matches_template(tok):
     cfg = AgentConfig(name="tool", tools=["calculator"], max_turns=4)
     client = ScriptedClient(
