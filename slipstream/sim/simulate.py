@@ -108,6 +108,7 @@ class _Req:
     server: int = -1
     thr: float = 0.0  # processor-sharing threshold on its server
     version: int | None = None  # version of its first token
+    key: int = 0  # a run-unique number: orders equal thresholds the same way in every run (id() does not)
 
 
 @dataclass
@@ -185,6 +186,7 @@ class Simulation:
         self.todo: deque[tuple[int, int]] = deque()  # (prompt, attempt) owed before new prompts
         self.next_prompt = 0
         self.next_gid = 0
+        self.next_req = 0
         self.in_flight = 0  # groups
         self.live_reqs = 0
         self.queue: deque[_Group] = deque()
@@ -260,7 +262,8 @@ class Simulation:
         self.in_flight += 1
         for _ in range(self.n):
             self.live_reqs += 1
-            self._submit(_Req(group, self._draw_length()))
+            self.next_req += 1
+            self._submit(_Req(group, self._draw_length(), key=self.next_req))
 
     def _draw_length(self) -> int:
         lens = self.prof.lengths
@@ -297,8 +300,8 @@ class Simulation:
             req.version = self.published
         server.v0, server.t0 = server.v(self.t), self.t
         req.thr = server.v0 + (req.length - req.done)
-        server.decoding[id(req)] = req
-        heapq.heappush(server.heap, (req.thr, id(req)))
+        server.decoding[req.key] = req
+        heapq.heappush(server.heap, (req.thr, req.key))
 
     def _reschedule(self, idx: int) -> None:
         server = self.servers[idx]

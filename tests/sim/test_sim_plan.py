@@ -61,3 +61,19 @@ def test_verl_profile_calibrates_to_the_published_sync_step():
     cal = bench.calibrate_verl(bench.load_profile(bench.VERL_PROFILE))
     sync = bench.simulate(bench.sim_config(str(bench.VERL_RECIPE), bench.VERL_SYNC_OVERRIDES), cal, steps=6)
     assert sync.step_s_steady == pytest.approx(bench.VERL_STEP_S["sync"], rel=0.03)
+
+
+def test_the_recorded_quickstart_runs_of_every_mode_are_reproduced_within_15_percent(capsys):
+    """docs/recorded/simulate-own: bench e2e's three modes recorded on a quiet 2-core machine (docs/benchmarks.md,
+    "Our own runs"); the sync run's profile predicts the other two. The simulation is deterministic."""
+    runs = bench.ROOT / "docs" / "recorded" / "simulate-own"
+    rows = []
+    for _ in range(2):
+        assert bench.main(["--runs", str(runs), "--skip-verl", "--json"]) == 0
+        rows.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert rows[0]["own_runs"] == rows[1]["own_runs"]
+    assert {r["mode"] for r in rows[0]["own_runs"]} == {"sync", "one_step_off", "fully_async"}
+    assert rows[0]["own_runs_max_rel_err"] < 0.15
+    for r in rows[0]["own_runs"]:  # idle ratios within 15 points
+        assert abs(r["trainer_idle_simulated"] - r["trainer_idle_measured"]) < 0.15
+        assert abs(r["rollouter_idle_simulated"] - r["rollouter_idle_measured"]) < 0.15
