@@ -19,11 +19,15 @@ Two checks, each a ratio or an error against figures measured elsewhere:
    colocated switch). Their trainer's rate on 64 ranks comes from the 64-GPU colocated sync run (365.28 s
    less its 150.72 s of generation and the 128-GPU run's 10.72 s of other work): training 8,192 samples
    on 128 GPUs was only 1.2x faster than on 64, so the 128-GPU per-rank rate would undersell 64 ranks.
-   Reported: the sync step over each asynchronous one, published and simulated, and beside it the same
-   with the trainer's rate from the 128-GPU run (``trainer_from_128_gpu_sync``) and from the published
+   Their rollout's workload comes from the same run (:func:`fit_pool_lengths`: the response lengths scaled
+   so that 16 servers generate a sync step in its 150.72 s; the three sync runs drifted differently and no
+   one workload gives all three). Reported: the sync step over each asynchronous one, published and
+   simulated, and beside it the same with the 128/32-GPU runs' workload unscaled
+   (``rollout_from_128_gpu_sync``), with the trainer's rate from the 128-GPU run
+   (``trainer_from_128_gpu_sync``) and from the published
    staleness-0.5 run (150.63 s less its 33.14 s of waiting; ``trainer_from_async_s0.5``, compared with
-   that run). ``decode_sensitivity``: the ratios with the assumed decode rate at full concurrency halved
-   and doubled.
+   that run). ``decode_sensitivity``: the ratios with the fitted decode rate at full concurrency halved
+   and doubled (sigma and the pools' lengths refitted).
 
 The last line with ``--json`` is ``{"own_runs_max_rel_err", "verl_ratio_published", "verl_ratio_simulated",
 "seconds", ...}``.
@@ -195,6 +199,30 @@ def calibrate_verl(profile: Profile, *, fit_peak: bool = True, steps: int = 4, i
     return _with(prof, trainer={"tokens_per_s_per_rank": round(rate, 2)})
 
 
+def _sync64_overrides() -> list[str]:
+    """The 64-GPU colocated sync run: 16 servers and 64 ranks, the async runs' rollout and trainer pools."""
+    return [VERL_SYNC_OVERRIDES[0], "rollout.num_servers=16", "trainer.num_ranks=64", VERL_SYNC_OVERRIDES[3]]
+
+
+def fit_pool_lengths(cal: Profile, *, steps: int = 4, iters: int = 12) -> Profile:
+    """The async pools' workload: ``cal``'s length distribution scaled so that 16 servers generate a sync
+    step in the 64-GPU run's published 150.72 s.
+
+    Why: the three colocated sync runs are three runs whose responses drifted differently, and no one
+    profile gives all three (``cal``, fitted to the 128- and 32-GPU rows, has 16 servers take 245.9 s, 1.6x
+    the 64-GPU row's). The 64-GPU row is the run on the async runs' pools (16 servers, 64 ranks): the
+    trainer's rate already comes from it, and now the rollout's workload does too."""
+    mean = cal.lengths.mean
+
+    def scaled(k: float) -> Profile:
+        return _with(cal, lengths={"mean": round(mean * k, 1)})
+
+    k = _bisect(
+        0.1, 1.5, lambda x: _sync_gen_s(scaled(x), _sync64_overrides(), steps)[0] < VERL_SYNC64_GEN_S, iters
+    )
+    return scaled(k)
+
+
 def _async_step_s(profile: Profile, threshold: float, steps: int) -> dict[str, float]:
     cfg = sim_config(str(VERL_RECIPE), [f"async.staleness_threshold={threshold}"])
     res = simulate(cfg, profile, steps=steps)
@@ -224,24 +252,39 @@ def _ratios(sync_s: float, profile: Profile, steps: int) -> tuple[dict[str, floa
     return {k: round(sync_s / runs[k]["s_per_512"], 3) for k in VERL_ASYNC}, runs
 
 
+def _tokens_512(profile: Profile, overrides: list[str]) -> float:
+    """Tokens trained per 512 prompts in a simulated sync run of ``profile``."""
+    res = simulate(sim_config(str(VERL_RECIPE), overrides), profile, steps=6)
+    return res.tokens_per_s * res.seconds / res.steps
+
+
 def verl(*, steps: int = 32, sensitivity: bool = True) -> dict[str, Any]:
     base = load_profile(VERL_PROFILE)
     sync_cfg = sim_config(str(VERL_RECIPE), VERL_SYNC_OVERRIDES)
     cal = calibrate_verl(base)
     sync = simulate(sync_cfg, cal, steps=6)
-    tokens_512 = sync.tokens_per_s * sync.seconds / sync.steps
-    profs = _async_profiles(cal, tokens_512)
+    pool = fit_pool_lengths(cal)
+    profs = _async_profiles(pool, _tokens_512(pool, _sync64_overrides()))
     published = {k: round(VERL_STEP_S["sync"] / VERL_STEP_S[k], 3) for k in VERL_ASYNC}
     simulated, runs = _ratios(sync.step_s_steady, profs["sync64"], steps)
     strict, strict_runs = _ratios(sync.step_s_steady, profs["sync128"], steps)
     _, fast_runs = _ratios(sync.step_s_steady, profs["async05"], steps)
+    # the previous calibration: the async pools get the 128/32-GPU rows' workload unchanged
+    old = _async_profiles(cal, _tokens_512(cal, VERL_SYNC_OVERRIDES))["sync64"]
+    old_ratios, old_runs = _ratios(sync.step_s_steady, old, steps)
     out: dict[str, Any] = {
         "sigma": cal.lengths.sigma,
+        "pool_length_scale": round(pool.lengths.mean / cal.lengths.mean, 4),
         "sync_step_s_simulated": round(sync.step_s_steady, 2),
         "published": published,
         "simulated": simulated,
         "rel_err": {k: round(abs(simulated[k] - published[k]) / published[k], 3) for k in VERL_ASYNC},
         "async_runs": runs,
+        "rollout_from_128_gpu_sync": {
+            "simulated": old_ratios,
+            "rel_err": {k: round(abs(old_ratios[k] - published[k]) / published[k], 3) for k in VERL_ASYNC},
+            "runs": old_runs,
+        },
         "trainer_from_128_gpu_sync": {"simulated": strict, "runs": strict_runs},
         "trainer_from_async_s0.5": {
             "published_vs_s0.5": {k: round(VERL_STEP_S[k] / VERL_STEP_S["s0.5"], 3) for k in VERL_ASYNC},
@@ -258,7 +301,8 @@ def verl(*, steps: int = 32, sensitivity: bool = True) -> dict[str, Any]:
             curve = {"tokens_per_s": [cal.decode.tokens_per_s[0], cal.decode.tokens_per_s[1] * factor]}
             c2 = calibrate_verl(_with(base, decode=curve), fit_peak=False)
             s2 = simulate(sync_cfg, c2, steps=6)
-            p2 = _async_profiles(c2, s2.tokens_per_s * s2.seconds / s2.steps)["sync64"]
+            pool2 = fit_pool_lengths(c2)
+            p2 = _async_profiles(pool2, _tokens_512(pool2, _sync64_overrides()))["sync64"]
             out["decode_sensitivity"][f"x{factor:g}"] = _ratios(s2.step_s_steady, p2, steps)[0]
     return out
 
