@@ -20,6 +20,20 @@ def run(coro, timeout_s: float = 60.0):
     return asyncio.run(asyncio.wait_for(coro, timeout_s))
 
 
+async def _tokens_made(pool: SimPool, rid: str, at_least: int = 1, timeout_s: float = 30.0) -> int:
+    """Wait until request ``rid`` runs on the pool's server with at least ``at_least`` tokens made."""
+    (server,) = pool.servers
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        req = server.requests.get(rid)
+        made = req.made(loop.time()) if req is not None else 0
+        if made >= at_least:
+            return made
+        assert loop.time() < deadline, f"{rid} made {made} tokens, waiting for {at_least}"
+        await asyncio.sleep(0.01)
+
+
 async def _pool(**profile) -> tuple[SimPool, SGLangClient, str]:
     pool = SimPool(SimProfile(**profile))
     (url,) = await pool.start(1)
@@ -51,11 +65,11 @@ def test_abort_returns_the_partial_output():
         pool, client, _ = await _pool(tokens_per_s=50, median_tokens=10_000, length_sigma=0.0)
         try:
             task = asyncio.create_task(client.generate([1], SamplingParams(max_new_tokens=10_000), rid="r1"))
-            await asyncio.sleep(0.2)
+            await _tokens_made(pool, "r1")
             await client.abort("r1")
             one = await task
             other = asyncio.create_task(client.generate([1], SamplingParams(max_new_tokens=10_000), rid="r2"))
-            await asyncio.sleep(0.2)
+            await _tokens_made(pool, "r2")
             await client.abort_all()
             return one, await other
         finally:
@@ -79,12 +93,13 @@ def test_weight_update_switches_the_version_of_later_tokens():
         adapter = EmbeddedAdapter(url, WeightSyncConfig(device="cpu", pause_mode="in_place"), http)
         try:
             task = asyncio.create_task(client.generate([1], SamplingParams(max_new_tokens=10_000), rid="r"))
-            await asyncio.sleep(0.3)
+            await _tokens_made(pool, "r")
             await client.pause("in_place")
             await adapter.before(5)
             await adapter.after(5)
+            switched = pool.servers[0].requests["r"].spans[-1][1]  # the first token of version 5
             await client.resume()
-            await asyncio.sleep(0.3)
+            await _tokens_made(pool, "r", switched + 1)
             await client.abort("r")
             return await task, await client.weight_version()
         finally:
@@ -141,5 +156,7 @@ def test_control_only_push_reaches_many_servers_each_on_its_own_client():
     assert sorted(report.ok) == sorted(urls) and not report.failed
     assert {s.version for s in pool.servers} == {3}
     assert {s.counts["weight_updates"] for s in pool.servers} == {1}
-    assert {s.counts["pause"] for s in pool.servers} == {1}  # the abort at the switch, inside /end_weight_update
+    assert {s.counts["pause"] for s in pool.servers} == {
+        1
+    }  # the abort at the switch, inside /end_weight_update
     assert len(clients) == 64 and left == 63
