@@ -9,7 +9,11 @@ included. aiohttp is already installed with ``ray[default]``.
 
 What it is: a thin shell over ``aiohttp.ClientSession`` that answers :class:`Reply` (status and body, read
 whole) and raises :class:`HTTPClientError` for anything that is not an HTTP answer (refused, reset, timed
-out), so callers handle one error type. Keep-alive connections (up to ``max_connections``), an optional
+out), so callers handle one error type. Keep-alive connections (up to ``max_connections``), each dropped
+after ``keepalive_s`` idle (2 s): below the 5 s after which uvicorn, which serves vLLM, SGLang and our
+embedded server, closes an idle connection. aiohttp's own default is 15 s, and a request sent on a
+connection the server had just closed failed with ``ServerDisconnectedError`` and got the server marked
+dead (POSTs are not retried). An optional
 ``Authorization: Bearer`` token on every call, no proxy from the environment (these calls go to the
 cluster's own servers). The session is opened on the first call, so a client can be made outside the
 event loop it will be used in (but used in one loop only).
@@ -69,11 +73,13 @@ class HTTPClient:
         timeout_s: float = 60.0,
         connect_timeout_s: float = 10.0,
         max_connections: int = 100,
+        keepalive_s: float = 2.0,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.max_connections = max_connections
+        self.keepalive_s = keepalive_s
         self.headers: dict[str, str] = bearer_headers(token)
         self._session: aiohttp.ClientSession | None = None
 
@@ -84,7 +90,9 @@ class HTTPClient:
     def _open(self) -> aiohttp.ClientSession:
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0),
+                connector=aiohttp.TCPConnector(
+                    limit=self.max_connections, limit_per_host=0, keepalive_timeout=self.keepalive_s
+                ),
                 json_serialize=lambda obj: msgspec.json.encode(obj).decode(),
                 trust_env=False,
             )
