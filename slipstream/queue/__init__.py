@@ -30,6 +30,7 @@ _EXPORTS = {
     "TrajectoryGroup": "slipstream.queue.types",
     "GroupMeta": "slipstream.queue.types",
     "SampleMeta": "slipstream.queue.types",
+    "Provenance": "slipstream.queue.types",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -25,10 +25,11 @@ import msgspec
 from slipstream.queue import protocol as P
 from slipstream.queue.codec import ALIGN, WireError, blob_layout, bytes_view, spec_nbytes, validate_group
 from slipstream.queue.snapdir import SnapshotDir
-from slipstream.queue.types import GroupMeta
+from slipstream.queue.types import GroupMeta, LegacyGroupMeta
 
 MAGIC = b"SLIPSTQ1"
-FORMAT_VERSION = 1
+# 2: group headers carry a typed Provenance; 1 (still read): a free-form ``extra`` map in its place.
+FORMAT_VERSION = 2
 _PREFIX = struct.Struct("<8sQ")
 
 
@@ -52,6 +53,51 @@ class SnapshotHeader(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     dropped: list[GroupMeta]
     # Random per snapshot; a server that wrote (or restored) it can roll back to it. Empty in older files.
     snapshot_id: str = ""
+
+
+class _FormatOnly(msgspec.Struct, array_like=True, gc=False):
+    """The first field of every header format: which types the rest is read with."""
+
+    version: int
+
+
+class _SnapGroupV1(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    partition: str
+    leased: bool
+    meta: LegacyGroupMeta
+    tensors: list[P.TensorSpec]
+    nbytes: int
+    offset: int
+
+
+class _SnapshotHeaderV1(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Format 1 (before group provenance was typed), read to load older snapshots."""
+
+    version: int
+    created: float
+    groups: list[_SnapGroupV1]
+    consumed_groups: list[str]
+    consumed_uids: list[str]
+    dropped: list[LegacyGroupMeta]
+    snapshot_id: str = ""
+
+    def upgrade(self) -> SnapshotHeader:
+        groups = [
+            SnapGroup(g.partition, g.leased, g.meta.upgrade(), g.tensors, g.nbytes, g.offset) for g in self.groups
+        ]
+        dropped = [m.upgrade() for m in self.dropped]
+        return SnapshotHeader(FORMAT_VERSION, self.created, groups, self.consumed_groups, self.consumed_uids,
+                              dropped, self.snapshot_id)  # fmt: skip
+
+
+def decode_header(body: bytes) -> SnapshotHeader:
+    """A snapshot header of any format this server reads, as today's :class:`SnapshotHeader`."""
+    version = msgspec.msgpack.decode(body, type=_FormatOnly).version
+    if version == 1:
+        return msgspec.msgpack.decode(body, type=_SnapshotHeaderV1).upgrade()
+    if version != FORMAT_VERSION:
+        raise msgspec.ValidationError(f"snapshot format {version}, this server reads 1 and {FORMAT_VERSION}")
+    return msgspec.msgpack.decode(body, type=SnapshotHeader)
 
 
 class SnapshotItem(msgspec.Struct, gc=False):
@@ -141,11 +187,9 @@ def _read(f: BinaryIO, name: str) -> tuple[SnapshotHeader, list[bytearray]]:
     if _PREFIX.size + length > size:
         raise WireError("bad_request", f"{name}: truncated header ({length} bytes announced)")
     try:
-        header = msgspec.msgpack.decode(f.read(length), type=SnapshotHeader)
+        header = decode_header(f.read(length))
     except (msgspec.DecodeError, msgspec.ValidationError) as err:
         raise WireError("bad_request", f"{name}: malformed snapshot header: {err}") from None
-    if header.version != FORMAT_VERSION:
-        raise WireError("bad_request", f"{name}: snapshot format {header.version}, this server reads 1")
     start = _PREFIX.size + length + _pad(_PREFIX.size + length)
     blobs = []
     for g in header.groups:

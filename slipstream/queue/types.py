@@ -9,6 +9,15 @@ only ever moves whole groups. On the wire and in the queue a group is *columnar*
 msgspec header (:class:`GroupMeta`) and the token-level columns concatenated across samples into one
 tensor each (:class:`TrajectoryGroup`), so a group is a handful of frames however many samples it holds.
 
+A group's :class:`Provenance` is the rollouter-to-trainer contract that rides with it: which prompt (index,
+epoch) it answers, how many of that prompt's groups were dropped as too stale before it, and whether the
+trainer must keep it whatever its staleness. The rollouter writes it (``Rollouter._generate_group``), the
+trainer reads ``keep_stale`` (``Trainer._lease_batch``) and the rollouter reads the rest back when the trainer
+drops the group (``Rollouter._collect_dropped``). It is versioned twice over: the struct carries its schema
+number as a tag (``PROVENANCE_SCHEMA``; fields are only ever appended, with defaults, so an older reader
+skips newer ones), and queue snapshots written before it existed, whose groups carried a free-form
+``extra`` map instead, are read through :class:`LegacyGroupMeta` (``queue/snapshot.py``).
+
 Invariants of a :class:`TrajectoryGroup` (checked by :meth:`TrajectoryGroup.validate`):
   * ``tensors["prompt_ids"]`` has ``sum(s.prompt_len)`` int32 entries;
   * ``response_ids`` (int32), ``loss_mask`` (uint8), ``logprobs`` (float32) and ``versions`` (int32) have
@@ -20,7 +29,7 @@ Worked example::
     trajs = [Trajectory(uid=f"p7-{i}", group_id="p7", prompt_ids=[1, 2], response_ids=[5, 6, 2],
                         loss_mask=[1, 1, 1], logprobs=[-0.1, -0.5, -0.2], versions=[3, 3, 4], reward=1.0)
              for i in range(4)]
-    group = TrajectoryGroup.from_trajectories(trajs, extra={"prompt_index": 7})
+    group = TrajectoryGroup.from_trajectories(trajs, Provenance(prompt_index=7, data_source="gsm8k"))
     group.min_version        # 3
     group.to_trajectories() == trajs   # True
 """
@@ -98,12 +107,64 @@ class SampleMeta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     extra: dict[str, Any] = {}
 
 
+PROVENANCE_SCHEMA = 1
+
+
+class Provenance(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False,
+                 tag=PROVENANCE_SCHEMA):  # fmt: skip
+    """Where a group came from (module docstring); on the wire ``[schema, prompt_index, epoch, ...]``.
+
+    Worked example: the second group generated for prompt 12 of epoch 1, after the first was dropped as
+    too stale, is ``Provenance(prompt_index=12, epoch=1, attempt=1, data_source="gsm8k")``."""
+
+    # Index of the prompt in the rollouter's prompt source (``PromptSource.get``).
+    prompt_index: int
+    # Pass over the prompt source the prompt was drawn in (0 for the first).
+    epoch: int = 0
+    # Groups of this prompt the trainer dropped as too stale before this one (``async.max_stale_drops``).
+    attempt: int = 0
+    # The prompt's ``data_source`` (which reward function scored it).
+    data_source: str = ""
+    # Dropped ``max_stale_drops`` times already: the trainer trains it whatever its staleness.
+    keep_stale: bool = False
+
+    @classmethod
+    def from_legacy(cls, extra: dict[str, Any]) -> Provenance | None:
+        """The provenance an older group's ``extra`` map carried (None when it names no prompt)."""
+        if "prompt_index" not in extra:
+            return None
+        return cls(
+            prompt_index=int(extra["prompt_index"]),
+            epoch=int(extra.get("epoch", 0)),
+            attempt=int(extra.get("attempt", 0)),
+            data_source=str(extra.get("data_source", "")),
+            keep_stale=bool(extra.get("keep_stale", False)),
+        )
+
+
 class GroupMeta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """Header of one group: its id, its samples, and prompt-level data (e.g. the prompt index)."""
+    """Header of one group: its id, its samples, and where it came from (None: not made by a rollouter,
+    e.g. a benchmark's or a test's group)."""
+
+    group_id: str
+    samples: list[SampleMeta]
+    provenance: Provenance | None = None
+
+    @property
+    def keep_stale(self) -> bool:
+        return self.provenance is not None and self.provenance.keep_stale
+
+
+class LegacyGroupMeta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A group header as queue snapshots of format 1 stored it, before :class:`Provenance`: read only, to
+    load those snapshots (``upgrade`` gives today's header)."""
 
     group_id: str
     samples: list[SampleMeta]
     extra: dict[str, Any] = {}
+
+    def upgrade(self) -> GroupMeta:
+        return GroupMeta(self.group_id, self.samples, Provenance.from_legacy(self.extra))
 
 
 @dataclass
@@ -123,7 +184,7 @@ class TrajectoryGroup:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_trajectories(
-        cls, trajectories: list[Trajectory], extra: dict[str, Any] | None = None
+        cls, trajectories: list[Trajectory], provenance: Provenance | None = None
     ) -> TrajectoryGroup:
         if not trajectories:
             raise ValueError("a group needs at least one trajectory")
@@ -153,7 +214,7 @@ class TrajectoryGroup:
             name: torch.tensor([x for t in trajectories for x in getattr(t, name)], dtype=dtype)
             for name, dtype in COLUMN_DTYPES.items()
         }
-        group = cls(GroupMeta(group_id=group_id, samples=samples, extra=extra or {}), tensors)
+        group = cls(GroupMeta(group_id=group_id, samples=samples, provenance=provenance), tensors)
         group.validate()
         return group
 

@@ -10,8 +10,9 @@ stale (``queue.pop_dropped``): their budget is refunded and their prompts genera
 
 Identity: group ``e<epoch>-p<index>`` (``-a<k>`` for the k-th re-generation after a drop, since the
 queue refuses ids it has seen; ``-s<k>`` for the k-th re-sample after dynamic sampling filtered it),
-trajectories ``<group_id>-<i>``; the group's ``extra`` carries ``prompt_index``, ``epoch``, ``attempt``,
-``data_source``, and ``keep_stale`` once the prompt was dropped ``async.max_stale_drops`` times.
+trajectories ``<group_id>-<i>``; the group's typed ``Provenance`` (``queue/types.py``) carries
+``prompt_index``, ``epoch``, ``attempt``, ``data_source``, and ``keep_stale`` once the prompt was dropped
+``async.max_stale_drops`` times.
 
 Rewards: each response is scored off the event loop, then shaped by the overlong penalty
 (``reward.overlong_buffer_len``, agents/rewards/overlong.py). With ``rollout.dynamic_sampling`` on, a
@@ -66,7 +67,7 @@ from slipstream.agents.rewards.overlong import shape
 from slipstream.agents.rewards.runner import RewardResult, RewardRunner
 from slipstream.queue.base import QueueProducer
 from slipstream.queue.errors import QueueFull
-from slipstream.queue.types import Trajectory, TrajectoryGroup
+from slipstream.queue.types import Provenance, Trajectory, TrajectoryGroup
 from slipstream.rollouter.evaluation import Evaluator
 from slipstream.rollouter.gate import StalenessGate
 from slipstream.rollouter.partial import PartialRolloutClient
@@ -139,7 +140,7 @@ class Rollouter:
         self.sampling = SamplingParams(
             max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k
         )
-        self.stats = RolloutStats()
+        self.stats = RolloutStats(settings.sync_every)
         self.version = 0
         self._todo: deque[_Work] = deque()  # before new prompts: dropped groups, resumed in-flight ones
         self._in_flight: dict[str, _Work] = {}
@@ -211,7 +212,7 @@ class Rollouter:
     async def drain(self) -> None:
         """Stop admitting until the next :meth:`set_version` and wait until no group is in flight."""
         self.gate.close()
-        deadline = time.monotonic() + self._drain_timeout_s()
+        deadline = time.monotonic() + self.settings.drain_timeout_s
         while self._in_flight and self._running:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -343,7 +344,7 @@ class Rollouter:
                 self._filtered(work)
                 return
             await self._put(group)
-            if group.meta.extra.get("keep_stale"):
+            if group.meta.keep_stale:
                 self.stats.count("stale_kept_groups")
             self._in_flight.pop(work.group_id, None)
         except asyncio.CancelledError:
@@ -374,16 +375,16 @@ class Rollouter:
             self._trajectory(gid, i, sample, out, score.result())
             for i, (out, score) in enumerate(zip(outputs, scores, strict=True))
         ]
-        extra: dict[str, Any] = {
-            "prompt_index": work.ref.index,
-            "epoch": work.ref.epoch,
-            "attempt": work.attempt,
-            "data_source": sample.data_source,
-        }
         cfg = self.settings
-        if cfg.stale_policy == "drop" and work.attempt >= cfg.max_stale_drops:
-            extra["keep_stale"] = True  # dropped often enough: the trainer takes it whatever its staleness
-        return TrajectoryGroup.from_trajectories(trajectories, extra=extra)
+        provenance = Provenance(
+            prompt_index=work.ref.index,
+            epoch=work.ref.epoch,
+            attempt=work.attempt,
+            data_source=sample.data_source,
+            # dropped often enough: the trainer takes it whatever its staleness
+            keep_stale=cfg.stale_policy == "drop" and work.attempt >= cfg.max_stale_drops,
+        )
+        return TrajectoryGroup.from_trajectories(trajectories, provenance)
 
     async def _score(self, sample: Sample, out: AgentLoopOutput) -> RewardResult:
         if out.reward is not None:  # the episode scored itself (the external loop: the harness's reward)
@@ -540,14 +541,11 @@ class Rollouter:
             log.warning("could not fetch dropped groups: %s", err)
             return
         for meta in metas:
-            extra = meta.extra or {}
-            if "prompt_index" not in extra:
-                log.warning("dropped group %s has no prompt_index; it was not produced here", meta.group_id)
+            origin = meta.provenance
+            if origin is None:
+                log.warning("dropped group %s has no provenance; it was not produced here", meta.group_id)
                 continue
-            work = _Work(
-                ref=PromptRef(int(extra.get("epoch", 0)), int(extra["prompt_index"])),
-                attempt=int(extra.get("attempt", 0)) + 1,
-            )
+            work = _Work(ref=PromptRef(origin.epoch, origin.prompt_index), attempt=origin.attempt + 1)
             if work.attempt == self.settings.max_stale_drops:
                 log.warning(
                     "prompt %d was dropped as too stale %d times (async.max_stale_drops); its next group "
@@ -564,8 +562,3 @@ class Rollouter:
             self.stats.count("groups_dropped")
         if metas:
             self._changed.set()
-
-    def _drain_timeout_s(self) -> float:
-        cfg = self.settings
-        per_episode = cfg.rollout.request_timeout_s * cfg.agent.max_turns
-        return per_episode + cfg.reward.timeout_s + cfg.put_timeout_s

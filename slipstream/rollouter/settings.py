@@ -68,6 +68,13 @@ class RollouterSettings(msgspec.Struct, kw_only=True):
     """The pipeline restarts dead servers: requests wait for them instead of failing."""
     health_interval_s: Annotated[float, Meta(gt=0)]
 
+    @property
+    def drain_timeout_s(self) -> float:
+        """The longest a drain may take: every in-flight episode's turns, its reward and its put (the one
+        formula: ``Rollouter.drain`` gives up after it, the controller waits for it plus its call margin)."""
+        per_episode = self.rollout.request_timeout_s * self.agent.max_turns
+        return per_episode + self.reward.timeout_s + self.put_timeout_s
+
 
 def from_root(cfg: Config) -> RollouterSettings:
     """The rollouter's settings from the root config: its sections whole, every other value from its ROOT_KEYS key."""

@@ -34,7 +34,7 @@ Worked example (one process; ``run_trainer_rank`` does the same for N processes)
     settings = from_root(cfg)
     engine = FSDPEngine(settings); engine.initialize()
     trainer = Trainer(settings, engine, QueueClient(address), rank=0, world_size=1, publish_fn=push)
-    trainer.fit(100)           # or trainer.step() -> {"trainer/loss": ..., "trainer/staleness_mean": ...}
+    trainer.fit(100)           # or trainer.step() -> {"trainer/loss": ..., "trainer/staleness_versions_mean": ...}
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ class Trainer:
                 for g in lease.groups
                 if settings.stale_policy == "drop"
                 and settings.staleness(self.version, g.min_version) > settings.max_staleness
-                and not g.meta.extra.get("keep_stale")  # dropped max_stale_drops times already
+                and not g.meta.keep_stale  # dropped max_stale_drops times already
             ]
             skip = set(stale) | self._skip(lease.groups, groups)
             groups.extend(g for g in lease.groups if g.group_id not in skip)
@@ -303,12 +303,14 @@ class Trainer:
         )
 
     def _batch_metrics(self, batch: TensorDict, lengths: list[int]) -> dict[str, float]:
-        staleness = (self.version - batch["min_versions"].float()).clamp(min=0)
+        # in weight versions (pushes), the unit of async.max_staleness: versions_behind, sample by sample
+        behind = (self.version - batch["min_versions"].long()).clamp(min=0)
+        staleness = torch.div(behind, self.settings.sync_every, rounding_mode="floor").float()
         mask = batch["loss_mask"].bool()
         return {
             "trainer/reward_mean": float(batch["rewards"].float().mean()),
-            "trainer/staleness_mean": float(staleness.mean()),
-            "trainer/staleness_max": float(staleness.max()),
+            "trainer/staleness_versions_mean": float(staleness.mean()),
+            "trainer/staleness_versions_max": float(staleness.max()),
             "trainer/response_len_mean": float(batch["response_lens"].float().mean()),
             "trainer/samples": float(len(lengths)),
             "trainer/tokens": float(sum(lengths)),

@@ -205,7 +205,7 @@ def test_a_prompt_always_over_the_staleness_cap_is_kept_after_max_stale_drops(to
     class AlwaysTooStale(RecordingQueue):
         async def put(self, group, *, partition="train", timeout_s=None) -> bool:
             stored = await super().put(group, partition=partition, timeout_s=timeout_s)
-            if stored and not group.meta.extra.get("keep_stale"):
+            if stored and not group.meta.keep_stale:
                 self.drop(group.group_id)
             return stored
 
@@ -218,8 +218,8 @@ def test_a_prompt_always_over_the_staleness_cap_is_kept_after_max_stale_drops(to
             await finish_all(client)
         await asyncio.wait_for(task, 10)
         assert sorted(queue.groups) == ["e0-p0", "e0-p0-a1", "e0-p0-a2"]
-        assert queue.groups["e0-p0-a2"].meta.extra["keep_stale"] is True
-        assert "keep_stale" not in queue.groups["e0-p0-a1"].meta.extra
+        assert queue.groups["e0-p0-a2"].meta.keep_stale is True
+        assert not queue.groups["e0-p0-a1"].meta.keep_stale
         metrics = rollouter.metrics()
         assert metrics["rollouter/groups_dropped"] == 2 and metrics["rollouter/stale_kept_groups"] == 1
 

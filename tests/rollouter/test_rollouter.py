@@ -11,6 +11,7 @@ from rollouter_fakes import ControlledClient, InlineRewards, RecordingQueue, set
 
 from slipstream.agents.data import PromptSource, Sample
 from slipstream.config import load_config
+from slipstream.queue.types import Provenance
 from slipstream.rollouter.rollouter import Rollouter
 from slipstream.rollouter.settings import from_root
 from slipstream.testing import make_tiny_tokenizer
@@ -89,7 +90,7 @@ def test_sync_mode_admits_one_batch_per_version(tok):
 
         group = queue.groups["e0-p3"]
         assert group.uids == ["e0-p3-0", "e0-p3-1"]
-        assert group.meta.extra == {"prompt_index": 3, "epoch": 0, "attempt": 0, "data_source": "arithmetic"}
+        assert group.meta.provenance == Provenance(prompt_index=3, epoch=0, attempt=0, data_source="arithmetic")
         trajectories = group.to_trajectories()
         assert all(t.versions == [1, 1, 1] and t.loss_mask == [1, 1, 1] for t in trajectories)
         assert all(t.reward == 1.0 and t.extra["data_source"] == "arithmetic" for t in trajectories)
@@ -133,7 +134,7 @@ def test_dropped_group_is_generated_again_without_consuming_budget_twice(tok):
         # The re-generation started although the version did not change: the drop refunded its unit.
         assert started_groups(client) == {"e0-p0", "e0-p1", "e0-p1-a1"}
         await finish_all(client)
-        assert queue.groups["e0-p1-a1"].meta.extra["attempt"] == 1
+        assert queue.groups["e0-p1-a1"].meta.provenance.attempt == 1
         rollouter.set_version(1)
         await settle()
         await finish_all(client)
@@ -325,7 +326,7 @@ def test_rollouter_never_exceeds_budget_and_loses_no_prompt(
                 await asyncio.sleep(0.02)  # let the poller see it
         await asyncio.wait_for(task, 10)
         # Every prompt's newest group is in the queue and was not dropped: nothing was lost.
-        kept = {g.meta.extra["prompt_index"] for gid, g in queue.groups.items() if gid not in dropped}
+        kept = {g.meta.provenance.prompt_index for gid, g in queue.groups.items() if gid not in dropped}
         assert kept == set(range(num_prompts))
         assert rollouter.metrics()["rollouter/groups_put"] == len(queue.groups)
 

@@ -232,7 +232,7 @@ def test_rollouter_streams_scored_groups_into_a_real_queue(taught_server, tok, t
         queue_server.stop()
     assert sorted(g.group_id for g in groups) == ["e0-p0", "e0-p1"]
     for group in groups:
-        assert group.meta.extra["prompt_index"] in (0, 1)
+        assert group.meta.provenance.prompt_index in (0, 1)
         for traj in group.to_trajectories():
             assert traj.uid.startswith(group.group_id + "-")
             assert traj.reward == 1.0 and traj.num_turns == 2 and traj.finish_reason == "stop"

@@ -4,6 +4,7 @@ rollouter marked ``keep_stale`` (a prompt already dropped ``async.max_stale_drop
 from __future__ import annotations
 
 from slipstream.config import load_config
+from slipstream.queue.types import Provenance
 from slipstream.trainer.settings import from_root
 from slipstream.trainer.trainer import Trainer
 from tests.trainer.fake_queue import FakeQueue, make_group
@@ -46,6 +47,6 @@ def test_one_step_per_push_keeps_the_step_count():
 
 def test_a_group_marked_keep_stale_is_trained_whatever_its_staleness():
     marked = make_group("e0-p3-a2", 2, version=0)
-    marked.meta.extra = {"keep_stale": True, "attempt": 2}
+    marked.meta.provenance = Provenance(prompt_index=3, attempt=2, keep_stale=True)
     queue = lease_with(40, [marked], "async.sync_every=4", "async.max_staleness=2")
     assert queue.held == ["e0-p3-a2"] and queue.dropped == []
