@@ -114,7 +114,7 @@ def _summary(run_dir: Path, cap: int) -> dict[str, float]:
         "at_cap": round(statistics.fmean(r.get("rollouter/finish_length", 0.0) for r in records), 4),
         "trainer_idle": round(statistics.fmean(r["trainer/idle_ratio"] for r in records), 3),
         "rollouter_idle": round(statistics.fmean(r["rollouter/idle_ratio"] for r in records), 3),
-        "staleness_mean": round(statistics.fmean(r["trainer/staleness_mean"] for r in records), 3),
+        "staleness_versions_mean": round(statistics.fmean(r["trainer/staleness_versions_mean"] for r in records), 3),
         "cap": cap,
     }
 

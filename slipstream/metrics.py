@@ -10,7 +10,7 @@ progress bar, elsewhere (CI logs, nohup) one plain line per step.
 Worked example::
 
     with MetricsLogger(run_dir, cfg, total_steps=40) as log:
-        log.log(1, {"trainer/reward_mean": 0.12, "trainer/staleness_mean": 0.4, "trainer/tokens_per_s": 210.0})
+        log.log(1, {"trainer/reward_mean": 0.12, "trainer/staleness_versions_mean": 0.4, "trainer/tokens_per_s": 210.0})
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 # Progress-line fields: the first key present in a step's metrics is shown.
 PROGRESS_FIELDS: dict[str, tuple[str, ...]] = {
     "reward": ("trainer/reward_mean", "rollouter/reward_mean"),
-    "staleness": ("trainer/staleness_mean", "rollouter/staleness_mean"),
+    "staleness": ("trainer/staleness_versions_mean", "rollouter/staleness_versions_mean"),
     "tok/s": ("trainer/tokens_per_s",),
 }
 

@@ -19,7 +19,7 @@ from slipstream.metrics import read_metrics
 
 PANELS: dict[str, tuple[str, tuple[str, ...]]] = {
     "reward": ("mean reward", (r"reward_mean$", r"^reward/mean$")),
-    "staleness": ("staleness (versions)", (r"staleness_(mean|max)$",)),
+    "staleness": ("staleness (versions)", (r"staleness_versions_(mean|max)$",)),
     "idle_ratio": ("idle ratio", (r"idle_ratio$",)),
     "throughput": ("throughput", (r"tokens_per_s$", r"samples_per_s$")),
     "eval": ("evaluation on data.val_files", (r"^eval/(.+/)?(mean|pass)@\d+$",)),

@@ -14,7 +14,7 @@ def test_metrics_jsonl_and_plot(tmp_path, capsys):
                 step,
                 {
                     "trainer/reward_mean": step / 10,
-                    "trainer/staleness_mean": 0.5,
+                    "trainer/staleness_versions_mean": 0.5,
                     "rollouter/idle_ratio": 0.1,
                     "trainer/tokens_per_s": 100.0 + step,
                     "trainer/loss": float("nan"),

@@ -2,13 +2,14 @@
 
 The controller logs the rollouter's metrics once per trainer step, so rates and distributions describe
 that step's window (not the whole run): tokens/s, the idle ratio (share of the window with no request in
-flight: the servers waited on the rollouter), staleness of the trajectories put (latest version minus the
-oldest version among a trajectory's tokens, at put time), the share of partial trajectories (resumed
+flight: the servers waited on the rollouter), staleness of the trajectories put, in weight versions (pushes
+between the oldest of a trajectory's tokens and the latest version at put time, the unit of
+``async.max_staleness``), the share of partial trajectories (resumed
 after an abort, or spanning more than one version), reward statistics and reward errors. Counters
 (groups put, dropped, failed...) are totals since the start.
 
 Keys (all under ``rollouter/``): requests_active, requests_queued, groups_in_flight, gate_admitted,
-gate_budget, version, generated_tokens_per_s, idle_ratio, trajectories, staleness_{mean,p50,max},
+gate_budget, version, generated_tokens_per_s, idle_ratio, trajectories, staleness_versions_{mean,p50,max},
 version_span_mean, partial_ratio, reward_{mean,std,min,max}, reward_errors, response_len_mean,
 num_turns_mean, finish_{stop,length,abort}, filter_ratio (share of the window's finished groups that
 dynamic sampling dropped), and the totals groups_put, groups_duplicate, groups_dropped, groups_failed,
@@ -20,6 +21,8 @@ from __future__ import annotations
 import statistics
 import time
 from collections import Counter
+
+from slipstream.config import versions_behind
 
 TOTALS = (
     "groups_put",
@@ -36,7 +39,8 @@ TOTALS = (
 class RolloutStats:
     """Accumulates per-trajectory records and turns them into the metrics dict, one window at a time."""
 
-    def __init__(self) -> None:
+    def __init__(self, sync_every: int = 1) -> None:
+        self.sync_every = sync_every  # versions are trainer steps; one push every sync_every of them
         self.totals: Counter[str] = Counter()
         self._reset(time.monotonic(), tokens=0, busy_s=0.0)
 
@@ -74,7 +78,7 @@ class RolloutStats:
         finish_reason: str,
     ) -> None:
         if versions:
-            self._staleness.append(max(0, current_version - min(versions)))
+            self._staleness.append(versions_behind(current_version, min(versions), self.sync_every))
             self._spans.append(max(versions) - min(versions))
         self._partial += int(num_resumes > 0 or (bool(versions) and max(versions) != min(versions)))
         self._rewards.append(reward)
@@ -94,9 +98,9 @@ class RolloutStats:
         out["rollouter/idle_ratio"] = min(1.0, max(0.0, 1.0 - (busy_s - self._busy0) / elapsed))
         out["rollouter/trajectories"] = float(n)
         if self._staleness:
-            out["rollouter/staleness_mean"] = statistics.fmean(self._staleness)
-            out["rollouter/staleness_p50"] = float(statistics.median(self._staleness))
-            out["rollouter/staleness_max"] = float(max(self._staleness))
+            out["rollouter/staleness_versions_mean"] = statistics.fmean(self._staleness)
+            out["rollouter/staleness_versions_p50"] = float(statistics.median(self._staleness))
+            out["rollouter/staleness_versions_max"] = float(max(self._staleness))
             out["rollouter/version_span_mean"] = statistics.fmean(self._spans)
         if n:
             out["rollouter/partial_ratio"] = self._partial / n

@@ -228,7 +228,7 @@ def _async_step_s(profile: Profile, threshold: float, steps: int) -> dict[str, f
     res = simulate(cfg, profile, steps=steps)
     return {"s_per_512": round(res.step_s_steady * cfg.async_.sync_every, 2),
             "trainer_idle": round(res.trainer_idle_ratio, 3), "rollouter_idle": round(res.rollouter_idle_ratio, 3),
-            "staleness_mean": round(res.staleness_mean, 3)}  # fmt: skip
+            "staleness_versions_mean": round(res.staleness_versions_mean, 3)}  # fmt: skip
 
 
 def _async_profiles(cal: Profile, tokens_512: float) -> dict[str, Profile]:

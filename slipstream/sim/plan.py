@@ -60,7 +60,7 @@ class Candidate:
     def within_cap(self) -> bool:
         """No group dropped as too stale and none trained beyond the cap (``stale_policy: keep``)."""
         r = self.result
-        return r is not None and r.dropped_groups == 0 and r.versions_stale_max <= self.max_staleness
+        return r is not None and r.dropped_groups == 0 and r.staleness_versions_max <= self.max_staleness
 
     def overrides(self) -> list[str]:
         out = [
@@ -89,8 +89,8 @@ class Candidate:
             "samples_per_s": round(r.samples_per_step / r.step_s_steady, 4),  # steady, as ranked
             "trainer_idle": round(r.trainer_idle_ratio, 3),
             "rollouter_idle": round(r.rollouter_idle_ratio, 3),
-            "staleness_mean": round(r.staleness_mean, 3),
-            "versions_stale_max": r.versions_stale_max,
+            "staleness_versions_mean": round(r.staleness_versions_mean, 3),
+            "staleness_versions_max": r.staleness_versions_max,
             "dropped_groups": r.dropped_groups,
             "within_cap": self.within_cap,
         }
@@ -183,7 +183,7 @@ def draw_frontier(ranked: list[Candidate], path: str) -> None:
         by_split.setdefault(c.rollout_gpus, []).append(c)
     for rollout, cands in sorted(by_split.items()):
         pts = sorted(
-            (c.result.staleness_mean, c.result.samples_per_step / c.result.step_s_steady, c.within_cap)
+            (c.result.staleness_versions_mean, c.result.samples_per_step / c.result.step_s_steady, c.within_cap)
             for c in cands
             if c.result
         )
@@ -191,7 +191,7 @@ def draw_frontier(ranked: list[Candidate], path: str) -> None:
                 f"{cands[0].trainer_gpus} trainer GPUs")  # fmt: skip
         over = [p for p in pts if not p[2]]
         ax.scatter([p[0] for p in over], [p[1] for p in over], marker="x", color="red", zorder=3)
-    ax.set_xlabel("mean staleness of trained groups (trainer steps)")
+    ax.set_xlabel("mean staleness of trained groups (weight versions)")
     ax.set_ylabel("samples / s (simulated, steady)")
     ax.set_title("throughput vs staleness per pool split (red x: over max_staleness)")
     ax.legend(fontsize=7)
@@ -202,7 +202,7 @@ def draw_frontier(ranked: list[Candidate], path: str) -> None:
 
 def _table(rows: list[dict[str, Any]]) -> str:
     cols = ["rollout_gpus", "trainer_gpus", "staleness_threshold", "sync_every", "concurrency", "step_s",
-            "samples_per_s", "trainer_idle", "rollouter_idle", "staleness_mean", "versions_stale_max",
+            "samples_per_s", "trainer_idle", "rollouter_idle", "staleness_versions_mean", "staleness_versions_max",
             "dropped_groups"]  # fmt: skip
     heads = ["#", "roll", "train", "s", "every", "conc", "step_s", "samp/s", "t_idle", "r_idle", "stale",
              "vmax", "drop"]  # fmt: skip

@@ -29,7 +29,7 @@ sampling, multi-turn tools, the dropped-group poll interval (1 s), prefill conte
 that does not slow other requests).
 
 Output (``--json``): steps/s, samples/s, tokens/s, trainer and rollouter idle ratios (defined as the run's
-metrics define them), the staleness of trained groups (in steps and in versions), dropped groups, and
+metrics define them), the staleness of trained groups (in weight versions), dropped groups, and
 ``time_to_steps_s``, the virtual seconds to the end of the steps asked for.
 
 Worked example::
@@ -140,10 +140,10 @@ class SimResult:
     samples_per_step: int
     trainer_idle_ratio: float  # mean over steps of lease wait / step window (trainer/idle_ratio)
     rollouter_idle_ratio: float  # mean over steps of the share with no request in flight
-    staleness_mean: float  # trained groups: trainer step - oldest token version
-    staleness_max: int
-    versions_stale_max: int  # the same in versions (pushes), what max_staleness bounds
-    staleness_hist: dict[str, int]
+    # trained groups, in weight versions (pushes since the oldest token), the unit max_staleness bounds
+    staleness_versions_mean: float
+    staleness_versions_max: int
+    staleness_versions_hist: dict[str, int]
     dropped_groups: int
     stale_kept_groups: int
     resumed_requests: int
@@ -207,8 +207,7 @@ class Simulation:
         self._last_trained = 0.0
         self.steps_done = 0
         self.rollouter_idle: list[float] = []
-        self.staleness: list[int] = []
-        self.version_stale: list[int] = []
+        self.staleness: list[int] = []  # versions behind, per trained group
         self.dropped = 0
         self.kept_stale = 0
         self.resumed = 0
@@ -374,8 +373,7 @@ class Simulation:
         self.lease_wait += self.t - self.wait_since
         tokens = sum(g.tokens for g in self.batch_groups)
         for g in self.batch_groups:
-            self.staleness.append(self.version - g.min_version)
-            self.version_stale.append(self.acfg.staleness(self.version, g.min_version))
+            self.staleness.append(self.acfg.staleness(self.version, g.min_version))
         self.trained_tokens += tokens
         self.batch_groups = []
         self.state = "train"
@@ -468,10 +466,9 @@ class Simulation:
             samples_per_step=self.batch * self.n,
             trainer_idle_ratio=statistics.fmean(self.idle_ratios),
             rollouter_idle_ratio=statistics.fmean(self.rollouter_idle),
-            staleness_mean=statistics.fmean(self.staleness) if self.staleness else 0.0,
-            staleness_max=max(self.staleness, default=0),
-            versions_stale_max=max(self.version_stale, default=0),
-            staleness_hist=dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
+            staleness_versions_mean=statistics.fmean(self.staleness) if self.staleness else 0.0,
+            staleness_versions_max=max(self.staleness, default=0),
+            staleness_versions_hist=dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
             dropped_groups=self.dropped,
             stale_kept_groups=self.kept_stale,
             resumed_requests=self.resumed,

@@ -40,7 +40,7 @@ def test_sync_mode_trains_on_fresh_samples_only(ray_pools, tiny_model_path, tmp_
     records = read_metrics(result.run_dir)
     assert [r["step"] for r in records] == [1, 2, 3]
     for rec in records:
-        assert rec["trainer/staleness_max"] == 0.0  # every sample came from the weights it trains
+        assert rec["trainer/staleness_versions_max"] == 0.0  # every sample came from the weights it trains
         assert rec["sync/version"] == rec["step"] and rec["sync/servers_ok"] == 1.0
         for key in (
             "trainer/idle_ratio",
@@ -66,7 +66,7 @@ def test_one_step_off_run_resumes_from_its_checkpoint(ray_pools, tiny_model_path
     assert_each_prompt_trained_once(second.run_dir, 4)
     records = read_metrics(second.run_dir)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
-    assert all(r["trainer/staleness_max"] <= 1.0 for r in records)
+    assert all(r["trainer/staleness_versions_max"] <= 1.0 for r in records)
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ def test_sync_fixed_lengths_gives_the_analytic_step_time():
     assert res.trainer_idle[1:] == pytest.approx([4.95 / 7.95] * 5)
     # requests are in flight 5.2 s of every 8.7 s cycle
     assert res.rollouter_idle[1:] == pytest.approx([1 - 5.2 / 8.7] * 5)
-    assert res.staleness_mean == 0 and res.dropped_groups == 0
+    assert res.staleness_versions_mean == 0 and res.dropped_groups == 0
 
 
 def test_one_step_off_overlaps_generation_with_training():
@@ -27,7 +27,7 @@ def test_one_step_off_overlaps_generation_with_training():
     sync = simulate(small_config("async.mode=sync"), flat_profile(), steps=8)
     off = simulate(small_config("async.mode=one_step_off"), flat_profile(), steps=8)
     assert off.step_s_steady < sync.step_s_steady
-    assert off.versions_stale_max <= 1
+    assert off.staleness_versions_max <= 1
 
 
 @pytest.mark.parametrize("threshold,every,expected", [(0.0, 1, 2), (0.5, 2, 6), (1.0, 1, 4), (2.5, 1, 7)])
@@ -61,7 +61,7 @@ def test_partial_rollout_aborts_and_resumes_in_place_continues():
     assert aborted.resumed_requests > 0 and kept.resumed_requests == 0
     # nothing is lost: a resumed request ends with all its tokens; its first ones keep the old version
     assert aborted.generated_tokens % 600 == 0
-    assert aborted.staleness_mean > 0
+    assert aborted.staleness_versions_mean > 0
     # the prefix is prefilled again after an abort, so abort is never faster than in_place here
     assert aborted.step_s_steady >= kept.step_s_steady
 

@@ -39,7 +39,7 @@ def test_drop_policy_leases_more_and_acks_dropped(tiny_model_path, single_proces
     assert sorted(queue.acked) == ["new0", "new1"]
     assert not queue.leased
     assert metrics["trainer/dropped_groups"] == 1.0
-    assert metrics["trainer/staleness_max"] == 0.0
+    assert metrics["trainer/staleness_versions_max"] == 0.0
     assert all(uid.startswith("new") for uid in trainer.last_batch_uids)
     assert metrics["trainer/tokens_per_s"] > 0 and torch.isfinite(torch.tensor(metrics["trainer/loss"]))
 
@@ -55,7 +55,28 @@ def test_keep_policy_trains_on_stale_groups(tiny_model_path, single_process_grou
     trainer.version = 3
     metrics = trainer.step()
     assert queue.dropped == [] and sorted(queue.acked) == ["new0", "old"]
-    assert metrics["trainer/staleness_max"] == 3.0
+    assert metrics["trainer/staleness_versions_max"] == 3.0
+
+
+def test_staleness_metric_counts_versions_as_the_cap_does(tiny_model_path, single_process_group):
+    """With a push every 2 steps, tokens from step 0 are 2 versions old at step 5: the metric and the cap
+    (``max_staleness``) count the same versions, not the 5 steps."""
+    cfg = trainer_settings(
+        tiny_model_path,
+        "trainer.batch_groups=2",
+        "async.max_staleness=1",
+        "async.stale_policy=keep",
+        "async.sync_every=2",
+    )
+    queue = FakeQueue()
+    queue.put(make_group("old", 4, version=0))
+    _fill(queue, 1, version=5, prefix="new")
+    trainer = _trainer(cfg, queue)
+    trainer.version = 5
+    metrics = trainer.step()
+    assert cfg.staleness(5, 0) == 2
+    assert metrics["trainer/staleness_versions_max"] == 2.0
+    assert metrics["trainer/staleness_versions_mean"] == 1.0
 
 
 def test_failed_step_nacks_its_leases(tiny_model_path, single_process_group, monkeypatch):
