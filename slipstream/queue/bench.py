@@ -296,10 +296,19 @@ def _slipstream(
                 _log(f"slipstream {mode:>7} ({label}) {nbytes:>10} B: {out[mode][nbytes]:8.2f} Gbit/s")
         lat = _latency(producer, consumer, latency_n) if latency_n else {}
     finally:
-        producer.close()
-        consumer.close()
-        server.stop()
+        _shut_down([producer.close, consumer.close, server.stop], label)
     return out, lat
+
+
+def _shut_down(steps: list, label: str) -> None:
+    """Run every clean-up step; a failure is logged, never raised, so it cannot mask the measured results
+    (or the error that ended the measurement)."""
+    for step in steps:
+        try:
+            if step() is False:
+                _log(f"clean-up of the {label} server: {step.__qualname__} did not complete")
+        except Exception as err:  # noqa: BLE001 - see the docstring
+            _log(f"clean-up of the {label} server: {step.__qualname__} failed: {type(err).__name__}: {err}")
 
 
 def _throughput(producer: _Child, consumer: _Child, nbytes: int, count: int, mode: str) -> float:

@@ -5,7 +5,7 @@ Three ways to run it, all the same :class:`QueueServer`:
 * a plain process: ``start_queue_server(cfg)`` spawns ``python -m slipstream.queue.server`` and returns a
   :class:`QueueServerHandle` (``.address``, ``.stop()``, ``.is_alive()``); from a shell,
   ``slipstream queue serve --host 127.0.0.1 --port 5555 --num-storage-units 4 [key=value ...]``;
-* inside a Ray actor: ``ray.remote(QueueServerActor).remote(msgspec.to_builtins(cfg))`` then
+* inside a Ray actor: ``ray.remote(QueueServerActor).remote(cfg)`` then
   ``ray.get(actor.address.remote())``; the server's threads live in the actor process, which Ray places
   (pin it to a node with a custom resource in a cluster). Clients talk to it over ZeroMQ as usual;
 * in this process: ``QueueServer(cfg).start()`` (tests, benchmarks).
@@ -331,14 +331,23 @@ class QueueServerHandle:
     def is_alive(self) -> bool:
         return self.proc.poll() is None
 
-    def stop(self, timeout_s: float = 10.0) -> None:
+    def stop(self, timeout_s: float = 10.0) -> bool:
+        """SIGTERM, then SIGKILL after ``timeout_s``; True once the process has exited. Never raises: a
+        process still in the kernel after SIGKILL is logged and left (it cannot run any more code)."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
+                log.warning("queue server %d did not exit %.0f s after SIGTERM; killing it", self.proc.pid,
+                            timeout_s)  # fmt: skip
                 self.proc.kill()
-                self.proc.wait(timeout_s)
+                try:
+                    self.proc.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    log.error("queue server %d still exiting %.0f s after SIGKILL", self.proc.pid, timeout_s)
+                    return False
+        return True
 
     def __enter__(self) -> QueueServerHandle:
         return self
@@ -385,16 +394,19 @@ class QueueServerActor:
 
     Example::
 
-        actor = ray.remote(QueueServerActor).options(num_cpus=1).remote(msgspec.to_builtins(cfg))
+        actor = ray.remote(QueueServerActor).options(num_cpus=1).remote(cfg)   # cfg: a QueueConfig
         address = ray.get(actor.address.remote())   # give this to every QueueClient
         ...
         ray.get(actor.stop.remote()); ray.kill(actor)
 
-    The config crosses Ray as plain builtins; queue traffic never goes through Ray.
+    The config crosses Ray as the typed ``QueueConfig`` (a msgspec Struct, validated where it was built);
+    queue traffic never goes through Ray.
     """
 
-    def __init__(self, cfg: dict[str, Any]) -> None:
-        self._server = QueueServer(msgspec.convert(cfg, QueueConfig)).start()
+    def __init__(self, cfg: QueueConfig) -> None:
+        if not isinstance(cfg, QueueConfig):
+            raise TypeError(f"QueueServerActor takes a QueueConfig, not {type(cfg).__name__}")
+        self._server = QueueServer(cfg).start()
         freeze_imports()
 
     def address(self) -> str:

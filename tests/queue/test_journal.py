@@ -125,3 +125,46 @@ def _settle_taken(journal: Journal) -> None:
 def test_an_unusable_directory_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="journal_dir=.*cannot hold the journal"):
         Journal(str(tmp_path / "missing"))
+
+
+def test_close_skips_queued_copies_and_hands_the_files_to_a_reaper(tmp_path, monkeypatch):
+    """A stopping server does not copy what it journalled but has not written yet (the journal dies with it),
+    and never drops the last reference to a journal file itself: freeing a file of many GiB blocks the
+    closing process in the kernel, past SIGKILL (the `bench queue` crash)."""
+    import os
+    import threading
+
+    from slipstream.queue import journal as J
+
+    first_write, release = threading.Event(), threading.Event()
+    written: list[int] = []
+    real_pwrite, real_release = os.pwrite, J._release_elsewhere
+
+    def slow_disk(fd, data, offset):  # the first write waits until close() has begun
+        first_write.set()
+        release.wait(30)
+        written.append(len(data))
+        return real_pwrite(fd, data, offset)
+
+    handed: list[list[int]] = []
+
+    def release_elsewhere(fds):
+        handed.append([os.fstat(fd).st_ino for fd in fds])
+        real_release(fds)
+
+    monkeypatch.setattr(J.os, "pwrite", slow_disk)
+    monkeypatch.setattr(J, "_release_elsewhere", release_elsewhere)
+    journal = Journal(str(tmp_path))
+    payload = 1 << 20  # bytes per response token: 8 MiB per group
+    groups = [_append_frames(journal, f"big{i}", i, payload=payload) for i in range(6)]
+    assert first_write.wait(30)
+    inode = os.fstat(journal._current.fd).st_ino
+    closer = threading.Thread(target=journal.close)
+    closer.start()
+    assert journal._closing.wait(30)
+    release.set()
+    closer.join(60)
+    assert not closer.is_alive() and not journal._thread.is_alive()
+    total = sum(g.nbytes for g in groups)
+    assert sum(written) <= groups[0].nbytes < total  # at most the group being written when close began
+    assert handed == [[inode]]

@@ -263,7 +263,6 @@ def test_random_messages_on_the_direct_channel_never_kill_the_server(server_proc
 
 def test_server_runs_inside_a_ray_actor():
     ray = pytest.importorskip("ray")
-    import msgspec
 
     from slipstream.queue.config import QueueConfig
     from slipstream.queue.server import QueueServerActor
@@ -272,7 +271,7 @@ def test_server_runs_inside_a_ray_actor():
              configure_logging=False)  # fmt: skip
     try:
         cfg = QueueConfig(shm_bytes_per_unit=4 << 20, num_storage_units=1)
-        actor = ray.remote(QueueServerActor).options(num_cpus=0).remote(msgspec.to_builtins(cfg))
+        actor = ray.remote(QueueServerActor).options(num_cpus=0).remote(cfg)
         address = ray.get(actor.address.remote(), timeout=120)
         with QueueClient(address, timeout_s=30) as client:
             assert client.put(make_group("r", payload=4096))  # through the actor's arena
@@ -356,3 +355,40 @@ def test_a_tcp_client_reconnects_after_one_failed_call(server_process):
     assert client.put(make_group("b"))  # the call after says HELLO again
     assert [g.group_id for g in client.lease(1, timeout_s=5).groups] == ["b"]
     client.close()
+
+
+def test_a_journalled_server_holding_large_groups_stops_on_sigterm(server_process):
+    """Acked groups the journal holds (written and still being written) and ready groups in the arena: SIGTERM
+    ends the server by itself (exit status 0, no SIGKILL), and stop() reports it."""
+    handle = server_process(journal=True, shm_bytes_per_unit=160 << 20, capacity_bytes=1 << 30)
+    big = 1 << 21  # bytes per response token: 16 MiB per group
+    with QueueClient(handle.address, timeout_s=60) as client:
+        for round_ in range(3):
+            assert all(client.put(make_group(f"r{round_}-g{i}", payload=big)) for i in range(4))
+            client.ack(client.lease(4, timeout_s=30))
+        assert all(client.put(make_group(f"ready-{i}", payload=big)) for i in range(2))
+        assert client.stats().partitions["train"].acked_total == 12
+    assert handle.stop() is True
+    assert handle.proc.returncode == 0
+
+
+def test_a_failed_server_stop_never_masks_the_bench_results(monkeypatch):
+    from slipstream.queue import bench
+    from slipstream.queue import server as server_mod
+
+    real = server_mod.start_queue_server
+
+    def start(cfg):
+        handle = real(cfg)
+        real_stop = handle.stop
+
+        def stop(timeout_s: float = 10.0):
+            real_stop(timeout_s)
+            raise subprocess.TimeoutExpired("queue server", timeout_s)
+
+        handle.stop = stop
+        return handle
+
+    monkeypatch.setattr(server_mod, "start_queue_server", start)
+    out, _ = bench._slipstream([4096], True, True, 0)
+    assert out["copy"][4096] > 0 and out["inplace"][4096] > 0
