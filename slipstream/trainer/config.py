@@ -77,7 +77,8 @@ class AlgorithmConfig(ConfigStruct):
             description="What the KL penalty compares against: `behaviour` (the batch's `ref_logprobs`, "
             "else its sampling logprobs) or `reference`: a frozen copy of the initial policy "
             "(`reference_path`) kept beside each trainer rank (FSDP-sharded like the policy, no optimizer "
-            "state) and run forward once per batch, as verl's reference worker.",
+            "state) and run forward once per batch, as verl's reference worker. With trainer.lora the "
+            "reference of model.path is the policy itself with its adapters switched off: no second copy.",
         ),
     ] = "behaviour"
     reference_path: Annotated[
@@ -174,6 +175,48 @@ class AlgorithmConfig(ConfigStruct):
     def needs_proximal(self) -> bool:
         """Whether the trainer must recompute logprobs with its own weights before updating them."""
         return self.policy_loss == "decoupled_ppo" or self.tis_level is not None or self.rejection is not None
+
+
+LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoRAConfig(ConfigStruct):
+    """Low-rank adaptation (trainer/engine/lora.py): the base weights stay frozen and each targeted linear
+    layer learns ``W + (alpha / rank) B A``; only A and B (and their AdamW state) are trained and saved."""
+
+    rank: Annotated[
+        int,
+        Meta(ge=0, description="Adapter rank r (16 is common); 0 turns LoRA off: full fine-tuning."),
+    ] = 0
+    alpha: Annotated[
+        float,
+        Meta(gt=0, description="LoRA alpha: the low-rank update B A is scaled by alpha / rank."),
+    ] = 32.0
+    target_modules: Annotated[
+        list[str],
+        Meta(
+            description="Linear layers that get an adapter, by the last part of their module name "
+            "(q_proj matches model.layers.*.self_attn.q_proj); default: attention and MLP projections. "
+            "The output layer (lm_head) cannot be a target: the chunked logprob head reads its weight.",
+        ),
+    ] = msgspec.field(default_factory=lambda: list(LORA_DEFAULT_TARGETS))
+    dropout: Annotated[
+        float,
+        Meta(ge=0, lt=1, description="Dropout on each adapter's input during training passes (0: none)."),
+    ] = 0.0
+
+    def __post_init__(self) -> None:
+        if self.rank > 0 and not self.target_modules:
+            raise ValueError("target_modules is empty: name at least one linear layer to adapt")
+        if "lm_head" in self.target_modules:
+            raise ValueError(
+                "target_modules: lm_head cannot be adapted (the chunked logprob head reads its weight, "
+                "often tied to the input embeddings)"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
 
 
 class TrainerConfig(ConfigStruct):
@@ -314,6 +357,7 @@ class TrainerConfig(ConfigStruct):
         int, Meta(ge=1, description="Keep only the newest this many checkpoints.")
     ] = 2
     algorithm: AlgorithmConfig = msgspec.field(default_factory=AlgorithmConfig)
+    lora: LoRAConfig = msgspec.field(default_factory=LoRAConfig)
     tensor_parallel: Annotated[
         int, Meta(ge=1, description="Megatron tensor-parallel size (ignored by fsdp).")
     ] = 1
@@ -331,3 +375,5 @@ class TrainerConfig(ConfigStruct):
     def __post_init__(self) -> None:
         if self.algorithm.kl_reference == "reference" and self.engine != "fsdp":
             raise ValueError("algorithm.kl_reference `reference` is supported with engine `fsdp` only")
+        if self.lora.enabled and self.engine != "fsdp":
+            raise ValueError("lora (rank > 0) is supported with engine `fsdp` only")

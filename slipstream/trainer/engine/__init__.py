@@ -33,10 +33,15 @@ def make_engine(settings: TrainerSettings, **kwargs: Any) -> ModelEngine:
     return ENGINES.get(settings.trainer.engine)(settings, **kwargs)
 
 
-def make_aux_engines(settings: TrainerSettings) -> dict[str, ModelEngine]:
+def make_aux_engines(settings: TrainerSettings, policy: ModelEngine | None = None) -> dict[str, ModelEngine]:
     """The engines a trainer rank runs beside the policy, initialised: ``critic`` (a value head, for
-    ``gae``) and ``reference`` (the frozen initial policy, for ``kl_reference: reference``)."""
+    ``gae``) and ``reference`` (the frozen initial policy, for ``kl_reference: reference``).
+
+    With ``trainer.lora`` and a reference of model.path, the reference is ``policy`` (the initialised
+    policy engine) with its adapters off: its frozen base weights are the initial policy, so no second
+    copy of the model is built. Without ``policy`` a separate frozen copy is built as for full models."""
     algo, engines = settings.trainer.algorithm, {}
+    reference = None
     if algo.adv_estimator == "gae":
         engines["critic"] = make_engine(settings, value_head=True)
     if algo.kl_type is not None and algo.kl_reference == "reference":
@@ -45,9 +50,14 @@ def make_aux_engines(settings: TrainerSettings) -> dict[str, ModelEngine]:
                 "trainer.algorithm.kl_reference `reference` is supported with trainer.engine fsdp"
             )
         path = algo.reference_path or settings.model.path
-        engines["reference"] = make_engine(settings, model_path=path, frozen=True)
+        if settings.trainer.lora.enabled and path == settings.model.path and policy is not None:
+            reference = policy.base_reference()  # already initialised: it is the policy
+        else:
+            engines["reference"] = make_engine(settings, model_path=path, frozen=True)
     for engine in engines.values():
         engine.initialize()
+    if reference is not None:
+        engines["reference"] = reference
     return engines
 
 

@@ -33,6 +33,13 @@ consecutive ranks form one data-parallel replica (``dp_rank``/``dp_size``/``dp_g
 trainer); each runs 1/n of every packed micro-batch, attention trading tokens for heads by all-to-all, and
 the per-token results are gathered so the loss sees the whole micro-batch. FSDP still shards over all ranks.
 
+LoRA (``trainer.lora.rank > 0``, ``engine/lora.py``): after the logprob head is installed and before
+sharding, the targeted linear layers get adapters and every base weight is frozen; the optimizer holds the
+adapters alone. ``get_per_tensor_param`` then yields the merged model under its HF names (what a server
+serves), ``get_adapter_params`` the adapter tensors alone, and the KL reference is this engine with its
+adapters off (``base_reference``). Checkpoints hold only the adapters and their optimizer state (the base
+is model.path's) and record rank, alpha and targets, checked on load.
+
 Checkpoints are torch DCP (sharded model + optimizer, any world size can load them), plus the scheduler on
 rank 0 and each rank's RNG state in its own small file.
 """
@@ -55,6 +62,7 @@ from slipstream.trainer.batching import (
     split_by_token_budget,
     truncate_to_one_token,
 )
+from slipstream.trainer.engine import lora
 from slipstream.trainer.engine.base import EngineOutput, LossFn, ModelEngine
 from slipstream.trainer.logprobs import LogprobHead, install_logprob_head
 from slipstream.utils.logging import get_logger
@@ -72,7 +80,8 @@ class FSDPEngine(ModelEngine):
 
     Invariants: every public method except the properties is collective over the default process group;
     parameters keep their HF names (activation checkpointing uses HF's own switch, which adds no wrapper);
-    ``get_per_tensor_param`` yields exactly ``model.named_parameters()`` (tied weights once).
+    ``get_per_tensor_param`` yields exactly ``model.named_parameters()`` (tied weights once; with LoRA the
+    base parameters, adapted weights merged).
 
     Example (one process; ``initialize`` starts a 1-rank group when none exists)::
 
@@ -106,6 +115,9 @@ class FSDPEngine(ModelEngine):
         self._sp = int(self.tcfg.sequence_parallel_size)  # Ulysses group size (1: off)
         self._share_prefix = bool(self.tcfg.share_prompt_prefix)  # engine/prefix.py; needs sdpa_varlen
         self._sp_group = self._dp_group = None
+        # LoRA adapters on the policy only: a critic and a frozen reference stay full models
+        lcfg = self.tcfg.lora
+        self._lora = lcfg if lcfg.enabled and not frozen and not value_head else None
 
     # ---------------------------------------------------------------- setup
     def initialize(self) -> None:
@@ -121,7 +133,7 @@ class FSDPEngine(ModelEngine):
         if self.frozen:
             return
         self.optimizer = torch.optim.AdamW(
-            model.parameters(),
+            [p for p in model.parameters() if p.requires_grad],  # LoRA: the adapters alone
             lr=self.tcfg.lr,
             betas=tuple(self.tcfg.betas),
             weight_decay=self.tcfg.weight_decay,
@@ -201,6 +213,9 @@ class FSDPEngine(ModelEngine):
                     "%s: output layer is not a plain linear map; logprobs use full logits",
                     type(model).__name__,
                 )
+        if self._lora is not None:
+            adapted = lora.apply_lora(model, self._lora, seed=self.settings.run.seed)
+            log.info("LoRA r=%d on %d linear layers", self._lora.rank, len(adapted))
         if self.tcfg.activation_checkpointing:
             # HF's own switch keeps parameter names (torch's checkpoint_wrapper would rename them).
             if hasattr(model, "activation_checkpointing_enable"):
@@ -466,11 +481,26 @@ class FSDPEngine(ModelEngine):
 
     # ---------------------------------------------------------------- weights out
     def get_per_tensor_param(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        if self._lora is not None:  # the merged model, under the base model's names
+            yield from lora.merged_named_tensors(self.model, dtype)
+            return
         for name, param in self.model.named_parameters():
             full = param.full_tensor() if hasattr(param, "full_tensor") else param.data
             full = full.detach()
             yield name, (full.to(dtype) if dtype is not None else full)
             del full
+
+    def get_adapter_params(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(``<module>.lora_A.weight`` / ``lora_B.weight``, full tensor) of every adapter. Collective."""
+        if self._lora is None:
+            raise RuntimeError("get_adapter_params: this engine has no LoRA adapters (trainer.lora.rank 0)")
+        yield from lora.adapter_named_tensors(self.model, dtype)
+
+    def base_reference(self) -> ModelEngine:
+        """The KL reference of a LoRA policy: this engine with its adapters off (no second model)."""
+        if self._lora is None:
+            raise RuntimeError("base_reference: this engine has no LoRA adapters")
+        return lora.BaseModelReference(self)
 
     def to(
         self, device: str | torch.device, model: bool = True, optimizer: bool = True, grad: bool = True
@@ -495,10 +525,13 @@ class FSDPEngine(ModelEngine):
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._state_options())
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / "dcp"))
         if self.rank == 0:
-            torch.save({"scheduler": self.scheduler.state_dict()}, path / "engine_extra.pt")
+            extra = {"scheduler": self.scheduler.state_dict()}
+            if self._lora is not None:
+                extra["lora"] = lora.describe(self._lora)
+            torch.save(extra, path / "engine_extra.pt")
         torch.save(_rng_state(), path / f"rng_rank{self.rank}.pt")
         dist.barrier()
 
@@ -509,18 +542,32 @@ class FSDPEngine(ModelEngine):
         path = Path(path)
         if not (path / "dcp").is_dir():
             raise FileNotFoundError(f"{path}: no engine checkpoint (missing dcp/)")
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        extra = torch.load(path / "engine_extra.pt", weights_only=True)
+        lora.check_checkpoint(path, extra.get("lora"), self._lora)
+        options = self._state_options()
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=options)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(path / "dcp"))
         set_state_dict(
-            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=options,
         )
-        extra = torch.load(path / "engine_extra.pt", weights_only=True)
         self.scheduler.load_state_dict(extra["scheduler"])
         rng_file = path / f"rng_rank{self.rank}.pt"
         if rng_file.is_file():
             _set_rng_state(torch.load(rng_file, weights_only=True))
         dist.barrier()
+
+    def _state_options(self):  # noqa: ANN202
+        """LoRA checkpoints hold the adapters and their optimizer state, not the frozen base weights."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        if self._lora is None:
+            return None
+        return StateDictOptions(ignore_frozen_params=True, strict=False)
 
     # ---------------------------------------------------------------- introspection
     @property
@@ -531,7 +578,9 @@ class FSDPEngine(ModelEngine):
         """6 * params per token (forward + backward) plus causal attention, 6 * layers * hidden * len^2 / 1."""
         layers, hidden = self._arch
         tokens = sum(lengths)
-        return 6.0 * self._num_params * tokens + 6.0 * layers * hidden * sum(n * n for n in lengths)
+        # LoRA: frozen base weights take no weight-gradient matmul in backward (2 of the 6 FLOPs)
+        per_param = 4.0 if self._lora is not None else 6.0
+        return per_param * self._num_params * tokens + 6.0 * layers * hidden * sum(n * n for n in lengths)
 
 
 def _scored_rows(mb: TensorDict) -> torch.Tensor | None:
