@@ -44,6 +44,7 @@ __all__ = [
     "ConfigError",
     "ConfigStruct",
     "load_config",
+    "served_dtype",
     "to_dict",
     "to_yaml",
 ]
@@ -127,6 +128,27 @@ class AsyncConfig(ConfigStruct):
         """Weight versions (pushes) between the oldest token of a group and the trainer at ``trainer_step``:
         tokens stamped with step 8 are 0 versions old at steps 8-11 and 1 at step 12 when sync_every is 4."""
         return versions_behind(trainer_step, min_version, self.sync_every)
+
+    def with_preset(self) -> tuple[AsyncConfig, list[str]]:
+        """This section with its mode's preset applied (``MODE_PRESETS``, the one place a preset is written),
+        and one note per value the preset changed (``async.sync_every: 4 -> 1 (mode sync)``). Idempotent: the
+        pipeline applies it when it prepares the run's config, the rollouter's settings and the simulator's
+        gate when they are built from a config that was not prepared."""
+        preset = MODE_PRESETS[self.mode]
+        notes = [
+            f"async.{key}: {getattr(self, key)!r} -> {value!r} (mode {self.mode})"
+            for key, value in preset.items()
+            if getattr(self, key) != value
+        ]
+        return msgspec.structs.replace(self, **preset), notes
+
+
+# async.mode -> the async fields it fixes (fields it leaves out keep the configured value)
+MODE_PRESETS: dict[str, dict[str, Any]] = {
+    "sync": {"staleness_threshold": 0.0, "sync_every": 1, "partial_rollout": "off"},
+    "one_step_off": {"staleness_threshold": 1.0, "sync_every": 1},
+    "fully_async": {},
+}
 
 
 class RunConfig(ConfigStruct):
@@ -383,6 +405,30 @@ class Config(ConfigStruct):
 
 
 # ----------------------------------------------------------------------------------------------- loading
+
+
+def served_dtype(cfg: Config) -> str:
+    """The dtype the inference servers hold weights in (what ``weightsync.push_dtype: auto`` pushes, what the
+    memory planner counts): a value of the whole config, so here, where the pipeline and the planner both
+    read it."""
+    import json
+
+    if cfg.rollout.backend == "embedded":
+        return cfg.rollout.embedded.dtype
+    for arg in cfg.rollout.server_args:
+        key, _, value = arg.partition("=")
+        if key == "--dtype" and value in ("float32", "bfloat16", "float16"):
+            return value
+        if key == "--dtype" and value in ("half", "bf16", "float", "fp32"):
+            return {"half": "float16", "bf16": "bfloat16", "float": "float32", "fp32": "float32"}[value]
+    config = Path(cfg.model.path).expanduser() / "config.json"
+    if config.is_file():  # vLLM and SGLang serve the checkpoint's dtype unless told otherwise
+        found = json.loads(config.read_text()).get("torch_dtype") or json.loads(config.read_text()).get(
+            "dtype"
+        )
+        if found in ("float32", "bfloat16", "float16"):
+            return found
+    return cfg.model.dtype
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

@@ -252,7 +252,7 @@ class RolloutWorker:
         self.queue = AsyncQueueClient(start.queue_address)
         self.rollouter = Rollouter(cfg, client, self.queue, tokenizer, prompts)
         if start.judge_token:
-            self.rollouter.rewards.service.authorize(start.judge_token)
+            self.rollouter.set_judges(list(start.judge_urls), start.judge_token)
         if start.state is not None:
             self.rollouter.load_state_dict(start.state)
         self.rollouter.set_version(start.version)
@@ -279,25 +279,20 @@ class RolloutWorker:
 
     async def finish_eval(self, version: int) -> None:
         """Wait for the running evaluation, then evaluate ``version`` if it was not (the end of a run)."""
-        await self.rollouter.evaluator.evaluate_now(version)
+        await self.rollouter.finish_eval(version)
 
     async def state_dict(self) -> RolloutState:
-        # Called between trainer steps, so no new drop arrives until the checkpoint is written; taking the
-        # pending drops in first puts them in this state (else one popped while the trainer saves would be
-        # in neither this state nor the queue snapshot's dropped list).
-        await self.rollouter._collect_dropped()
-        return self.rollouter.state_dict()
+        """The rollouter's state for a run checkpoint (``Rollouter.checkpoint_state``)."""
+        return await self.rollouter.checkpoint_state()
 
     async def add_server(self, url: str) -> None:
-        from slipstream.rollouter.clients import make_client
+        from slipstream.rollouter.clients import client_for
 
-        rollout = self.settings.rollout
-        client = make_client(rollout.backend, url, timeout_s=rollout.request_timeout_s + 60.0)
-        self.balancer.add(client.authorize(self._token))
+        self.balancer.add(client_for(self.settings.rollout, url).authorize(self._token))
 
     async def set_judge_urls(self, urls: list[str]) -> None:
         """The judge servers the reward service calls from now on (one was restarted on a new port)."""
-        self.rollouter.rewards.service.set_urls(urls)
+        self.rollouter.set_judges(urls)
 
     async def remove_server(self, url: str) -> None:
         client = self.balancer.remove(url)
@@ -459,34 +454,17 @@ class TrainerRank:
 
     def setup(self, setup: RankSetup) -> int:
         """Join the group, build the engine (rank 0: the queue client), resume; return the version."""
-        from datetime import timedelta
-
-        import torch
-        import torch.distributed as dist
-
         from slipstream.queue.client import QueueClient
-        from slipstream.trainer.engine import make_aux_engines, make_engine
-        from slipstream.trainer.trainer import Trainer
+        from slipstream.trainer.launch import build_rank
 
         self._threads()
-        settings, tcfg = self.settings, self.settings.trainer
-        use_cuda = tcfg.device == "cuda" or (tcfg.device == "auto" and torch.cuda.is_available())
-        dist.init_process_group(
-            "nccl" if use_cuda else "gloo",
-            init_method=f"tcp://{setup.master_host}:{setup.master_port}",
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout=timedelta(seconds=max(600.0, tcfg.batch_timeout_s + 60)),
-        )
-        self.engine = make_engine(settings)
-        self.engine.initialize()
-        aux = make_aux_engines(settings)
         if self.rank == 0:
             client = QueueClient(setup.queue_address, owner=_lease_owner(self.run_dir))
             self.queue = _TrackedQueue(client, self.run_dir / "trainer_leases.json")
-        self.trainer = Trainer(
-            settings, self.engine, self.queue, rank=self.rank, world_size=self.world_size, **aux
+        self.trainer = build_rank(
+            self.settings, self.rank, self.world_size, setup.master_host, setup.master_port, self.queue
         )
+        self.engine = self.trainer.engine
         if setup.resume_path is not None:
             if self.queue is not None:
                 released = self.queue.release_stale_leases()

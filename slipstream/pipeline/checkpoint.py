@@ -31,14 +31,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from slipstream.pipeline.cluster import CALL_TIMEOUT_S, ask, call_ranks
 from slipstream.rollouter.state import RolloutState
 from slipstream.utils import checkpoints as layout
 from slipstream.utils.checkpoints import checkpoint_root, commit, latest, prune, staging_dir
 from slipstream.utils.logging import get_logger
 
 if TYPE_CHECKING:
-    from slipstream.pipeline.cluster import Cluster
     from slipstream.pipeline.launcher import Parts
 
 log = get_logger(__name__)
@@ -82,10 +80,8 @@ class CheckpointCoordinator:
     between steps, every ``trainer.checkpoint_every`` steps and at the end of a run.
     """
 
-    def __init__(
-        self, cluster: Cluster, parts: Parts, run_dir: Path, *, keep: int, save_timeout_s: float
-    ) -> None:
-        self.cluster, self.parts = cluster, parts
+    def __init__(self, parts: Parts, run_dir: Path, *, keep: int, save_timeout_s: float) -> None:
+        self.parts = parts
         self.run_dir = run_dir
         self.root = checkpoint_root(run_dir)
         self.keep = keep
@@ -107,11 +103,8 @@ class CheckpointCoordinator:
         """Rollouter state, then the trainer ranks' save (engine, queue snapshot, marker), then the rename."""
         t0 = time.monotonic()
         staging = staging_dir(self.root, version)
-        state = ask(
-            self.cluster, self.cluster.call(self.parts.rollouter, "state_dict"), CALL_TIMEOUT_S, "rollouter"
-        )
-        write_rollouter_state(staging, state)
-        call_ranks(self.cluster, self.parts.ranks, "save", self.save_timeout_s, str(staging))
+        write_rollouter_state(staging, self.parts.rollouter.state_dict())
+        self.parts.trainer.save(str(staging), self.save_timeout_s)
         final = commit(staging)
         prune(self.root, self.keep)
         log.info("checkpoint of version %d in %s (%.1f s)", version, final, time.monotonic() - t0)

@@ -5,8 +5,16 @@ methods, wait for answers, kill them and ask whether their node is still there; 
 interface those four know nothing of Ray, so the supervisor's restart policy is tested with a fake
 cluster (``tests/pipeline/fake_cluster.py``) without processes, sockets or sleeps.
 
-A call returns a handle at once (Ray: an ``ObjectRef``); :meth:`Cluster.get` waits for its value and
-turns every way a call can fail into one of three errors, so no caller catches a Ray exception:
+A call names the actor class's own method, never a string (``cluster.call(actor, TrainerRank.step)``): a
+misspelt method fails at import, a type checker checks the arguments against the method's signature
+(``ParamSpec``) and types the result, and a reader can follow a call to its method. The controller's parts do
+not call this directly either: each role has a typed handle (``pipeline/handles.py``: ``TrainerGroup``,
+``RolloutHandle``, ``ServerHandle``, ``QueueHandle``) with one method per operation. The Ray
+implementation dispatches by the method's ``__name__``, the one place a name is looked up (vLLM's
+``core_client.py`` keeps its string RPC the same way, behind typed methods).
+
+A call returns a :class:`Pending` at once (Ray: an ``ObjectRef`` inside); :meth:`Cluster.get` waits for its
+value and turns every way a call can fail into one of three errors, so no caller catches a Ray exception:
 
 * :class:`ActorDied`: the actor is gone (crashed, killed, its node lost, killed by Ray's memory monitor);
 * :class:`CallTimedOut`: no answer within the timeout;
@@ -19,13 +27,17 @@ Worked example::
 
     cluster = RayCluster(placement)
     rank = cluster.spawn("rank0", TrainerRank, settings, 0, 1, run_dir, 1, max_concurrency=2)
-    host, port = ask(cluster, cluster.call(rank, "endpoint"), 60.0, "trainer rank 0")
+    host, port = ask(cluster, cluster.call(rank, TrainerRank.endpoint), 60.0, "trainer rank 0")
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
+
+R = TypeVar("R")
+P = ParamSpec("P")
 
 # Seconds a quick control call (status, metrics, set_version, stop ...) may take.
 CALL_TIMEOUT_S = 60.0
@@ -55,32 +67,47 @@ class TrainerDied(Exception):
     """A trainer rank died (the step loop restarts every rank or fails the run)."""
 
 
+class Pending(Generic[R]):
+    """A call in flight whose value will be an ``R``; ``ref`` is the cluster's own token for it (Ray: the
+    ``ObjectRef``)."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, ref: Any) -> None:
+        self.ref = ref
+
+
 class Cluster(ABC):
     """Actors placed by part name (``queue``, ``rollouter``, ``server<i>``, ``rank<i>``)."""
 
     @abstractmethod
     def spawn(self, part: str, cls: type, *args: Any, **options: Any) -> Any:
-        """Start ``cls(*args)`` as an actor in the place reserved for ``part``; return its handle.
+        """Start ``cls(*args)`` as an actor in the place reserved for ``part``; return its actor reference.
         ``options`` are per-actor settings (``max_concurrency``)."""
 
     @abstractmethod
-    def call(self, actor: Any, method: str, *args: Any) -> Any:
-        """Start ``actor.method(*args)``; return a handle for :meth:`get` / :meth:`wait`."""
+    def call(self, actor: Any, method: Callable[Concatenate[Any, P], R], *args: P.args) -> Pending[R]:
+        """Start ``method`` (a method of the actor's class, e.g. ``TrainerRank.step``) on ``actor`` with
+        ``args``; return the pending call for :meth:`get` / :meth:`wait`."""
 
+    @overload
+    def get(self, calls: Pending[R], timeout_s: float) -> R: ...
+    @overload
+    def get(self, calls: list[Pending[R]], timeout_s: float) -> list[R]: ...
     @abstractmethod
     def get(self, calls: Any, timeout_s: float) -> Any:
         """The value of one call, or the list of values of a list of calls; raises :class:`ActorDied`,
         :class:`CallTimedOut` or :class:`CallFailed`."""
 
     @abstractmethod
-    def wait(self, calls: list[Any], timeout_s: float) -> tuple[list[Any], list[Any]]:
+    def wait(self, calls: list[Pending[R]], timeout_s: float) -> tuple[list[Pending[R]], list[Pending[R]]]:
         """(finished, pending) once every call finished or ``timeout_s`` passed (0: look, do not wait)."""
 
     @abstractmethod
     def kill(self, actor: Any) -> None:
         """End the actor now, without its clean-up (a dead one is no error)."""
 
-    def done(self, call: Any) -> bool:
+    def done(self, call: Pending[Any]) -> bool:
         return bool(self.wait([call], 0.0)[0])
 
     def has_room(self, part: str) -> bool:
@@ -99,6 +126,10 @@ class Cluster(ABC):
         """Give back what the run reserved (at shutdown)."""
 
 
+@overload
+def ask(cluster: Cluster, calls: Pending[R], timeout_s: float, what: str) -> R: ...
+@overload
+def ask(cluster: Cluster, calls: list[Pending[R]], timeout_s: float, what: str) -> list[R]: ...
 def ask(cluster: Cluster, calls: Any, timeout_s: float, what: str) -> Any:
     """``cluster.get`` for callers that end the run when a part fails: a :class:`PartFailed` naming ``what``."""
     try:
@@ -111,18 +142,17 @@ def ask(cluster: Cluster, calls: Any, timeout_s: float, what: str) -> Any:
         raise PartFailed(f"{what} failed: {err.cause if err.cause is not None else err}") from err
 
 
-def call_ranks(cluster: Cluster, ranks: list[Any], method: str, timeout_s: float, *args: Any) -> list[Any]:
-    """Call ``method`` on every trainer rank at once (they run collectives together); a dead rank is a
+def gather_ranks(cluster: Cluster, calls: list[Pending[R]], what: str, timeout_s: float) -> list[R]:
+    """The values of one call to every trainer rank (they run collectives together); a dead rank is a
     :class:`TrainerDied`, a hang or an error a :class:`PartFailed`."""
-    calls = [cluster.call(rank, method, *args) for rank in ranks]
     try:
         return cluster.get(calls, timeout_s)
     except ActorDied as err:
-        raise TrainerDied(f"a trainer rank died during {method}: {first_line(err)}") from err
+        raise TrainerDied(f"a trainer rank died during {what}: {first_line(err)}") from err
     except CallTimedOut as err:
-        raise PartFailed(f"trainer {method} did not finish within {timeout_s:.0f} s") from err
+        raise PartFailed(f"trainer {what} did not finish within {timeout_s:.0f} s") from err
     except CallFailed as err:
-        raise PartFailed(f"trainer {method} failed: {err.cause if err.cause is not None else err}") from err
+        raise PartFailed(f"trainer {what} failed: {err.cause if err.cause is not None else err}") from err
 
 
 def lost_note(cluster: Cluster) -> str:
@@ -155,14 +185,16 @@ class RayCluster(Cluster):
         opts = self.placement.options(part, **options) if self.placement is not None else options
         return ray.remote(cls).options(**opts).remote(*args)
 
-    def call(self, actor: Any, method: str, *args: Any) -> Any:
-        return getattr(actor, method).remote(*args)
+    def call(self, actor: Any, method: Callable[Concatenate[Any, P], R], *args: P.args) -> Pending[R]:
+        # Ray's actor handles expose methods by name only: the one name lookup (module docstring).
+        return Pending(getattr(actor, method.__name__).remote(*args))
 
     def get(self, calls: Any, timeout_s: float) -> Any:
         import ray
 
+        refs = [c.ref for c in calls] if isinstance(calls, list) else calls.ref
         try:
-            return ray.get(calls, timeout=timeout_s)
+            return ray.get(refs, timeout=timeout_s)
         except ray.exceptions.GetTimeoutError as err:
             raise CallTimedOut(str(err)) from err
         # OutOfMemoryError: Ray's memory monitor killed the actor's worker (it is no RayActorError).
@@ -176,7 +208,9 @@ class RayCluster(Cluster):
 
         if not calls:
             return [], []
-        return ray.wait(calls, num_returns=len(calls), timeout=timeout_s)
+        ready, _ = ray.wait([c.ref for c in calls], num_returns=len(calls), timeout=timeout_s)
+        done = set(ready)
+        return [c for c in calls if c.ref in done], [c for c in calls if c.ref not in done]
 
     def kill(self, actor: Any) -> None:
         import ray
@@ -207,9 +241,10 @@ __all__ = [
     "CallTimedOut",
     "Cluster",
     "PartFailed",
+    "Pending",
     "RayCluster",
     "TrainerDied",
     "ask",
-    "call_ranks",
+    "gather_ranks",
     "lost_note",
 ]

@@ -11,7 +11,8 @@ and composes four parts, each with one job, over the actors of ``pipeline/actors
       start-up,       steps, pushes,       health, restart     rollouter state, ranks'
       shutdown        metrics record       policy (servers,    save, rename, prune,
       (launcher.py)   (driver.py)          trainer) (supervisor.py)   resume point (checkpoint.py)
-          └───────────────┴────── Cluster (cluster.py: spawn/call/get/wait/kill) ─┘
+          └──────── typed handles (handles.py: TrainerGroup, RolloutHandle, ───────┘
+                    ServerHandle, QueueHandle) over Cluster (cluster.py: spawn/call/get/wait/kill)
                                    RayCluster ── Ray actors: queue, ServerHost x n,
                                                  RolloutWorker, TrainerRank x n
                                    messages: pipeline/types.py Structs
@@ -20,12 +21,9 @@ and composes four parts, each with one job, over the actors of ``pipeline/actors
     rollout pool   ServerHost x rollout.num_servers (one inference server process each), RolloutWorker,
                    ServerHost x reward.service.launch.num_servers (judge servers: no pushes, no rollouts)
 
-Start-up (``launcher.py``): Ray and the placement; the model prepared (known names); the queue; the servers
-(healthy); the trainer ranks (resumed from the latest checkpoint with the queue restored from its
-snapshot); a first push when resuming (fresh servers serve version 0); the rollouter (its saved state
-restored), which then streams groups into the queue on its own. Steps and pushes: ``driver.py``. Health
-and restarts of servers and trainer ranks: ``supervisor.py`` (of judge servers: ``judges.py``).
-Checkpoints: ``checkpoint.py``.
+Start-up: :meth:`Launcher.start_parts <slipstream.pipeline.launcher.Launcher.start_parts>` (the order is
+written there). Steps and pushes: ``driver.py``. Health and restarts of servers and trainer ranks:
+``supervisor.py`` (of judge servers: ``judges.py``). Checkpoints: ``checkpoint.py``.
 
 One random server token per run guards the servers' control and weight-update routes: the servers get it
 in their environment, the rollouter's clients and the weight publisher as an argument (for servers given by
@@ -54,7 +52,7 @@ import msgspec
 from slipstream.config import Config
 from slipstream.pipeline import checkpoint as ckpt
 from slipstream.pipeline.checkpoint import CheckpointCoordinator
-from slipstream.pipeline.cluster import CALL_TIMEOUT_S, Cluster, PartFailed, TrainerDied, ask, call_ranks
+from slipstream.pipeline.cluster import Cluster, PartFailed, TrainerDied
 from slipstream.pipeline.driver import StepDriver
 from slipstream.pipeline.launcher import (
     Launcher,
@@ -124,21 +122,22 @@ class Pipeline:
     def restarts(self) -> dict[str, int]:
         return self.supervisor.restarts if self.supervisor is not None else {}
 
+    # The actors themselves (Ray actor handles), for tools that reach a process directly (fault injection).
     @property
     def hosts(self) -> list[Any]:
-        return self.parts.hosts
+        return [h.actor for h in self.parts.servers]
 
     @property
     def ranks(self) -> list[Any]:
-        return self.parts.ranks
+        return list(self.parts.trainer.ranks) if self.parts.trainer is not None else []
 
     @property
     def rollouter(self) -> Any:
-        return self.parts.rollouter
+        return self.parts.rollouter.actor if self.parts.rollouter is not None else None
 
     @property
     def queue_actor(self) -> Any:
-        return self.parts.queue_actor
+        return self.parts.queue.actor if self.parts.queue is not None else None
 
     @property
     def placement(self) -> Any:
@@ -200,22 +199,9 @@ class Pipeline:
         self._prepare_model()
         self._compose()
         resume = self.checkpoints.resume_point(self.cfg.run.resume)
-        launcher, parts = self.launcher, self.parts
-        launcher.start_queue(parts)
-        # Servers load while the trainer ranks initialise; the rollouter's process imports meanwhile too.
-        server_calls = launcher.launch_servers(parts)
-        judge_calls = launcher.launch_judges(parts)
-        launcher.create_rollouter(parts)
-        launcher.start_trainer(parts, resume)
-        if server_calls:
-            parts.urls = ask(
-                self.cluster, server_calls, self.cfg.cluster.start_timeout_s, "inference servers"
-            )
-        launcher.wait_judges(parts, judge_calls)
-        call_ranks(self.cluster, parts.ranks, "attach_servers", CALL_TIMEOUT_S, parts.urls, self.server_token)
-        if parts.version > 0:
-            self.driver.push(parts.version)  # fresh servers serve the model's initial weights as version 0
-        launcher.start_rollouter(parts, ckpt.read_rollouter_state(resume) if resume else None)
+        state = ckpt.read_rollouter_state(resume) if resume else None
+        # Fresh servers serve the model's initial weights as version 0: a resumed run pushes first.
+        self.launcher.start_parts(self.parts, resume, state, push=self.driver.push)
         from slipstream.metrics import MetricsLogger
 
         self.logger = MetricsLogger(
@@ -238,7 +224,7 @@ class Pipeline:
         cfg, cluster, parts = self.cfg, self.cluster, self.parts
         self.supervisor = Supervisor(cfg, cluster, parts, self.launcher, run_dir=self.run_dir)
         self.checkpoints = CheckpointCoordinator(
-            cluster, parts, self.run_dir, keep=cfg.trainer.keep_checkpoints,
+            parts, self.run_dir, keep=cfg.trainer.keep_checkpoints,
             save_timeout_s=cfg.cluster.step_timeout_s,
         )  # fmt: skip
         self.driver = StepDriver(cfg, cluster, parts, self.supervisor, self.checkpoints,

@@ -15,7 +15,6 @@ A rank that dies during a step or a push raises :class:`~slipstream.pipeline.clu
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from slipstream.config import Config
 from slipstream.pipeline import checkpoint as ckpt
@@ -26,14 +25,14 @@ from slipstream.pipeline.cluster import (
     CallFailed,
     Cluster,
     PartFailed,
+    Pending,
     TrainerDied,
-    ask,
-    call_ranks,
     first_line,
 )
 from slipstream.pipeline.launcher import Parts
 from slipstream.pipeline.supervisor import Supervisor
 from slipstream.pipeline.types import PushReport, StepReport
+from slipstream.rollouter.settings import from_root as rollouter_settings
 from slipstream.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -65,8 +64,8 @@ class StepDriver:
         return self._after_step(self._run_step())
 
     def _run_step(self) -> list[StepReport]:
-        calls = [self.cluster.call(r, "step") for r in self.parts.ranks]
-        results: dict[Any, StepReport] = {}
+        calls = self.parts.trainer.step()
+        results: dict[Pending[StepReport], StepReport] = {}
         deadline = time.monotonic() + self.cfg.cluster.step_timeout_s
         pending = list(calls)
         while pending:
@@ -84,7 +83,7 @@ class StepDriver:
         self.supervisor.watch()  # also when steps are shorter than the health interval
         return [results[c] for c in calls]
 
-    def rank_result(self, call: Any) -> StepReport:
+    def rank_result(self, call: Pending[StepReport]) -> StepReport:
         """One rank's step report; a dead rank (or, with ``cluster.restart_trainer``, a failed step) is a
         :class:`TrainerDied`."""
         try:
@@ -116,8 +115,7 @@ class StepDriver:
             metrics.update(self.checkpoints.save(version))
         if version >= self.total_steps and self.cfg.eval_.every > 0:
             # The last record carries the evaluation of the weights the run ends with.
-            call = self.cluster.call(self.parts.rollouter, "finish_eval", self.parts.published)
-            ask(self.cluster, call, self.cfg.cluster.step_timeout_s, "the final evaluation")
+            self.parts.rollouter.finish_eval(self.parts.published, self.cfg.cluster.step_timeout_s)
         metrics.update(self._side_metrics())
         self.last_step_end = time.monotonic()
         return metrics
@@ -133,13 +131,11 @@ class StepDriver:
         out: dict[str, float] = {}
         started = parts.rollouter_started  # a first push on resume comes before the rollouter starts
         if self.cfg.async_.partial_rollout == "off" and started:
-            timeout = self.cfg.rollout.request_timeout_s * self.cfg.agent.max_turns + 60
-            out["sync/drain_s"] = float(self._ask_rollouter("drain", timeout=timeout, what="rollouter drain"))
-        timeout = 4 * self.cfg.weightsync.timeout_s + 60
-        report: PushReport = call_ranks(self.cluster, parts.ranks, "publish", timeout, version)[0]
+            out["sync/drain_s"] = float(parts.rollouter.drain(self._drain_timeout_s()))
+        report: PushReport = parts.trainer.publish(version, 4 * self.cfg.weightsync.timeout_s + 60)
         parts.published = version
         if started:
-            self._ask_rollouter("set_version", version)
+            parts.rollouter.set_version(version)
         self.supervisor.joined_after_push(report, version)
         if report.failed:
             log.warning("version %d did not reach %s", version, ", ".join(report.failed))
@@ -154,7 +150,7 @@ class StepDriver:
 
     # ------------------------------------------------------------------ metrics
     def _side_metrics(self) -> dict[str, float]:
-        out = dict(self._ask_rollouter("metrics"))
+        out = dict(self.parts.rollouter.metrics())
         stats = self.parts.queue_client.stats()
         train = stats.partitions.get("train")
         out["queue/held_groups"] = float(stats.held_groups)
@@ -169,10 +165,9 @@ class StepDriver:
         out["cluster/trainer_restarts"] = float(restarts.get("trainer", 0))
         return out
 
-    def _ask_rollouter(
-        self, method: str, *args: Any, timeout: float = CALL_TIMEOUT_S, what: str = "rollouter"
-    ) -> Any:
-        return ask(self.cluster, self.cluster.call(self.parts.rollouter, method, *args), timeout, what)
+    def _drain_timeout_s(self) -> float:
+        """How long the controller waits for a drain: the rollouter's own bound, plus a minute for the call."""
+        return rollouter_settings(self.cfg).drain_timeout_s + 60
 
 
 __all__ = ["StepDriver"]

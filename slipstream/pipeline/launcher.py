@@ -1,33 +1,33 @@
 """Start-up and shutdown of a run's parts: Ray and the placement, the queue, the inference servers, the
-trainer ranks and the rollouter; :class:`Parts` holds their handles for the rest of the controller.
+trainer ranks and the rollouter; :class:`Parts` holds their typed handles (``pipeline/handles.py``) for the
+rest of the controller.
 
-Start-up, in order (:meth:`Launcher.connect` then the ``start_*`` methods, driven by ``Pipeline``): Ray
-(local, or ``cluster.ray_address``) and the reservation of every part; the queue; the servers and the
-judge servers of ``reward.service.launch`` (loading while the trainer ranks initialise); the rollouter's actor (its process imports meanwhile too); the
-trainer ranks (process group, engine, resume from the latest checkpoint with the queue restored from its
-snapshot); then the rollouter itself, from its saved state. Every wait has a timeout
-(``cluster.*_timeout_s``); :meth:`Launcher.stop_all` stops what was started, each stop with a timeout and
-then a kill, in the order that lets each part finish cleanly (the rollouter before the servers it calls,
-the queue last).
+The start-up order is written once, in :meth:`Launcher.start_parts` (``Pipeline._start`` calls it after
+:meth:`Launcher.connect`); every wait has a timeout (``cluster.*_timeout_s``). :meth:`Launcher.stop_all` stops
+what was started, each stop with a timeout and then a kill, in the order that lets each part finish cleanly
+(the rollouter before the servers it calls, the queue last).
 
 Who owns what: the launcher creates actors and knows their constructor arguments (it alone reads the
-whole config for them); the step driver, the supervisor and the checkpoint coordinator only call them
-through :class:`Parts` and the cluster interface.
+whole config for them) and writes the handles into :class:`Parts`; the supervisor replaces a server's handle
+when it restarts one (through :meth:`Launcher.new_host`), the step driver writes the versions. Everyone else
+only calls the handles.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from slipstream.config import Config, ConfigError
 from slipstream.pipeline.actors import RolloutWorker, ServerHost, TrainerRank, wait_for_own_children
-from slipstream.pipeline.cluster import CALL_TIMEOUT_S, Cluster, PartFailed, RayCluster, ask, first_line
+from slipstream.pipeline.cluster import Cluster, PartFailed, Pending, RayCluster, ask, first_line
+from slipstream.pipeline.handles import QueueHandle, RolloutHandle, ServerHandle, TrainerGroup
 from slipstream.pipeline.types import RankSetup, RolloutStart
 from slipstream.rollouter.settings import from_root as rollouter_settings
 from slipstream.rollouter.state import RolloutState
@@ -35,24 +35,27 @@ from slipstream.trainer.settings import from_root as trainer_settings
 from slipstream.utils.http_auth import new_token
 from slipstream.utils.logging import get_logger
 
+if TYPE_CHECKING:
+    from slipstream.queue.client import QueueClient
+
 log = get_logger(__name__)
 
 
 @dataclass
 class Parts:
-    """The run's actors and where they are. ``urls[i]`` is server ``i``'s current URL (it changes when the
-    server restarts); ``version`` is the trainer's weight version and ``published`` the newest version the
-    servers serve (a restarted trainer may be behind it)."""
+    """The run's actors, as typed handles, and where they are. ``urls[i]`` is server ``i``'s current URL (it
+    changes when the server restarts); ``version`` is the trainer's weight version and ``published`` the
+    newest version the servers serve (a restarted trainer may be behind it)."""
 
-    queue_actor: Any = None
-    queue_client: Any = None
+    queue: QueueHandle | None = None
+    queue_client: QueueClient | None = None
     queue_address: str = ""
-    hosts: list[Any] = field(default_factory=list)
+    servers: list[ServerHandle] = field(default_factory=list)
     urls: list[str] = field(default_factory=list)
-    judge_hosts: list[Any] = field(default_factory=list)  # reward.service.launch: never pushed to
+    judges: list[ServerHandle] = field(default_factory=list)  # reward.service.launch: never pushed to
     judge_urls: list[str] = field(default_factory=list)
-    ranks: list[Any] = field(default_factory=list)
-    rollouter: Any = None
+    trainer: TrainerGroup | None = None
+    rollouter: RolloutHandle | None = None
     rollouter_started: bool = False
     version: int = 0
     published: int = 0
@@ -94,27 +97,50 @@ class Launcher:
         return self.cluster
 
     # ------------------------------------------------------------------ the parts
+    def start_parts(self, parts: Parts, resume: Path | None, state: RolloutState | None,
+                    push: Callable[[int], object]) -> None:  # fmt: skip
+        """Start every part, in this order (the one place it is written):
+
+        1. the queue server, whose address goes to the ranks and the rollouter;
+        2. the inference servers and the judge servers of ``reward.service.launch`` (they load meanwhile),
+           and the rollouter's actor (its process imports meanwhile too);
+        3. the trainer ranks: process group at rank 0's endpoint, engine, resume from ``resume`` (the
+           queue restored from its snapshot);
+        4. the servers' URLs (each answering ``/health``), then the judges', handed to rank 0's publisher;
+        5. on resume (version > 0) a first ``push`` of that version: fresh servers serve the initial weights;
+        6. the rollouter, from its saved ``state``, at the version the servers serve."""
+        self.start_queue(parts)
+        server_calls = self.launch_servers(parts)
+        judge_calls = self.launch_judges(parts)
+        self.create_rollouter(parts)
+        self.start_trainer(parts, resume)
+        if server_calls:
+            parts.urls = ask(
+                self.cluster, server_calls, self.cfg.cluster.start_timeout_s, "inference servers"
+            )
+        self.wait_judges(parts, judge_calls)
+        parts.trainer.attach_servers(parts.urls, self.server_token)
+        if parts.version > 0:
+            push(parts.version)
+        self.start_rollouter(parts, state)
+
     def start_queue(self, parts: Parts) -> None:
         from slipstream.queue.client import QueueClient
         from slipstream.queue.server import QueueServerActor
 
-        parts.queue_actor = self.cluster.spawn("queue", QueueServerActor, msgspec.to_builtins(self.cfg.queue))
-        address = ask(
-            self.cluster, self.cluster.call(parts.queue_actor, "address"), self.cfg.cluster.start_timeout_s,
-            "queue server",
-        )  # fmt: skip
-        parts.queue_address = address
-        parts.queue_client = QueueClient(address, shared_memory=False)
+        parts.queue = QueueHandle(self.cluster, self.cluster.spawn("queue", QueueServerActor, self.cfg.queue))
+        parts.queue_address = parts.queue.address(self.cfg.cluster.start_timeout_s)
+        parts.queue_client = QueueClient(parts.queue_address, shared_memory=False)
 
-    def launch_servers(self, parts: Parts) -> list[Any]:
+    def launch_servers(self, parts: Parts) -> list[Pending[str]]:
         """Start the server hosts; returns the calls that give their URLs (none for servers given by URL)."""
         if self.cfg.rollout.server_urls:
             parts.urls = [u.rstrip("/") for u in self.cfg.rollout.server_urls]
             return []
-        parts.hosts = [self.new_host(i) for i in range(self.cfg.rollout.num_servers)]
-        return [self.cluster.call(h, "start") for h in parts.hosts]
+        parts.servers = [self.new_host(i) for i in range(self.cfg.rollout.num_servers)]
+        return [h.start() for h in parts.servers]
 
-    def new_host(self, index: int) -> Any:
+    def new_host(self, index: int) -> ServerHandle:
         """A server host actor for server ``index`` (not started: call its ``start``)."""
         cfg = self.cfg
         args = (
@@ -125,22 +151,23 @@ class Launcher:
             str(self.run_dir),
             self.server_token,
         )
-        return self.cluster.spawn(f"server{index}", ServerHost, *args, max_concurrency=2)
+        actor = self.cluster.spawn(f"server{index}", ServerHost, *args, max_concurrency=2)
+        return ServerHandle(self.cluster, actor, f"server-{index}")
 
-    def launch_judges(self, parts: Parts) -> list[Any]:
+    def launch_judges(self, parts: Parts) -> list[Pending[str]]:
         """Start the judge servers of ``reward.service.launch`` (none unless a data source is scored by
         the service); returns the calls that give their URLs, for :meth:`wait_judges`.
 
         They are server hosts like the rollout servers', with a rollout section of their own (the judge's
         backend, server count and arguments over ``rollout``) and their own token, and they stay out of
-        ``parts.hosts``: the publisher and the balancer never hear of them, so no weight push and no rollout
+        ``parts.servers``: the publisher and the balancer never hear of them, so no weight push and no rollout
         request reaches them (their restarts: ``judges.py``)."""
         from slipstream.pipeline.placement import judge_servers
 
-        parts.judge_hosts = [self.new_judge_host(i) for i in range(judge_servers(self.cfg))]
-        return [self.cluster.call(h, "start") for h in parts.judge_hosts]
+        parts.judges = [self.new_judge_host(i) for i in range(judge_servers(self.cfg))]
+        return [h.start() for h in parts.judges]
 
-    def new_judge_host(self, index: int) -> Any:
+    def new_judge_host(self, index: int) -> ServerHandle:
         """A server host actor for judge server ``index`` (not started: call its ``start``)."""
         launch = self.cfg.reward.service.launch
         rollout = msgspec.structs.replace(
@@ -150,9 +177,10 @@ class Launcher:
         )  # fmt: skip
         args = (rollout, self.cfg.cluster.server_host, index, launch.model_path, str(self.run_dir),
                 self.judge_token, "judge")  # fmt: skip
-        return self.cluster.spawn(f"judge{index}", ServerHost, *args, max_concurrency=2)
+        actor = self.cluster.spawn(f"judge{index}", ServerHost, *args, max_concurrency=2)
+        return ServerHandle(self.cluster, actor, f"judge-{index}")
 
-    def wait_judges(self, parts: Parts, calls: list[Any]) -> None:
+    def wait_judges(self, parts: Parts, calls: list[Pending[str]]) -> None:
         if calls:
             parts.judge_urls = ask(self.cluster, calls, self.cfg.cluster.start_timeout_s, "judge servers")
             log.info("judge servers for reward.service: %s", ", ".join(parts.judge_urls))
@@ -164,28 +192,27 @@ class Launcher:
         threads = cfg.cluster.trainer_threads or max(1, (os.cpu_count() or 1) // world)
         # The controller writes checkpoints (with the rollouter's state), so the trainer's own are off.
         settings = msgspec.structs.replace(trainer_settings(cfg), checkpoint_every=0)
-        parts.ranks = [
+        ranks = [
             cluster.spawn(
                 f"rank{r}", TrainerRank, settings, r, world, str(self.run_dir), threads, max_concurrency=2
             )  # fmt: skip
             for r in range(world)
         ]
-        host, port = ask(cluster, cluster.call(parts.ranks[0], "endpoint"), CALL_TIMEOUT_S, "trainer rank 0")
+        parts.trainer = trainer = TrainerGroup(cluster, ranks)
+        host, port = trainer.endpoint()
         setup = RankSetup(host, port, parts.queue_address, str(resume) if resume else None)
-        calls = [cluster.call(r, "setup", setup) for r in parts.ranks]
-        versions = ask(cluster, calls, cfg.cluster.start_timeout_s, "trainer ranks")
-        parts.version = int(versions[0])
+        parts.version = int(trainer.setup(setup, cfg.cluster.start_timeout_s)[0])
         return parts.version
 
     def create_rollouter(self, parts: Parts) -> None:
         settings = rollouter_settings(self.cfg)
-        parts.rollouter = self.cluster.spawn("rollouter", RolloutWorker, settings, str(self.run_dir))
+        actor = self.cluster.spawn("rollouter", RolloutWorker, settings, str(self.run_dir))
+        parts.rollouter = RolloutHandle(self.cluster, actor)
 
     def start_rollouter(self, parts: Parts, state: RolloutState | None) -> None:
         start = RolloutStart(parts.urls, parts.queue_address, parts.published, state, self.server_token,
                              parts.judge_urls, self.judge_token if parts.judge_urls else "")  # fmt: skip
-        call = self.cluster.call(parts.rollouter, "start", start)
-        ask(self.cluster, call, self.cfg.cluster.start_timeout_s, "rollouter")
+        parts.rollouter.start(start, self.cfg.cluster.start_timeout_s)
         parts.rollouter_started = True
 
     # ------------------------------------------------------------------ shutdown
@@ -193,26 +220,32 @@ class Launcher:
         """Stop every part (each stop has ``cluster.shutdown_timeout_s``, then the actor is killed). Hosts in
         ``restarting`` (servers) and ``judges_restarting`` cannot answer ``stop`` while they start (or wait
         for room): they are killed."""
-        cluster, judges = self.cluster, parts.judge_hosts
+        cluster, judges, servers = self.cluster, parts.judges, parts.servers
         if cluster is None:
             return
-        steps: list[tuple[str, list[Any], str | None]] = [
-            ("rollouter", [parts.rollouter] if parts.rollouter else [], "stop"),
-            ("trainer", parts.ranks, "close"),
-            ("servers", [h for i, h in enumerate(parts.hosts) if i not in restarting], "stop"),
-            ("restarting servers", [parts.hosts[i] for i in restarting], None),
-            ("judge servers", [h for i, h in enumerate(judges) if i not in judges_restarting], "stop"),
-            ("restarting judge servers", [judges[i] for i in judges_restarting], None),
-            ("queue", [parts.queue_actor] if parts.queue_actor else [], "stop"),
+
+        def stopping(handles: list[Any]) -> tuple[list[Any], Callable[[], list[Pending[Any]]]]:
+            return [h.actor for h in handles], lambda: [c for h in handles for c in h.stop()]
+
+        def killing(handles: list[ServerHandle]) -> tuple[list[Any], None]:
+            return [h.actor for h in handles], None
+
+        trainer = parts.trainer
+        steps = [
+            ("rollouter", stopping([parts.rollouter] if parts.rollouter else [])),
+            ("trainer", (list(trainer.ranks), trainer.stop) if trainer else ([], None)),
+            ("servers", stopping([h for i, h in enumerate(servers) if i not in restarting])),
+            ("restarting servers", killing([servers[i] for i in restarting])),
+            ("judge servers", stopping([h for i, h in enumerate(judges) if i not in judges_restarting])),
+            ("restarting judge servers", killing([judges[i] for i in judges_restarting])),
+            ("queue", stopping([parts.queue] if parts.queue else [])),
         ]
-        for name, actors, method in steps:
+        for name, (actors, stop) in steps:
             if not actors:
                 continue
             try:
-                if method is not None:
-                    cluster.get(
-                        [cluster.call(a, method) for a in actors], self.cfg.cluster.shutdown_timeout_s
-                    )
+                if stop is not None:
+                    cluster.get(stop(), self.cfg.cluster.shutdown_timeout_s)
             except Exception as err:
                 log.warning("stopping the %s: %s; killing it", name, first_line(err))
             for actor in actors:

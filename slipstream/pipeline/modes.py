@@ -36,17 +36,11 @@ from typing import Any
 
 import msgspec
 
-from slipstream.config import Config, ConfigError
+from slipstream.config import MODE_PRESETS, Config, ConfigError, served_dtype
 from slipstream.utils.logging import get_logger
 
 log = get_logger(__name__)
 
-# mode -> the async fields it fixes (fields it leaves out keep the configured value)
-MODE_PRESETS: dict[str, dict[str, Any]] = {
-    "sync": {"staleness_threshold": 0.0, "sync_every": 1, "partial_rollout": "off"},
-    "one_step_off": {"staleness_threshold": 1.0, "sync_every": 1},
-    "fully_async": {},
-}
 
 # async.partial_rollout -> how a real SGLang/vLLM server treats in-flight requests during a push. With `off`
 # the rollouter drains before each push, so nothing is in flight and keeping it in place costs nothing.
@@ -65,13 +59,7 @@ def prepare_config(cfg: Config) -> tuple[Config, list[str]]:
     """
     if cfg.async_.mode not in MODE_PRESETS:
         raise ConfigError(f"async.mode: unknown mode `{cfg.async_.mode}`; known: {', '.join(MODE_PRESETS)}")
-    preset = MODE_PRESETS[cfg.async_.mode]
-    notes = [
-        f"async.{key}: {getattr(cfg.async_, key)!r} -> {value!r} (mode {cfg.async_.mode})"
-        for key, value in preset.items()
-        if getattr(cfg.async_, key) != value
-    ]
-    async_cfg = msgspec.structs.replace(cfg.async_, **preset)
+    async_cfg, notes = cfg.async_.with_preset()
     pause = PAUSE_MODES[async_cfg.partial_rollout]
     weightsync = msgspec.structs.replace(cfg.weightsync, pause_mode=pause)
     if weightsync.push_dtype == "auto":
@@ -90,26 +78,6 @@ def prepare_config(cfg: Config) -> tuple[Config, list[str]]:
         queue = msgspec.structs.replace(queue, snapshot_dir=snapshots)
     replaced = msgspec.structs.replace(cfg, async_=async_cfg, weightsync=weightsync, queue=queue)
     return replaced, notes
-
-
-def served_dtype(cfg: Config) -> str:
-    """The dtype the inference servers hold weights in (what ``weightsync.push_dtype: auto`` pushes)."""
-    if cfg.rollout.backend == "embedded":
-        return cfg.rollout.embedded.dtype
-    for arg in cfg.rollout.server_args:
-        key, _, value = arg.partition("=")
-        if key == "--dtype" and value in ("float32", "bfloat16", "float16"):
-            return value
-        if key == "--dtype" and value in ("half", "bf16", "float", "fp32"):
-            return {"half": "float16", "bf16": "bfloat16", "float": "float32", "fp32": "float32"}[value]
-    config = Path(cfg.model.path).expanduser() / "config.json"
-    if config.is_file():  # vLLM and SGLang serve the checkpoint's dtype unless told otherwise
-        found = json.loads(config.read_text()).get("torch_dtype") or json.loads(config.read_text()).get(
-            "dtype"
-        )
-        if found in ("float32", "bfloat16", "float16"):
-            return found
-    return cfg.model.dtype
 
 
 def check_config(cfg: Config, *, environment: bool = True) -> None:

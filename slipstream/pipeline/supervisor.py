@@ -34,22 +34,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from slipstream.config import Config
 from slipstream.pipeline import checkpoint as ckpt
-from slipstream.pipeline.cluster import (
-    CALL_TIMEOUT_S,
-    Cluster,
-    PartFailed,
-    ask,
-    call_ranks,
-    lost_note,
-)
-from slipstream.pipeline.health import count_restart, death_of
+from slipstream.pipeline.cluster import Cluster, PartFailed, lost_note
+from slipstream.pipeline.health import HostPool
 from slipstream.pipeline.judges import JudgeWatch
 from slipstream.pipeline.launcher import Launcher, Parts
-from slipstream.pipeline.types import PushReport, RolloutStatus
+from slipstream.pipeline.types import PushReport
 from slipstream.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -75,20 +67,22 @@ class Supervisor:
         self.clock = clock
         self.server_token = launcher.server_token
         self.restarts: dict[str, int] = {}
-        self._restarting: dict[int, Any] = {}  # server index -> the call of its start()
+        # The restart flow shared with the judge servers (health.HostPool); what is particular to a rollout
+        # server (the balancer, the publisher, the weights, room on a lost node) is here.
+        self.servers = HostPool(cfg.cluster, cluster, "inference server", "server", parts.servers, parts.urls,
+                                launcher.new_host, self.restarts)  # fmt: skip
         self._restart_began: dict[int, float] = {}
         self._no_room: set[int] = set()  # restarting servers whose node is gone and that have no room yet
         self._joining: list[str] = []  # restarted servers waiting for a push before they take requests
-        self._unhealthy: dict[int, int] = {}
         self._next_health = 0.0
         # The judge servers of reward.service.launch: the same policy, without weights (judges.py).
-        self.judges = JudgeWatch(cfg, cluster, parts, launcher, self.restarts, clock)
+        self.judges = JudgeWatch(cfg, cluster, parts, launcher, self.restarts)
 
     # ------------------------------------------------------------------ what callers see
     @property
     def servers_restarting(self) -> set[int]:
         """Indices of the servers being restarted (not yet back in the balancer)."""
-        return set(self._restarting)
+        return self.servers.restarting
 
     @property
     def servers_without_room(self) -> set[int]:
@@ -96,7 +90,7 @@ class Supervisor:
         return set(self._no_room)
 
     def live_urls(self) -> list[str]:
-        return [u for i, u in enumerate(self.parts.urls) if i not in self._restarting]
+        return [u for i, u in enumerate(self.parts.urls) if i not in self.servers.starting]
 
     # ------------------------------------------------------------------ health
     def watch(self) -> None:
@@ -108,9 +102,8 @@ class Supervisor:
         self._next_health = self.clock() + self.cfg.cluster.health_interval_s
         self._check_rollouter()
         self._check_queue()
-        for index in range(len(self.parts.hosts)):
-            if index not in self._restarting:
-                self._check_server(index)
+        for index, reason, replace_host in self.servers.deaths():
+            self._server_died(index, reason, replace_host=replace_host)
         self.judges.check()
 
     def poll(self) -> None:
@@ -119,59 +112,33 @@ class Supervisor:
         self.watch()
 
     def _check_rollouter(self) -> None:
-        status: RolloutStatus = self._ask(self.parts.rollouter, "status", what="rollouter")
+        status = self.parts.rollouter.status()
         if status.error:
             raise PartFailed(f"the rollouter failed: {status.error} (see {self.run_dir}/logs/rollouter.log)")
 
     def _check_queue(self) -> None:
-        if not self._ask(self.parts.queue_actor, "is_alive", what="queue server"):
+        if not self.parts.queue.is_alive():
             raise PartFailed("the queue server's loop stopped (see the Ray logs of QueueServerActor)")
-
-    def _check_server(self, index: int) -> None:
-        limit = self.cfg.cluster.unhealthy_checks
-        death = death_of(self.cluster, self.parts.hosts[index], self._unhealthy, index, limit)
-        if death is not None:
-            self._server_died(index, death[0], replace_host=death[1])
 
     # ------------------------------------------------------------------ server restarts
     def _server_died(self, index: int, reason: str, *, replace_host: bool = False) -> None:
-        url, key = self.parts.urls[index], f"server-{index}"
-
-        def last_output() -> str:
-            return "" if replace_host else self._ask(self.parts.hosts[index], "log_tail", what=key)
-
-        what = f"inference server {index} ({url})"
-        count = count_restart(self.cfg.cluster, self.restarts, key, what, reason, last_output)
-        log.warning("inference server %d (%s) died: %s; restarting it (%d/%d)", index, url, reason, count,
-                    self.cfg.cluster.max_restarts)  # fmt: skip
-        self._unhealthy.pop(index, None)
-        self._ask(self.parts.rollouter, "remove_server", url, what="rollouter")
-        self._ask(self.parts.ranks[0], "remove_server", url, what="trainer rank 0")
-        if replace_host:
-            self.cluster.kill(self.parts.hosts[index])
-            self.parts.hosts[index] = self.launcher.new_host(index)
-        self._restarting[index] = self.cluster.call(self.parts.hosts[index], "start")
+        self.servers.count(index, reason, replace_host)
+        url = self.parts.urls[index]
+        self.parts.rollouter.remove_server(url)
+        self.parts.trainer.remove_server(url)
+        self.servers.restart(index, replace_host)
         self._restart_began[index] = self.clock()
 
     def _progress_restarts(self) -> None:
-        for index, call in list(self._restarting.items()):
-            if not self.cluster.done(call):
-                self._check_room(index)
-                continue
-            del self._restarting[index]
+        for index, url in self.servers.finished():
             self._no_room.discard(index)
-            try:
-                url = self.cluster.get(call, CALL_TIMEOUT_S)
-            except Exception as err:
-                raise PartFailed(f"inference server {index} could not be restarted: {err}") from err
-            self.parts.urls[index] = url
             self._catch_up(index, url)
+        for index in self.servers.starting:
+            self._check_room(index)
 
     def _catch_up(self, index: int, url: str) -> None:
         """Bring a restarted server to the published version, then let it take requests."""
-        timeout = 4 * self.cfg.weightsync.timeout_s
-        report: PushReport = ask(self.cluster, self.cluster.call(self.parts.ranks[0], "add_server", url),
-                                 timeout, "trainer")  # fmt: skip
+        report = self.parts.trainer.add_server(url, 4 * self.cfg.weightsync.timeout_s)
         if report.publish is None and self.parts.published > 0:
             self._joining.append(url)  # no kept copy yet (a restarted trainer): joins after the next push
         elif report.publish is not None and url not in report.ok:
@@ -179,13 +146,13 @@ class Supervisor:
                 f"restarted server {url} could not take version {report.publish.version}: {report.publish}"
             )
         else:
-            self._ask(self.parts.rollouter, "add_server", url, what="rollouter")
+            self.parts.rollouter.add_server(url)
             log.info("server %d is back at %s with version %d", index, url, self.parts.published)
 
     def joined_after_push(self, report: PushReport, version: int) -> None:
         """Servers waiting for a push that this push reached take requests again."""
         for url in [u for u in self._joining if u in report.ok]:
-            self._ask(self.parts.rollouter, "add_server", url, what="rollouter")
+            self.parts.rollouter.add_server(url)
             self._joining.remove(url)
             log.info("restarted server %s serves version %d and takes requests again", url, version)
 
@@ -197,7 +164,7 @@ class Supervisor:
             return
         if self.clock() - self._restart_began.get(index, 0.0) < c.health_interval_s * c.unhealthy_checks:
             return
-        left = len(self.parts.hosts) - len(self._restarting)
+        left = len(self.parts.servers) - len(self.servers.starting)
         what = (
             f"inference server {index} lost its node and the rollout pool has no room left for it "
             f"({self.cluster.demand(name)})"
@@ -227,11 +194,9 @@ class Supervisor:
             )
         log.warning("%s; restarting the trainer from %s", reason, resume)
         self.restarts["trainer"] = count + 1
-        for rank in self.parts.ranks:
-            self.cluster.kill(rank)
+        self.parts.trainer.kill()
         version = self.launcher.start_trainer(self.parts, resume)
-        call_ranks(self.cluster, self.parts.ranks, "attach_servers", CALL_TIMEOUT_S, self.live_urls(),
-                   self.server_token)  # fmt: skip
+        self.parts.trainer.attach_servers(self.live_urls(), self.server_token)
         log.info("trainer restarted at version %d (servers keep version %d)", version, self.parts.published)
         return version
 
@@ -247,10 +212,6 @@ class Supervisor:
         if any("queue" in parts for parts in self.cluster.lost_nodes().values()):
             return "the queue server's node is gone"
         return None
-
-    # ------------------------------------------------------------------ helpers
-    def _ask(self, actor: Any, method: str, *args: Any, what: str) -> Any:
-        return ask(self.cluster, self.cluster.call(actor, method, *args), CALL_TIMEOUT_S, what)
 
 
 __all__ = ["Supervisor"]

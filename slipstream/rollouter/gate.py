@@ -64,21 +64,10 @@ class StalenessGate:
 
     @classmethod
     def from_config(cls, cfg: Any) -> StalenessGate:
-        """From the run's :class:`slipstream.config.Config` (``async.*``, ``trainer.batch_groups``)."""
-        a = cfg.async_
-        return cls.for_mode(a.mode, cfg.trainer.batch_groups, a.sync_every, a.staleness_threshold)
-
-    @classmethod
-    def for_mode(
-        cls, mode: str, batch_groups: int, sync_every: int, staleness_threshold: float
-    ) -> StalenessGate:
-        """The gate of ``async.mode``: ``sync`` forces threshold 0 and ``sync_every`` 1."""
-        sync = mode == "sync"
-        return cls(
-            batch_groups=batch_groups,
-            sync_every=1 if sync else sync_every,
-            staleness_threshold=0.0 if sync else staleness_threshold,
-        )
+        """From the run's :class:`slipstream.config.Config` (``async.*`` with its mode's preset applied by
+        ``AsyncConfig.with_preset``, ``trainer.batch_groups``)."""
+        a, _ = cfg.async_.with_preset()
+        return cls(batch_groups=cfg.trainer.batch_groups, sync_every=a.sync_every, staleness_threshold=a.staleness_threshold)
 
     def budget_at(self, version: int) -> int:
         # The epsilon keeps e.g. (0 + 1 * 1.1) * 10 = 11.000000000000002 from flooring below 11.

@@ -131,8 +131,11 @@ class Rollouter:
         self.agent = make_agent_loop(settings.agent, self.client, tokenizer)
         self.rewards = RewardRunner(settings.reward)
         self.rewards.check({s.data_source for s in prompts.samples})
-        self.gate = StalenessGate.for_mode(
-            settings.mode, settings.batch_groups, settings.sync_every, settings.staleness_threshold
+        # The settings hold the mode's preset already (rollouter/settings.py: from_root).
+        self.gate = StalenessGate(
+            batch_groups=settings.batch_groups,
+            sync_every=settings.sync_every,
+            staleness_threshold=settings.staleness_threshold,
         )
         self.queue = queue
         self.prompts = prompts
@@ -253,6 +256,25 @@ class Rollouter:
             ),
             pending=[PendingPrompt(w.ref.epoch, w.ref.index, w.attempt, w.resamples) for w in pending],
         )
+
+    async def checkpoint_state(self) -> RolloutState:
+        """:meth:`state_dict` for a run checkpoint taken between trainer steps: the drops the trainer already
+        reported are taken in first, so they are in this state (one popped while the trainer saves would be
+        in neither this state nor the queue snapshot's dropped list), and no new drop arrives until the
+        checkpoint is written."""
+        await self._collect_dropped()
+        return self.state_dict()
+
+    def set_judges(self, urls: list[str], token: str | None = None) -> None:
+        """The judge servers the reward service calls from now on (``token``: their own, when it changes)."""
+        service = self.rewards.service
+        if token:
+            service.authorize(token)
+        service.set_urls(urls)
+
+    async def finish_eval(self, version: int) -> None:
+        """Wait for the running evaluation, then evaluate ``version`` if it was not (the end of a run)."""
+        await self.evaluator.evaluate_now(version)
 
     def load_state_dict(self, state: RolloutState) -> None:
         if self._running:

@@ -77,5 +77,7 @@ class RollouterSettings(msgspec.Struct, kw_only=True):
 
 
 def from_root(cfg: Config) -> RollouterSettings:
-    """The rollouter's settings from the root config: its sections whole, every other value from its ROOT_KEYS key."""
+    """The rollouter's settings from the root config: its sections whole, every other value from its ROOT_KEYS key
+    (the ``async`` values with their mode's preset applied: ``AsyncConfig.with_preset``)."""
+    cfg = msgspec.structs.replace(cfg, async_=cfg.async_.with_preset()[0])
     return settings_from_root(RollouterSettings, cfg, ROOT_KEYS)

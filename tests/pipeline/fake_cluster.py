@@ -1,18 +1,21 @@
 """A cluster without Ray, processes or sockets, for unit tests of the controller's parts.
 
-Actors are plain objects chosen by part name (``server0``, ``judge0`` -> :class:`FakeServer`, ``rank0`` ->
+The parts under test reach it through the same typed handles as production (``pipeline/handles.py``), which
+name the actor classes' methods (``TrainerRank.add_server``); the fake runs the method of the same name on a
+plain object chosen by part name (``server0``, ``judge0`` -> :class:`FakeServer`, ``rank0`` ->
 :class:`FakeRank`, ``rollouter``, ``queue``); the class passed to ``spawn`` is never built. Calls run at
 once, unless the test holds them (``hold("server0", "start")``): a held call stays pending until
 ``finish`` runs it, which is how a test walks a server restart through its states without waiting. Every
-call is recorded in ``log`` as ``(part, method, args)``.
+call is recorded in ``log`` as ``(part, method name, args)``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from slipstream.config import load_config
-from slipstream.pipeline.cluster import ActorDied, CallFailed, CallTimedOut, Cluster
+from slipstream.pipeline.cluster import ActorDied, CallFailed, CallTimedOut, Cluster, Pending
 from slipstream.pipeline.types import PushReport, RolloutStatus, ServerHealth
 
 
@@ -101,6 +104,9 @@ class FakeQueue:
     def is_alive(self) -> bool:
         return self.alive
 
+    def address(self) -> str:
+        return "tcp://queue:5555"
+
 
 KINDS = {
     "server": FakeServer,
@@ -118,8 +124,9 @@ class FakeActor:
         self.dead = False
 
 
-class FakeCall:
+class FakeCall(Pending):
     def __init__(self, actor: FakeActor, method: str, args: tuple) -> None:
+        super().__init__(self)
         self.actor, self.method, self.args = actor, method, args
         self.done = False
         self.value: Any = None
@@ -151,11 +158,12 @@ class FakeCluster(Cluster):
         self.actors.append(actor)
         return actor
 
-    def call(self, actor: FakeActor, method: str, *args: Any) -> FakeCall:
-        self.log.append((actor.part, method, args))
-        call = FakeCall(actor, method, args)
-        if (actor.part, method) in self._held:
-            self._held[(actor.part, method)].append(call)
+    def call(self, actor: FakeActor, method: Callable[..., Any], *args: Any) -> FakeCall:
+        name = method.__name__
+        self.log.append((actor.part, name, args))
+        call = FakeCall(actor, name, args)
+        if (actor.part, name) in self._held:
+            self._held[(actor.part, name)].append(call)
         else:
             call.run()
         return call

@@ -8,6 +8,7 @@ from typing import Any
 
 from slipstream.config import Config
 from slipstream.pipeline.launcher import Launcher, Parts
+from slipstream.queue.config import QueueConfig
 from slipstream.rollouter.config import RolloutConfig
 from slipstream.rollouter.settings import RollouterSettings
 from slipstream.trainer.settings import TrainerSettings
@@ -51,3 +52,20 @@ def test_each_actor_gets_its_roles_settings(tmp_path):
     assert isinstance(rollout, RolloutConfig) and host == "0.0.0.0"
     for args in cluster.spawned.values():
         assert not any(isinstance(a, (Config, dict)) for a in args), args
+
+
+def test_the_queue_actor_gets_the_typed_queue_section(tmp_path, monkeypatch):
+    import slipstream.queue.client as queue_client
+
+    monkeypatch.setattr(queue_client, "QueueClient", lambda address, **kw: ("client of", address))
+    cfg = fake_config("queue.capacity_groups=17")
+    launcher = Launcher(cfg, tmp_path, "token")
+    launcher.cluster = cluster = RecordingCluster()
+    parts = Parts()
+    launcher.start_queue(parts)
+    (queue_cfg,) = cluster.spawned["queue"]
+    assert isinstance(queue_cfg, QueueConfig) and queue_cfg.capacity_groups == 17
+    assert parts.queue_address == "tcp://queue:5555" and parts.queue_client == (
+        "client of",
+        "tcp://queue:5555",
+    )

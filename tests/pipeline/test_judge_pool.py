@@ -64,7 +64,7 @@ def test_a_judge_pool_started_by_the_pipeline_scores_and_never_takes_a_push(
                 ("judge0", "rollout"),
             ]
             assert re.search(r"^judge0 +rollout ", format_layout(layout), re.MULTILINE)
-            os.kill(ray.get(parts.judge_hosts[0].pid.remote()), signal.SIGKILL)
+            os.kill(ray.get(parts.judges[0].actor.pid.remote()), signal.SIGKILL)
             deadline = time.monotonic() + 120
             while not pipeline.restarts.get("judge-0") or pipeline.supervisor.judges.restarting:
                 assert time.monotonic() < deadline, "the judge server did not come back"

@@ -8,8 +8,10 @@ from __future__ import annotations
 import pytest
 import ray
 
-from slipstream.pipeline.cluster import ActorDied, RayCluster, TrainerDied, call_ranks
+from slipstream.pipeline.actors import TrainerRank
+from slipstream.pipeline.cluster import ActorDied, Pending, RayCluster, TrainerDied
 from slipstream.pipeline.driver import StepDriver
+from slipstream.pipeline.handles import TrainerGroup
 from slipstream.pipeline.launcher import Parts
 from tests.pipeline.fake_cluster import FakeCluster, fake_config
 
@@ -21,7 +23,7 @@ def _killed_for_memory(*args, **kwargs):
 def test_ray_reports_a_rank_killed_for_memory_as_a_dead_actor(monkeypatch):
     monkeypatch.setattr(ray, "get", _killed_for_memory)
     with pytest.raises(ActorDied, match="killed due to the node running low on memory"):
-        RayCluster().get(object(), 1.0)
+        RayCluster().get(Pending(object()), 1.0)
 
 
 def test_a_rank_that_died_during_a_step_is_a_dead_rank():
@@ -31,7 +33,7 @@ def test_a_rank_that_died_during_a_step_is_a_dead_rank():
     driver = StepDriver.__new__(StepDriver)  # only the result handling is exercised
     driver.cluster, driver.cfg, driver.parts = cluster, fake_config(), Parts()
     with pytest.raises(TrainerDied, match="a trainer rank died"):
-        driver.rank_result(cluster.call(rank, "step"))
+        driver.rank_result(cluster.call(rank, TrainerRank.step))
 
 
 def test_a_rank_that_died_during_a_push_is_a_dead_rank():
@@ -39,4 +41,4 @@ def test_a_rank_that_died_during_a_push_is_a_dead_rank():
     rank = cluster.spawn("rank0", object)
     cluster.die(rank)
     with pytest.raises(TrainerDied, match="died during publish"):
-        call_ranks(cluster, [rank], "publish", 1.0, 7)
+        TrainerGroup(cluster, [rank]).publish(7, timeout_s=1.0)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from slipstream.pipeline.cluster import PartFailed
+from slipstream.pipeline.handles import QueueHandle, RolloutHandle, ServerHandle, TrainerGroup
 from slipstream.pipeline.launcher import Launcher, Parts
 from slipstream.pipeline.supervisor import Supervisor
 from slipstream.pipeline.types import PushReport, RankSetup, ServerHealth
@@ -35,15 +36,19 @@ def running(tmp_path: Path, *overrides: str, servers: int = 1, published: int = 
     launcher = Launcher(cfg, tmp_path, "token")
     launcher.cluster = cluster
     parts = Parts(
-        queue_actor=cluster.spawn("queue", object),
-        hosts=[cluster.spawn(f"server{i}", object) for i in range(servers)],
+        queue=QueueHandle(cluster, cluster.spawn("queue", object)),
+        servers=[
+            ServerHandle(cluster, cluster.spawn(f"server{i}", object), f"server-{i}") for i in range(servers)
+        ],
         urls=[f"http://server{i}:8000" for i in range(servers)],
-        ranks=[cluster.spawn("rank0", object)],
-        rollouter=cluster.spawn("rollouter", object),
+        trainer=TrainerGroup(cluster, [cluster.spawn("rank0", object)]),
+        rollouter=RolloutHandle(cluster, cluster.spawn("rollouter", object)),
         rollouter_started=True,
         version=published,
         published=published,
-        judge_hosts=[cluster.spawn(f"judge{i}", object) for i in range(judges)],
+        judges=[
+            ServerHandle(cluster, cluster.spawn(f"judge{i}", object), f"judge-{i}") for i in range(judges)
+        ],
         judge_urls=[f"http://judge{i}:8000" for i in range(judges)],
     )
     FakeRank.version, FakeRank.kept_copy = published, True
@@ -114,8 +119,11 @@ def test_a_dead_host_actor_is_replaced_before_the_restart(tmp_path):
     old = cluster.actor("server0")
     cluster.die(old)
     supervisor.poll()
-    assert cluster.killed == ["server0"] and supervisor.parts.hosts[0] is not old
-    assert supervisor.parts.hosts[0] is cluster.actor("server0") and cluster.actor("server0").obj.starts == 1
+    assert cluster.killed == ["server0"] and supervisor.parts.servers[0].actor is not old
+    assert (
+        supervisor.parts.servers[0].actor is cluster.actor("server0")
+        and cluster.actor("server0").obj.starts == 1
+    )
     assert supervisor.restarts == {"server-0": 1}
 
 
@@ -146,7 +154,7 @@ def test_a_lone_judge_keeps_its_url_while_its_dead_host_is_replaced_and_restarts
     cluster.hold("judge0", "start")
     cluster.die(old)
     supervisor.poll()
-    assert cluster.killed == ["judge0"] and supervisor.parts.judge_hosts[0] is cluster.actor("judge0") != old
+    assert cluster.killed == ["judge0"] and supervisor.parts.judges[0].actor is cluster.actor("judge0") != old
     # No judge left: the reward service keeps the URL and retries it (samples then score failure_score).
     assert cluster.calls_of("rollouter", "set_judge_urls") == [(["http://judge0:8000"],)]
     cluster.finish("judge0", "start")
@@ -283,7 +291,7 @@ def test_a_dead_trainer_restarts_every_rank_from_the_latest_checkpoint(tmp_path)
     FakeRank.version = 4
     assert supervisor.restart_trainer("a rank died") == 4
     assert cluster.killed == ["rank0"] and supervisor.restarts == {"trainer": 1}
-    assert [r.part for r in supervisor.parts.ranks] == ["rank0", "rank1"]
+    assert [r.part for r in supervisor.parts.trainer.ranks] == ["rank0", "rank1"]
     setups = cluster.calls_of("rank0", "setup") + cluster.calls_of("rank1", "setup")
     assert setups == [(RankSetup("127.0.0.1", 29500, "", str(latest)),)] * 2
     assert cluster.calls_of("rank1", "attach_servers") == [(["http://server0:8000"], "token")]

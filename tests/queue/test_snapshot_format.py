@@ -8,6 +8,7 @@ import struct
 import time
 
 import msgspec
+import pytest
 
 from slipstream.queue import protocol as P
 from slipstream.queue.codec import ALIGN, pack_frames
@@ -15,16 +16,32 @@ from slipstream.queue.snapdir import SnapshotDir
 from slipstream.queue.snapshot import FORMAT_VERSION, MAGIC, read_snapshot
 from slipstream.queue.testing import make_group
 from slipstream.queue.types import GroupMeta, Provenance
-from tests.queue.test_controller import OTHER, PRODUCER, TRAINER, _ids, make_queue  # noqa: F401
+from tests.queue.test_controller import OTHER, PRODUCER, Queue, _ids
 
 ORIGIN = Provenance(prompt_index=7, epoch=1, attempt=2, data_source="gsm8k", keep_stale=True)
+
+
+@pytest.fixture
+def make_queue():
+    made: list[Queue] = []
+
+    def make(**cfg: object) -> Queue:
+        made.append(Queue(**cfg))
+        return made[-1]
+
+    yield make
+    for queue in made:
+        queue.ctl.close()
+        queue.unit.close()
 
 
 def put_with(q, gid: str, provenance: Provenance | None) -> None:
     group = make_group(gid)
     group.meta.provenance = provenance
     specs, views = pack_frames(group.tensors, 0)
-    q.ctl.handle_put(0, (PRODUCER, b""), P.PutRequest(1, "train", group.meta, specs, 5.0), [bytes(v) for v in views])
+    q.ctl.handle_put(
+        0, (PRODUCER, b""), P.PutRequest(1, "train", group.meta, specs, 5.0), [bytes(v) for v in views]
+    )
 
 
 def format_1_file(directory, name: str, extras: dict[str, dict], dropped: dict[str, dict]) -> None:

@@ -119,3 +119,19 @@ def test_gate_never_admits_more_than_its_budget(batch_groups, sync_every, thresh
         await asyncio.gather(*waiters)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    "mode, threshold, sync_every", [("sync", 0.0, 1), ("one_step_off", 1.0, 1), ("fully_async", 3.0, 4)]
+)
+def test_every_gate_takes_its_modes_preset_from_the_one_table(mode, threshold, sync_every):
+    from slipstream.pipeline.modes import prepare_config
+    from slipstream.rollouter.settings import from_root
+
+    cfg = load_config(None, [f"async.mode={mode}", "async.staleness_threshold=3", "async.sync_every=4"])
+    prepared = prepare_config(cfg)[0].async_
+    settings = from_root(cfg)  # a rollouter built from a config the pipeline did not prepare
+    simulated = StalenessGate.from_config(cfg)
+    assert (prepared.staleness_threshold, prepared.sync_every) == (threshold, sync_every)
+    assert (settings.staleness_threshold, settings.sync_every) == (threshold, sync_every)
+    assert (simulated.staleness_threshold, simulated.sync_every) == (threshold, sync_every)

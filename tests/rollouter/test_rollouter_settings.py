@@ -32,7 +32,7 @@ def test_from_root_maps_each_value_from_its_documented_key():
         None,
         [
             "run.seed=7",
-            "async.mode=one_step_off",
+            "async.mode=fully_async",  # no preset: each value as written (presets: test_gate.py)
             "async.staleness_threshold=1.5",
             "async.sync_every=3",
             "async.stale_policy=keep",

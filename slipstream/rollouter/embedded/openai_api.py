@@ -28,7 +28,8 @@ from fastapi.responses import Response, StreamingResponse
 
 from slipstream.agents.protocol import SamplingParams
 from slipstream.rollouter.config import EmbeddedServerConfig
-from slipstream.rollouter.embedded.app import (
+from slipstream.rollouter.embedded.engine import EmbeddedEngine, RequestError, RequestState
+from slipstream.rollouter.embedded.http import (
     SSE_DONE,
     decode_body,
     encode_text,
@@ -36,7 +37,6 @@ from slipstream.rollouter.embedded.app import (
     sse,
     wait_or_abort_on_disconnect,
 )
-from slipstream.rollouter.embedded.engine import EmbeddedEngine, RequestError, RequestState
 from slipstream.rollouter.embedded.schemas import ChatCompletionRequest, CompletionRequest, _OpenAISampling
 
 # OpenAI's message roles ("function" is deprecated there and not rendered by chat templates).
