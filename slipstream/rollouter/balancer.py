@@ -34,7 +34,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from slipstream.agents.protocol import GenerateOutput, SamplingParams
-from slipstream.rollouter.clients import make_client
+from slipstream.rollouter.clients import client_for
 from slipstream.rollouter.clients.base import ServerClient, ServerError, ServerUnavailable
 from slipstream.rollouter.config import RolloutConfig
 from slipstream.utils.logging import get_logger
@@ -279,9 +279,7 @@ def balancer_from_config(cfg: RolloutConfig, urls: Sequence[str], token: str = "
     The HTTP timeout of each client is a minute longer than ``cfg.request_timeout_s``, so the balancer's
     own timeout (abort there, retry elsewhere) is the one that fires.
     """
-    clients = [
-        make_client(cfg.backend, url, timeout_s=cfg.request_timeout_s + 60.0).authorize(token) for url in urls
-    ]
+    clients = [client_for(cfg, url).authorize(token) for url in urls]
     return LoadBalancer(
         clients,
         max_concurrent_per_server=cfg.max_concurrent_per_server,

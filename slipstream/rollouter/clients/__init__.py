@@ -10,6 +10,7 @@ from __future__ import annotations
 from slipstream.rollouter.clients.base import ServerClient, ServerError, ServerUnavailable
 from slipstream.rollouter.clients.sglang import SGLangClient
 from slipstream.rollouter.clients.vllm import VLLMClient
+from slipstream.rollouter.config import RolloutConfig
 from slipstream.serverapi import server_api
 from slipstream.utils.registry import Registry
 
@@ -27,6 +28,15 @@ def make_client(kind: str, base_url: str, **kwargs) -> ServerClient:
     return CLIENT_KINDS.get(kind)(base_url, server_api=server_api(kind), **kwargs)
 
 
+def client_for(cfg: RolloutConfig, base_url: str) -> ServerClient:
+    """The client the rollouter uses for the ``cfg.backend`` server at ``base_url``: its HTTP timeout a
+    minute past ``cfg.request_timeout_s`` (so the balancer's own timeout fires first) and the kind's own
+    options from ``cfg`` (vLLM: the generate route)."""
+    cls = CLIENT_KINDS.get(cfg.backend)
+    options = cls.options_from(cfg)
+    return make_client(cfg.backend, base_url, timeout_s=cfg.request_timeout_s + 60.0, **options)
+
+
 __all__ = [
     "CLIENT_KINDS",
     "SGLangClient",
@@ -34,5 +44,6 @@ __all__ = [
     "ServerError",
     "ServerUnavailable",
     "VLLMClient",
+    "client_for",
     "make_client",
 ]

@@ -26,11 +26,14 @@ Pause modes are ours (``abort``, ``in_place``, ``retract``, ``wait``); a mode th
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from slipstream.agents.protocol import GenerateOutput, SamplingParams
 from slipstream.serverapi import Call, ServerAPI, ServerControl
 from slipstream.utils.http_client import HTTPClient, HTTPClientError, Reply
+
+if TYPE_CHECKING:
+    from slipstream.rollouter.config import RolloutConfig
 
 
 class ServerError(RuntimeError):
@@ -121,6 +124,11 @@ class ServerClient(ABC):
         self._http = HTTPClient(
             self.base_url, timeout_s=timeout_s, connect_timeout_s=10.0, max_connections=max_connections
         )
+
+    @classmethod
+    def options_from(cls, cfg: RolloutConfig) -> dict:
+        """Constructor options this kind reads from the rollout config (none by default)."""
+        return {}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.base_url!r})"

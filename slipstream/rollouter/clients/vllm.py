@@ -30,11 +30,14 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from slipstream.agents.protocol import GenerateOutput, SamplingParams
 from slipstream.rollouter.clients.base import ServerClient, ServerError, expand_spans, parse_version
 from slipstream.serverapi import VLLM, ServerAPI
+
+if TYPE_CHECKING:
+    from slipstream.rollouter.config import RolloutConfig
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -156,6 +159,10 @@ class VLLMClient(ServerClient):
         )
         self.route = self.api = api  # the generate route: abort follows it (``api`` is its old name)
         self.retry_interval_s = retry_interval_s
+
+    @classmethod
+    def options_from(cls, cfg: RolloutConfig) -> dict:
+        return {"api": cfg.vllm.route}
 
     async def generate(
         self,

@@ -1,0 +1,199 @@
+"""Slipstream's weight-transfer engine inside vLLM: our staged, bucketed pushes through vLLM's own routes.
+
+vLLM 0.32+ chooses the engine that receives weights with ``--weight-transfer-config {"backend": NAME}``
+and lets packages add engines (``WeightTransferEngineFactory.register_engine``); this package's
+``vllm.general_plugins`` entry point (:func:`register`, run in every vLLM process) adds ``slipstream``.
+The trainer then drives vLLM with its usual dev-mode sequence, and each call lands here, in the worker:
+
+  ``/init_weight_transfer_engine {init_info}``  → join the trainer's group (gloo on CPU, NCCL on GPU)
+  ``/start_weight_update``                      → start staging a version
+  ``/update_weights {update_info}``             → receive one bucket (our exact layout) into staging
+  ``/finish_weight_update {weight_version}``    → apply the whole version to the model at once
+
+The receiving logic is the embedded server's (:class:`~slipstream.weightsync.http_receiver.WeightReceiver`):
+one implementation of staging, checks and atomic apply for every server kind. Why not vLLM's ``nccl``
+engine: it loads each chunk into the live model as it arrives (layerwise reload), so a push cut short
+leaves layers of two versions, and it needs NCCL, which a CPU does not have. Here a version that fails
+part way is discarded and the old one keeps serving (vLLM's worker also closes its session).
+
+The engine runs the receiver on an event loop of its own (a daemon thread): vLLM calls the engine
+synchronously from its worker, while the receiver's waits and watchdog are asyncio.
+
+Worked example (what ``weightsync/adapters.py``'s ``VLLMAdapter`` sends when the server runs this engine)::
+
+    POST /init_weight_transfer_engine {"init_info": {"master_address": "127.0.0.1", "master_port": 29600,
+         "rank_offset": 1, "world_size": 2, "group_name": "slipstream_weights", "backend": "gloo"}}
+    POST /start_weight_update
+    POST /update_weights {"update_info": {"names": [...], "dtypes": [...], "shapes": [...],
+         "group_name": "slipstream_weights", "slipstream_bucket": {...}}}        # x buckets
+    POST /finish_weight_update {"weight_version": "3"}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+import torch
+
+from slipstream.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+ENGINE_NAME = "slipstream"
+T = TypeVar("T")
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: add the ``slipstream`` weight-transfer engine (lazily: the
+    engine module is imported only by a server configured to use it)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if ENGINE_NAME in WeightTransferEngineFactory._registry:  # plug-ins may load twice in one process
+        return
+    WeightTransferEngineFactory.register_engine(ENGINE_NAME, __name__, "SlipstreamWeightEngine")
+
+
+def checkpoint_specs(model_dir: str | Path, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every tensor of the HF checkpoint in ``model_dir`` by name, with its shape and the serving ``dtype``
+    (vLLM fuses q/k/v and gate/up internally, so its own parameter names are not the trainer's)."""
+    from safetensors import safe_open
+
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                specs[name] = (tuple(f.get_slice(name).get_shape()), dtype)
+    return specs
+
+
+@dataclass
+class VLLMTarget:
+    """The :class:`~slipstream.weightsync.types.WeightTarget` of one vLLM worker's model.
+
+    ``apply_weights`` checks every name and shape before it loads a byte (vLLM's ``load_weights`` stops at
+    the first bad name with the earlier ones already loaded), then loads the version through the model's
+    own ``load_weights`` (which fuses q/k/v and gate/up and skips a tied ``lm_head``).
+    """
+
+    model: torch.nn.Module
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    version: int = 0
+    tied: frozenset[str] = field(default_factory=lambda: frozenset({"lm_head.weight"}))
+
+    @property
+    def weight_version(self) -> int:
+        return self.version
+
+    def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return self.specs
+
+    def apply_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        tensors = list(named_tensors)
+        for name, tensor in tensors:
+            spec = self.specs.get(name)
+            if spec is None and name not in self.tied:
+                raise ValueError(f"`{name}` is not a weight of the served checkpoint")
+            if spec is not None and tuple(tensor.shape) != spec[0]:
+                raise ValueError(f"`{name}`: sent shape {list(tensor.shape)}, serving {list(spec[0])}")
+        dtype = next(iter(self.specs.values()))[1] if self.specs else None
+        with torch.no_grad():
+            self.model.load_weights((n, t if dtype is None else t.to(dtype)) for n, t in tensors)
+        self.version = version
+
+
+class _Loop:
+    """An asyncio loop on a daemon thread, for calling coroutines from vLLM's synchronous worker."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="slipstream-weights", daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5)
+
+
+def _engine_base():
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+    return WeightTransferEngine
+
+
+def _raise_failed(resp) -> None:
+    if not resp.success:
+        raise RuntimeError(resp.message)
+
+
+try:  # the engine class exists only where vLLM does (this module is imported by vLLM's factory)
+    _Base = _engine_base()
+except ImportError:  # pragma: no cover - imported without vLLM: register() and the target still work
+    _Base = object
+
+
+class SlipstreamWeightEngine(_Base):  # type: ignore[misc, valid-type]
+    """vLLM's ``WeightTransferEngine`` interface over our :class:`WeightReceiver` (module docstring)."""
+
+    init_info_cls = dict
+    update_info_cls = dict
+
+    def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
+        from slipstream.weightsync.config import WeightSyncConfig
+        from slipstream.weightsync.http_receiver import WeightReceiver
+
+        super().__init__(config, vllm_config, device, model)
+        dtype = vllm_config.model_config.dtype
+        self.target = VLLMTarget(model, checkpoint_specs(vllm_config.model_config.model, dtype))
+        self.receiver = WeightReceiver(self.target, WeightSyncConfig(require_all_weights=False))
+        self._loop = _Loop()
+
+    def parse_init_info(self, init_dict: dict[str, Any]):
+        from slipstream.weightsync.types import InitWeightsUpdateGroupReq
+
+        return _convert(init_dict, InitWeightsUpdateGroupReq, "init_info")
+
+    def parse_update_info(self, update_dict: dict[str, Any]):
+        from slipstream.weightsync.types import UpdateWeightsFromDistributedReq
+
+        return _convert(update_dict, UpdateWeightsFromDistributedReq, "update_info")
+
+    def init_transfer_engine(self, init_info) -> None:
+        _raise_failed(self._loop.run(self.receiver.init_group(init_info)))
+
+    def start_weight_update(self) -> None:
+        from slipstream.weightsync.types import BeginWeightUpdateReq
+
+        _raise_failed(self._loop.run(self.receiver.begin(BeginWeightUpdateReq())))
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # No device synchronise afterwards (the base class's): the receiver waits for each bucket itself.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info) -> None:
+        _raise_failed(self._loop.run(self.receiver.update(update_info)))
+
+    def finish_weight_update(self) -> None:
+        from slipstream.weightsync.types import EndWeightUpdateReq
+
+        if self.receiver.session is None:  # a failed update closed it: nothing to apply
+            return
+        _raise_failed(self._loop.run(self.receiver.end(EndWeightUpdateReq())))
+
+    def shutdown(self) -> None:
+        self.receiver.close()
+
+
+def _convert(data: dict[str, Any], cls: type, what: str):
+    try:
+        return msgspec.convert(data, cls)
+    except msgspec.ValidationError as err:
+        raise ValueError(f"invalid {what} for the slipstream weight-transfer engine: {err}") from err
