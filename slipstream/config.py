@@ -548,15 +548,28 @@ def _parse_override(item: str) -> tuple[str, Any]:
     key = key.strip()
     if not sep or not _KEY_RE.match(key):
         raise ConfigError(f"override `{item}`: expected dotted.key=value, e.g. trainer.lr=1e-5")
+    return key, override_value(key, text)
+
+
+def override_value(key: str, text: str) -> Any:
+    """The value of a ``key=text`` override: YAML's null, a list or mapping, a quoted string (quotes
+    removed: ``auth_token=""`` is the empty string, not two quote characters), else the text itself."""
     text = text.strip()
     if text in ("null", "~"):  # YAML's null: `cluster.ray_address=null` clears a preset's value
-        return key, None
-    if text[:1] in "[{":
+        return None
+    if text[:1] in "[{":  # the empty text too: YAML reads it as null, as before
         try:
-            return key, yaml.safe_load(text)
+            return yaml.safe_load(text)
         except yaml.YAMLError as err:
             raise ConfigError(f"{key}: value `{text}` is not a valid YAML list/mapping: {err}") from None
-    return key, text
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{key}: value `{text}` is not a valid quoted string: {err}") from None
+        if isinstance(value, str):
+            return value
+    return text
 
 
 def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:

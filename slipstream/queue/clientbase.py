@@ -26,6 +26,8 @@ from slipstream.utils.net import is_loopback
 log = get_logger(__name__)
 
 _ABANDONED_KEPT = 1024
+# Seconds a timed-out client with a token waits for the server to answer a ping without it (the diagnosis).
+_PROBE_S = 1.0
 
 
 class ClientBase:
@@ -47,6 +49,10 @@ class ClientBase:
             )
         self.address = address  # without the token: it is shown in errors and logs
         self._token = auth.client_token(in_address, token)
+        self._token_from = (
+            "" if not self._token else "token=" if token else "the address" if in_address
+            else f"${auth.TOKEN_ENV}"
+        )  # fmt: skip
         self.timeout_s = timeout_s
         self._use_shm = shared_memory
         self._use_ipc = ipc
@@ -145,9 +151,32 @@ class ClientBase:
         hint = "is it running?"
         if not self._token and not is_loopback(self.address[6:].rsplit(":", 1)[0]):
             hint += f" A server beyond loopback needs its token: tcp://TOKEN@host:port or ${auth.TOKEN_ENV}"
+        elif self._token and self._answers_without_token():
+            hint = (
+                f"it answers clients without a token, and this one presents a token (from {self._token_from}), "
+                "which a server without a token never answers: drop the token"
+                + (f" (unset ${auth.TOKEN_ENV})" if self._token_from.startswith("$") else "")
+                + " or start the server with queue.auth_token set to it"
+            )
         return QueueUnreachable(
             f"no reply from the queue server at {self.address} within {wait_s:.1f}s ({hint})", sent=True
         )
+
+    def _answers_without_token(self) -> bool:
+        """Whether the server answers a ping sent without a token (blocks up to ``_PROBE_S``; only on the way
+        to a time-out error, where a token mismatch is the likely cause: ZeroMQ's handshake fails silently)."""
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.address)
+            sock.send_multipart(self._codec.encode(P.MsgType.PING, P.PingRequest(0)))
+            return bool(sock.poll(_PROBE_S * 1000))
+        except zmq.ZMQError:
+            return False
+        finally:
+            sock.close(linger=0)
+            ctx.term()
 
     def _adopt(self, session: Session) -> None:
         """Take the session a HELLO made; leases held from a server that restarted since are gone."""

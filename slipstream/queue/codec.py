@@ -67,6 +67,21 @@ class WireError(Exception):
         self.req_id = req_id
 
 
+def _leading_uint(raw: bytes) -> int:
+    """The unsigned integer a msgpack array starts with (a header's req_id), or 0."""
+    if not raw:
+        return 0
+    pos = 1 if 0x90 <= raw[0] <= 0x9F else 3 if raw[0] == 0xDC else 5 if raw[0] == 0xDD else 0
+    if not pos or len(raw) <= pos:
+        return 0
+    kind = raw[pos]
+    if kind <= 0x7F:
+        return kind
+    width = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}.get(kind, 0)
+    body = raw[pos + 1 : pos + 1 + width]
+    return int.from_bytes(body, "big") if width and len(body) == width else 0
+
+
 class Codec:
     """Encoders and typed decoders for one socket owner (msgspec encoders reuse a buffer: one per thread)."""
 
@@ -84,6 +99,8 @@ class Codec:
         """Best-effort request id of a raw header frame (0 when it is not even an envelope)."""
         try:
             return int(self._envelope.decode(header).req_id)
+        except RecursionError:  # skipping the hostile nesting after it: read the id from the raw bytes
+            return _leading_uint(bytes(memoryview(header)[:16]))
         except (msgspec.DecodeError, msgspec.ValidationError, TypeError, ValueError, OverflowError):
             return 0
 
@@ -121,6 +138,10 @@ class Codec:
         except (msgspec.DecodeError, msgspec.ValidationError) as err:
             raise WireError(
                 "bad_request", f"malformed {msg_type.name} header: {err}", self.req_id(frames[1])
+            ) from None
+        except RecursionError:  # msgspec's depth limit: hostile nesting, not a server fault
+            raise WireError(
+                "bad_request", f"malformed {msg_type.name} header: nested too deeply", self.req_id(frames[1])
             ) from None
         return msg_type, header, list(frames[2:])
 

@@ -260,6 +260,8 @@ class QueueServer:
             handlers[msg_type](reply_to, header, buffers)
         except WireError as err:
             req_id = err.req_id or req_id
+            if err.kind == "bad_request":  # one line, never a traceback: a peer may send them by the thousand
+                log.warning("bad request %d: %s", req_id, err.message[:200])
             self._send(reply_to, P.MsgType.ERROR, P.ErrorReply(req_id, err.kind, err.message))
         except Exception as err:  # noqa: BLE001 - no request may stop the loop
             log.exception("request failed")
@@ -422,7 +424,7 @@ class QueueServerActor:
 # ---------------------------------------------------------------------------------------------- CLI
 def main(argv: list[str] | None = None) -> int:
     """``slipstream queue serve``: run a server in the foreground until SIGTERM/SIGINT."""
-    from slipstream.config import ConfigError, from_dict
+    from slipstream.config import ConfigError, from_dict, override_value
 
     parser = command_parser(
         "slipstream queue serve",
@@ -441,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         key, sep, value = item.partition("=")
         if not sep:
             parser.error(f"override {item!r}: expected key=value (keys of the `queue` config section)")
-        raw[key.removeprefix("queue.")] = value
+        raw[key.removeprefix("queue.")] = override_value(key, value) if value.strip() else ""
     for key in ("host", "port", "num_storage_units"):
         if getattr(args, key) is not None:
             raw[key] = getattr(args, key)

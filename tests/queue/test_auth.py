@@ -65,3 +65,26 @@ def test_a_server_process_takes_its_token_off_the_command_line(server_process):
     assert split_address(handle.address)[1] == TOKEN
     with QueueClient(handle.address, timeout_s=30) as client:
         client.ping()
+
+
+def test_a_stray_token_against_a_server_without_one_is_named(server, monkeypatch):
+    """ZeroMQ drops a handshake whose mechanisms differ without a word: the time-out names the mismatch
+    (and where the client's token came from) instead of asking whether the server runs."""
+    srv = server()
+    monkeypatch.setenv(TOKEN_ENV, "stray-token")
+    with QueueClient(srv.address, timeout_s=0.5) as client:
+        with pytest.raises(QueueError, match=rf"answers clients without a token.*\${TOKEN_ENV}"):
+            client.stats()
+    monkeypatch.delenv(TOKEN_ENV)
+    with QueueClient(srv.address, timeout_s=30) as client:
+        client.stats()
+
+
+@pytest.mark.parametrize("quoted", ['""', "''"])
+def test_an_empty_quoted_token_on_the_command_line_is_no_token(quoted):
+    from slipstream.config import load_config
+    from slipstream.queue.server import main
+
+    assert load_config(None, [f"queue.auth_token={quoted}"]).queue.auth_token == ""
+    assert load_config(None, ['queue.auth_token="abc"']).queue.auth_token == "abc"
+    assert main(["--host", "0.0.0.0", f"auth_token={quoted}"]) == 2  # empty, so refused beyond loopback

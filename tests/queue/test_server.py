@@ -440,3 +440,51 @@ def test_a_server_gone_fails_direct_channel_requests_at_once(server):
         client.ping()
     assert client.transport == "tcp" or time.monotonic() - started < 20  # not the 30 s timeout
     client.close()
+
+
+def test_a_header_nested_too_deeply_is_a_bad_request_logged_in_one_line(server, client_of, caplog):
+    """msgspec refuses deep nesting with a RecursionError: it is the sender's malformed input (bad_request
+    and one log line), not an internal error with a traceback per request."""
+    import logging
+
+    import zmq
+
+    from slipstream.queue import codec as C
+    from slipstream.queue import protocol as P
+
+    srv = server()
+    codec = C.Codec()
+    group = make_group("deep")
+    group.meta.samples[0].extra = {"x": "NESTED-HERE"}
+    specs, frames = [], []
+    for name, t in group.tensors.items():
+        specs.append(P.TensorSpec(name, C.DTYPE_NAMES[t.dtype], list(t.shape), frame=len(frames)))
+        frames.append(t.contiguous().view(torch.uint8).numpy().tobytes())
+    type_byte, header = codec.encode(P.MsgType.PUT, P.PutRequest(7, "train", group.meta, specs, 1.0))
+    marker = msgspec_str(b"NESTED-HERE")
+    assert header.count(marker) == 1
+    header = header.replace(marker, b"\x91" * 6000 + b"\xc0")
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(f"tcp://127.0.0.1:{srv.units[0].port}")
+    try:
+        with caplog.at_level(logging.WARNING, logger="slipstream.queue.server"):
+            for _ in range(3):
+                sock.send_multipart([type_byte, header, *frames])
+                assert sock.poll(10_000)
+                reply = codec.decode_reply(sock.recv_multipart(), P.MsgType.PUT)
+                assert isinstance(reply, P.ErrorReply) and reply.kind == "bad_request", reply
+                assert reply.req_id == 7 and "nested too deeply" in reply.message
+    finally:
+        sock.close()
+        ctx.term()
+    records = [r for r in caplog.records if r.name == "slipstream.queue.server" and r.levelno >= logging.WARNING]
+    assert len(records) == 3 and not any(r.exc_info for r in records)
+    assert all("\n" not in r.getMessage() for r in records)
+    assert client_of(srv).put(make_group("after")) is True  # still serving
+
+
+def msgspec_str(raw: bytes) -> bytes:
+    import msgspec
+
+    return msgspec.msgpack.encode(raw.decode())
