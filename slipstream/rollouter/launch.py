@@ -43,6 +43,7 @@ import httpx
 
 from slipstream.rollouter.config import RolloutConfig
 from slipstream.serverapi import VLLM
+from slipstream.utils.http_auth import TOKEN_ENV
 from slipstream.utils.logging import get_logger
 from slipstream.utils.net import LOOPBACK, free_port
 from slipstream.utils.registry import Registry
@@ -257,6 +258,8 @@ def launch_server(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     kind_env = _KIND_ENV[kind](cfg) if kind in _KIND_ENV else {}
     full_env = {**os.environ, **kind_env, **(env or {})}
+    if kind == "embedded" and not full_env.get(TOKEN_ENV, "").strip():
+        command.append("--open")  # launched without a token: open, as the caller asked (the pipeline sets one)
     log_file = open(log_path, "ab")  # noqa: SIM115 - closed by ServerProcess.stop
     popen = subprocess.Popen(
         command,

@@ -6,9 +6,12 @@ launchers (launch.py) wait for exactly that. Every field of :class:`EmbeddedServ
 are the ``--help`` text, cli_args.py) so the two never drift apart. The server binds loopback unless
 ``--host`` says otherwise.
 
-Control and weight-update routes need the token in ``$SLIPSTREAM_SERVER_TOKEN`` (never a flag: the command
-line is visible to every user in ``ps``). Beyond loopback the server refuses to start without one; on
-loopback without one every route is open to local processes, and the server says so when it starts.
+Control and weight-update routes (pause, abort, weight pushes) need a token: the one in
+``$SLIPSTREAM_SERVER_TOKEN`` (never a flag: the command line is visible to every user in ``ps``), else, on
+loopback, a random one the server makes and prints once at start-up. Without it any local process could pause
+the server, abort others' requests or install weights under a version so high that every real push is refused.
+``--open`` runs without a token (loopback only, said at start-up); beyond loopback the server refuses to start
+without ``$SLIPSTREAM_SERVER_TOKEN``.
 
 Example::
 
@@ -25,7 +28,7 @@ import msgspec
 
 from slipstream.cli_args import add_config_options, command_parser, doc_paragraph
 from slipstream.rollouter.config import EmbeddedServerConfig
-from slipstream.utils.http_auth import TOKEN_ENV, check_bind, env_token
+from slipstream.utils.http_auth import TOKEN_ENV, check_bind, env_token, new_token
 from slipstream.utils.net import LOOPBACK
 
 
@@ -46,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--weight-version", type=int, default=0, help="version stamped on tokens until an update"
     )
     parser.add_argument("--log-level", default="warning", help="uvicorn log level")
+    parser.add_argument(
+        "--open",
+        action="store_true",
+        help="no control token: pause, abort and weight updates open to every local process (loopback only; "
+        f"default: ${TOKEN_ENV}, else a random token printed at start-up)",
+    )
     add_config_options(
         parser,
         EmbeddedServerConfig,
@@ -60,6 +69,31 @@ def parse_config(ns: argparse.Namespace) -> EmbeddedServerConfig:
     return msgspec.convert({k: v for k, v in given.items() if v is not None}, EmbeddedServerConfig)
 
 
+def control_token(ns: argparse.Namespace) -> str:
+    """The token guarding control routes ("" with ``--open``): ``$SLIPSTREAM_SERVER_TOKEN``, else a random one,
+    printed to stderr (the only place it is shown). ValueError for a combination that cannot run."""
+    token = env_token()
+    if ns.open and token:
+        raise ValueError(f"--open and ${TOKEN_ENV} contradict each other: give one of them")
+    check_bind(ns.host, token)
+    if ns.open:
+        print(
+            "slipstream serve: --open: pause, abort and weight updates are open to every process on this "
+            "machine",
+            file=sys.stderr,
+        )
+        return ""
+    if not token:
+        token = new_token()
+        print(
+            f"slipstream serve: control token {token} (pause, abort and weight updates need "
+            f"`Authorization: Bearer <token>`; set ${TOKEN_ENV} to choose it, or --open to run without one)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return token
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
@@ -67,18 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     except (msgspec.ValidationError, ValueError) as err:
         print(f"slipstream serve: invalid option: {err}", file=sys.stderr)
         return 2
-    token = env_token()
     try:  # before loading anything: a refused bind fails at once
-        check_bind(ns.host, token)
+        token = control_token(ns)
     except ValueError as err:
         print(f"slipstream serve: {err}", file=sys.stderr)
         return 2
-    if not token:
-        print(
-            f"slipstream serve: no ${TOKEN_ENV}: pause, abort and weight updates are open to every process "
-            "on this machine; set it to require a token",
-            file=sys.stderr,
-        )
     from slipstream.rollouter.models import resolve_model_path
 
     try:  # before the heavy imports, so a wrong path fails in a fraction of a second

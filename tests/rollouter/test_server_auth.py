@@ -180,3 +180,37 @@ def test_a_pipeline_push_with_the_token_reaches_a_guarded_server(tiny_model_path
         server.stop()
     assert refused.ok == [] and "HTTP 401" in refused.failed[server.url]
     assert pushed.ok == [server.url] and served == 2
+
+
+def test_a_standalone_server_without_a_token_makes_one_unless_told_to_run_open(monkeypatch, capsys):
+    """`slipstream serve` without $SLIPSTREAM_SERVER_TOKEN no longer leaves pause, abort and weight pushes open
+    to every local process: it makes a token and prints it; --open (loopback only) is the explicit way out."""
+    from slipstream.rollouter.serve import build_parser, control_token
+
+    def token_for(*flags: str) -> str:
+        return control_token(build_parser().parse_args(["--model", "m", *flags]))
+
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    made = token_for()
+    assert len(made) >= 32 and made in capsys.readouterr().err and token_for() != made
+    assert token_for("--open") == "" and "--open" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=TOKEN_ENV):
+        token_for("--open", "--host", "0.0.0.0")  # open beyond loopback: refused
+    with pytest.raises(ValueError, match=TOKEN_ENV):
+        token_for("--host", "0.0.0.0")  # beyond loopback the token is chosen, not made
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    assert token_for() == TOKEN and TOKEN not in capsys.readouterr().err
+    with pytest.raises(ValueError, match="contradict"):
+        token_for("--open")
+
+
+def test_the_launcher_runs_a_server_open_only_when_launched_without_a_token(tiny_model_path, tmp_path, monkeypatch):
+    from slipstream.rollouter.config import RolloutConfig
+    from slipstream.rollouter.launch import launch_server
+
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    cfg = RolloutConfig(embedded=TEST_ENGINE)
+    for env, is_open in (({TOKEN_ENV: TOKEN}, False), (None, True)):
+        server = launch_server("embedded", tiny_model_path, cfg=cfg, env=env, log_path=tmp_path / "s.log")
+        server.stop()
+        assert ("--open" in server.command) is is_open

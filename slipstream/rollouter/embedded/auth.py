@@ -20,8 +20,10 @@ added later is guarded without anyone remembering to guard it. Aborting a reques
 client can abort another's request without the token.
 
 A missing or malformed ``Authorization`` header gets 401 (with ``WWW-Authenticate: Bearer``), a wrong token
-403, both before the body is read. A standalone server on loopback without a token keeps every route open,
-as SGLang and vLLM do, and ``slipstream serve`` says so when it starts; the pipeline always sets a token.
+403, both before the body is read. ``build_app`` with no token keeps every route open on loopback, as SGLang
+and vLLM do; ``slipstream serve`` without ``$SLIPSTREAM_SERVER_TOKEN`` makes a random token and prints it, and
+runs open only with ``--open`` (what the launcher passes when its caller gave no token); the pipeline always
+sets one.
 
 The gate is a plain ASGI middleware rather than FastAPI dependencies so that it also covers the routers
 other modules contribute (the OpenAI routes, the weight-sync receiver) and streaming responses untouched.
