@@ -14,7 +14,7 @@ pytest.importorskip(
     "megatron.core", reason="megatron-core not installed (pip install 'slipstream[megatron]')"
 )
 
-VOCAB = 96
+VOCAB = 112  # apart from every other width of the model (fc1 is 96), so a [rows, VOCAB] block is logits
 
 
 def _tiny_qwen2(path: Path):
@@ -112,3 +112,90 @@ def test_megatron_cpu_logprobs_match_hf_and_training_moves_weights(engine_on_cpu
     after = dict(engine.get_per_tensor_param())
     name = "model.layers.0.mlp.up_proj.weight"
     assert not torch.equal(after[name], hf[name])
+
+
+class _EntropyOnly:
+    """An entropy-bonus-only loss, flagged as the policy loss flags it when ``entropy_coef > 0``."""
+
+    needs_entropy = True
+    entropy_grad = True
+
+    def __call__(self, outputs, mb):
+        mask = mb["loss_mask"].float()
+        return -(outputs["entropy"] * mask).sum() / 17.0, {}
+
+
+def _megatron_grads(engine) -> dict[str, torch.Tensor]:
+    named = dict(engine.model.module.named_parameters())
+    return {
+        "embed": named["embedding.word_embeddings.weight"].main_grad.detach().clone(),
+        "down_proj": named["decoder.layers.0.mlp.linear_fc2.weight"].main_grad.detach().clone(),
+        "o_proj": named["decoder.layers.1.self_attention.linear_proj.weight"].main_grad.detach().clone(),
+    }
+
+
+def test_megatron_entropy_gradient_equals_fsdp(engine_on_cpu):
+    """The entropy bonus trains under Megatron: an entropy-only loss gives the FSDP engine's gradient."""
+    from slipstream.trainer.engine.fsdp import FSDPEngine
+    from slipstream.trainer.synthetic import make_packed_batch
+
+    engine, _ = engine_on_cpu
+    batch = make_packed_batch([3, 5, 2], [4, 6, 7], vocab_size=VOCAB, seed=1)
+    engine.forward_backward_batch(batch, _EntropyOnly())
+    got = _megatron_grads(engine)
+    assert got["down_proj"].abs().sum() > 0
+
+    fsdp = FSDPEngine(engine.settings)  # same model, same settings (12-token micro-batches, chunked head)
+    fsdp.initialize()
+    fsdp.forward_backward_batch(batch, _EntropyOnly())
+    grads = {n: p.grad.full_tensor() for n, p in fsdp.model.named_parameters()}
+    want = {
+        "embed": grads["model.embed_tokens.weight"],
+        "down_proj": grads["model.layers.0.mlp.down_proj.weight"],
+        "o_proj": grads["model.layers.1.self_attn.o_proj.weight"],
+    }
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=2e-6, rtol=1e-4, msg=name)
+
+
+def _largest_vocab_block(fn) -> int:
+    """Rows of the largest [rows, VOCAB] tensor any op creates while ``fn`` runs (forward and backward)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Watch(TorchDispatchMode):
+        rows = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.is_view:  # no allocation (e.g. the weight's transpose inside a linear)
+                return out
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == VOCAB:
+                    Watch.rows = max(Watch.rows, t.numel() // VOCAB)
+            return out
+
+    with Watch():
+        fn()
+    return Watch.rows
+
+
+def test_megatron_logits_path_is_chunked(engine_on_cpu):
+    """No [tokens, vocab] logits: the output layer's largest vocabulary-wide block is one chunk of rows,
+    forward and backward, and the chunked results equal the whole-block ones."""
+    from slipstream.trainer.synthetic import make_packed_batch
+
+    engine, hf_model = engine_on_cpu
+    engine.tcfg.micro_batch_tokens = 64
+    batch = make_packed_batch([3, 5, 2, 6], [12, 10, 9, 11], vocab_size=VOCAB, seed=2)  # 58 tokens, 1 mb
+    engine._head.chunk = 8
+    rows = _largest_vocab_block(lambda: engine.forward_backward_batch(batch, _EntropyOnly()))
+    assert rows == 8
+    chunked = _megatron_grads(engine)
+    engine.model.zero_grad_buffer()
+    engine._head.chunk = 0  # one block of every token: what the plain logits path holds
+    rows = _largest_vocab_block(lambda: engine.forward_backward_batch(batch, _EntropyOnly()))
+    assert rows >= 58
+    for name, grad in _megatron_grads(engine).items():
+        torch.testing.assert_close(chunked[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+    logp = engine.forward_backward_batch(batch, None, forward_only=True).tokens["logprobs"]
+    torch.testing.assert_close(logp, _hf_logprobs(hf_model, batch), atol=1e-5, rtol=1e-5)

@@ -24,6 +24,11 @@ the model on the CPU in fp32 with dropout off (megatron's CUDA RNG tracker is re
 megatron-core 0.16.1 still allocates some buffers on ``"cuda"`` by name (schedules, optimizer), so a CPU run
 needs those redirected, as ``tests/trainer/megatron_cpu.py`` does for the tests.
 
+Logprobs and entropy: the last stage's output layer is turned into a chunked, vocab-parallel head
+(``megatron_logprobs.py``, ``trainer.logits_chunk_tokens`` rows at a time): no [tokens, vocab/tp] fp32 logits
+outlive a chunk, so long responses fit as with FSDP, and the entropy is differentiable (the entropy bonus
+trains, with the same gradient as the FSDP engine's).
+
 Loss scaling: Megatron's schedules divide each micro-batch loss by the number of micro-batches and DDP
 averages gradients over the DP group, while our loss is each micro-batch's share of the global mean
 (``algos/aggregation.py``), so the loss handed to Megatron is multiplied by both (as verl documents).
@@ -31,6 +36,7 @@ averages gradients over the DP group, while our loss is each micro-batch's share
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -73,6 +79,7 @@ class MegatronEngine(ModelEngine):
         self.model = self.optimizer = self.scheduler = None
         self.spec: ArchSpec | None = None
         self.te = True
+        self._head = None  # the last stage's chunked logprob head (megatron_logprobs.py)
         want = self.tcfg.device
         on_gpu = want == "cuda" or (want == "auto" and torch.cuda.is_available())
         self._device = torch.device("cuda") if on_gpu else torch.device("cpu")
@@ -105,6 +112,13 @@ class MegatronEngine(ModelEngine):
         self.te = layer_spec_kind(self.tcfg.megatron_layer_spec) == "te"
         self.model = self._build_model(hf_config)
         self._load_hf_weights()
+        self._head = None
+        if ps.is_pipeline_last_stage():
+            from slipstream.trainer.engine.megatron_logprobs import OutputLayerHead
+
+            self._head = OutputLayerHead(
+                self.model.module.output_layer, self.tcfg.logits_chunk_tokens, self.temperature
+            )
         self._build_optimizer()
 
     def _build_model(self, hf_config: Any) -> torch.nn.Module:
@@ -244,21 +258,24 @@ class MegatronEngine(ModelEngine):
         pieces: list[torch.Tensor] = []
         scale = steps * self.dp_size
         it = iter(zip(mbs, real, strict=True))
-        with_entropy = bool(getattr(loss_fn, "needs_entropy", 0))
+        entropy = "grad" if getattr(loss_fn, "entropy_grad", False) else None
+        if entropy is None and getattr(loss_fn, "needs_entropy", False):
+            entropy = "metric"
 
         def forward_step(_iter, model):
             mb, is_real = next(it)
             mb = mb.to(self.device)
-            ids, pos, mask, packed, unpack = self._model_inputs(mb, seq_len, rows)
-            out = model(ids, pos, mask, packed_seq_params=packed)
+            ids, pos, mask, packed, src = self._model_inputs(mb, seq_len, rows)
+            flat = mb["input_ids"].long()
+            with self._scoring(src, torch.roll(flat, -1), entropy):
+                out = model(ids, pos, mask, packed_seq_params=packed)
 
-            def loss_func(logits):
-                flat = mb["input_ids"].long()
-                outputs = self._token_outputs(unpack(logits), flat, mb["cu_seqlens"], with_entropy)
+            def loss_func(scored):
+                outputs = self._token_outputs(scored, mb["cu_seqlens"], entropy)
                 if forward_only and is_real:
                     pieces.append(outputs["logprobs"].detach().float().cpu())
                 if loss_fn is None:
-                    return logits.sum() * 0.0, {}
+                    return scored.sum() * 0.0, {}
                 loss, metrics = loss_fn(outputs, mb)
                 weight = 1.0 if is_real else 0.0
                 for k, v in {"loss": loss, **metrics}.items():
@@ -307,8 +324,9 @@ class MegatronEngine(ModelEngine):
         return math.ceil(longest / tp) * tp, rows
 
     def _model_inputs(self, mb: TensorDict, seq_len: int, rows: int):
-        """(input_ids, position_ids, attention_mask, packed_seq_params, unpack) of one micro-batch, where
-        ``unpack(logits)`` gives the flat [tokens, vocab/tp] logits of its real tokens in packed order."""
+        """(input_ids, position_ids, attention_mask, packed_seq_params, src) of one micro-batch, where ``src``
+        are the rows of the model's batch-major [rows * seq, H] hidden states holding its real tokens, in
+        packed order (what the output head scores)."""
         ids, cu = mb["input_ids"].long(), mb["cu_seqlens"].long()
         n_real, tp = ids.numel(), self.tcfg.tensor_parallel
         if self.te:  # one packed row, sample boundaries for TE's THD attention
@@ -318,7 +336,8 @@ class MegatronEngine(ModelEngine):
                 ids = torch.cat([ids, ids.new_zeros(total - n_real)])
                 pos = torch.cat([pos, torch.arange(total - n_real, device=pos.device)])
                 cu = torch.cat([cu, cu.new_tensor([total])])
-            return ids[None], pos[None], None, self._packed_params(cu.int()), lambda lg: lg[0, :n_real]
+            src = torch.arange(n_real, device=ids.device)
+            return ids[None], pos[None], None, self._packed_params(cu.int()), src
         # local spec: a padded [samples, seq_len] batch; causal masking keeps the padding out of real tokens
         lengths = cu[1:] - cu[:-1]
         seq_len = seq_len if self.tcfg.pipeline_parallel > 1 else math.ceil(int(lengths.max()) / tp) * tp
@@ -327,7 +346,7 @@ class MegatronEngine(ModelEngine):
         grid[: len(lengths)][valid] = ids
         pos = torch.arange(seq_len, device=ids.device)[None].expand_as(grid)
         mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=ids.device).triu(1)[None, None]
-        return grid, pos, mask, None, lambda lg: lg[: len(lengths)][valid]
+        return grid, pos, mask, None, valid.flatten().nonzero()[:, 0]
 
     def _packed_params(self, cu: torch.Tensor):
         from megatron.core.packed_seq_params import PackedSeqParams
@@ -337,20 +356,27 @@ class MegatronEngine(ModelEngine):
             qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
         )
 
-    def _token_outputs(self, logits, ids, cu, with_entropy) -> dict[str, torch.Tensor]:
-        """Flat logprobs (and entropy) of a micro-batch's tokens from flat vocab-parallel logits [T, V/tp]."""
-        from megatron.core import parallel_state as ps
-        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    @contextlib.contextmanager
+    def _scoring(self, src: torch.Tensor, targets: torch.Tensor, entropy: str | None) -> Iterator[None]:
+        """Within: the last stage's output layer returns per-token (logprob, entropy), chunked, not logits."""
+        if self._head is None:
+            yield
+            return
+        with self._head.request(src, targets, entropy):
+            yield
 
-        logits = logits.float() / self.temperature
-        target = torch.roll(ids, -1)  # crosses into the next sample at each sample's end: zeroed below
-        logp_next = -vocab_parallel_cross_entropy(logits[:, None], target[:, None])[:, 0]
-        logp = torch.cat([logp_next.new_zeros(1), logp_next[:-1]])
+    def _token_outputs(self, scored, cu, entropy) -> dict[str, torch.Tensor]:
+        """Flat logprobs (and entropy) aligned with a micro-batch's tokens, 0 at each sample's first token.
+
+        Row j of ``scored`` is token j's prediction of token j + 1 (the roll crosses into the next sample
+        at each sample's end; those rows land on the next sample's first token and are zeroed)."""
+        from slipstream.trainer.engine.megatron_logprobs import split_outputs
+
+        logp_next, ent_next = split_outputs(scored)
         starts = cu[:-1].long()
-        out = {"logprobs": logp.index_fill(0, starts, 0.0)}
-        if with_entropy:
-            ent = _vocab_parallel_entropy(logits.detach(), ps.get_tensor_model_parallel_group())
-            out["entropy"] = torch.cat([ent.new_zeros(1), ent[:-1]]).index_fill(0, starts, 0.0)
+        out = {"logprobs": torch.cat([logp_next.new_zeros(1), logp_next[:-1]]).index_fill(0, starts, 0.0)}
+        if entropy is not None:
+            out["entropy"] = torch.cat([ent_next.new_zeros(1), ent_next[:-1]]).index_fill(0, starts, 0.0)
         return out
 
     def _reduce_metrics(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -525,14 +551,3 @@ def _broadcast_from_stage(
     dist.broadcast(buf, src, group=group)
     return buf
 
-
-def _vocab_parallel_entropy(logits: torch.Tensor, group: Any) -> torch.Tensor:
-    """Entropy of softmax over a vocabulary split across the TP group (no gradient)."""
-    m = logits.max(dim=-1, keepdim=True).values
-    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-    z = logits - m
-    s = z.exp().sum(dim=-1, keepdim=True)
-    dist.all_reduce(s, group=group)
-    pz = (z.exp() / s * z).sum(dim=-1)
-    dist.all_reduce(pz, group=group)
-    return s[:, 0].log() - pz
