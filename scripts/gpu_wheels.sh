@@ -1,53 +1,49 @@
 #!/usr/bin/env bash
-# Fetch, on a machine with package-registry access, the wheels scripts/gpu_check.sh needs on a GPU machine
-# that has Python 3.12, torch and transformers but no registry (its image lacks our other dependencies).
-# The versions are this checkout's virtualenv's, so the GPU run uses what the test suite used.
+# Fetch, on a machine with package-registry access, the wheels the GPU machine lacks (it has Python 3.12,
+# torch, transformers 5.17, huggingface-hub, tokenizers, safetensors and more, and no registry). The pins
+# live in slipstream/gpucheck/carry.py (STAGE1, STAGE2_RAY, STAGE2_NIXL); nothing else travels.
 #
-#   bash scripts/gpu_wheels.sh     # -> .whl/ (small wheels, 26 MB), .whl_nixl/ (57 MB), and Ray's wheel cut
-#                                  #    in parts: .whl_ray_1/ (34 MB), .whl_ray_2/ (the rest)
-# A call to the GPU machine carries at most 64 MiB, so they travel in three calls sent back to back (the
-# machine keeps /tmp between calls while it is held):
-#   1. carry .whl .whl_ray_1   bash scripts/gpu_check.sh --stage
-#   2. carry .whl_ray_2        bash scripts/gpu_check.sh --stage
-#   3. carry .whl_nixl         bash scripts/gpu_check.sh
+#   bash scripts/gpu_wheels.sh            # stage 1 -> .whl/ (about 20 MiB; must stay <= 60 MiB)
+#   bash scripts/gpu_wheels.sh ray nixl   # stage 2 -> .whl_ray_1/ (48 MiB: Ray's first parts and the jsonschema
+#                                         #    family), .whl_ray_2/ (31 MiB: the rest of Ray), .whl_nixl/ (57 MiB)
+#
+# Stage 1 travels in one call: carry .whl and run `bash scripts/gpu_check.sh`. A call carries at most 64 MiB
+# with the 5 MiB working tree, so stage 2 takes three calls, each within the 30 s the machine stays warm:
+#   1. carry .whl_ray_1        bash scripts/gpu_check.sh --install-only
+#   2. carry .whl_ray_2 .whl   bash scripts/gpu_check.sh --stage2 --only one_gpu_train
+#   3. carry .whl_nixl .whl    bash scripts/gpu_check.sh --stage2 --only nixl_weightsync
+# Whatever a machine has installed is kept for its later calls (gpu_check.sh stamps each wheel set).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PY:-.venv/bin/python}
-SMALL="msgspec pyzmq tensordict pyvers fastapi starlette pydantic pydantic-core annotated-types
-  typing-inspection opentelemetry-api uvicorn transformers huggingface-hub tokenizers
-  safetensors megatron-core math-verify latex2sympy2_extended antlr4-python3-runtime gguf"
+PY=${PY:-python3}
+CARRY="$PY slipstream/gpucheck/carry.py"
 PLATFORMS="--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform manylinux_2_24_x86_64
-  --platform manylinux_2_34_x86_64 --platform manylinux_2_35_x86_64"
+  --platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_35_x86_64"
 
-pinned() {  # NAME==VERSION as installed here (a NAME==VERSION given stays as it is)
-  case $1 in *==*) echo "$1" ;; *)
-    "$PY" -c "import importlib.metadata as m, sys; print(f'{sys.argv[1]}=={m.version(sys.argv[1])}')" "$1" ;;
-  esac
+fetch() {  # SET: every pinned wheel of SET into its folder, nothing else
+  local which=$1 dest
+  dest=$($CARRY folder "$which")
+  rm -rf "$dest" && mkdir -p "$dest"
+  # shellcheck disable=SC2086
+  $CARRY specs "$which" | xargs "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp $PLATFORMS -d "$dest" 2>&1 | grep -v "is ignored: it is neither" || true
 }
 
-fetch() {  # DEST NAME...
-  local dest=$1; shift
-  mkdir -p "$dest"
-  for name in "$@"; do
-    spec=$(pinned "$name")
-    # shellcheck disable=SC2086
-    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-      $PLATFORMS -d "$dest" "$spec" 2>&1 | grep -v "is ignored: it is neither" || true
-    ls "$dest" | grep -qi "^${spec%%==*}" || ls "$dest" | grep -qi "^$(echo "${spec%%==*}" | tr - _)" ||
-      { echo "could not fetch $spec" >&2; exit 1; }
-  done
-}
-
-rm -rf .whl .whl_nixl .whl_ray .whl_ray_1 .whl_ray_2
-# shellcheck disable=SC2086
-fetch .whl $SMALL
-NIXL=$("$PY" -c "import importlib.metadata as m; print(m.version('nixl'))")
-fetch .whl_nixl "nixl==$NIXL" "nixl-cu13==$NIXL"
-fetch .whl_ray ray
-(cd .whl_ray && wheel=$(ls ray-*.whl) && split -b 34m "$wheel" ray.part. && rm "$wheel" &&
-  echo "$wheel $(ls ray.part.* | wc -l)" > WHEEL)
-mkdir -p .whl_ray_1 .whl_ray_2
-cp .whl_ray/WHEEL .whl_ray_1/ && cp .whl_ray/WHEEL .whl_ray_2/
-mv .whl_ray/ray.part.aa .whl_ray_1/ && mv .whl_ray/ray.part.* .whl_ray_2/ && rm -rf .whl_ray
-du -sh .whl .whl_nixl .whl_ray_1 .whl_ray_2
+sets=("$@")
+[ ${#sets[@]} -eq 0 ] && sets=(stage1)
+for which in "${sets[@]}"; do
+  fetch "$which"
+  if [ "$which" = ray ]; then  # Ray's wheel is larger than a call carries: parts of 24 MiB, with a manifest
+    rm -rf .whl_ray_1 .whl_ray_2 && mkdir -p .whl_ray_1 .whl_ray_2
+    (cd .whl_ray && wheel=$(ls ray-*.whl) && split -b 24m "$wheel" "$wheel.part." && rm "$wheel" &&
+      ls "$wheel".part.* > PARTS)
+    cp .whl_ray/PARTS .whl_ray_1/ && cp .whl_ray/PARTS .whl_ray_2/
+    mv .whl_ray/*.whl .whl_ray_1/
+    mapfile -t parts < .whl_ray/PARTS
+    mv ".whl_ray/${parts[0]}" ".whl_ray/${parts[1]}" .whl_ray_1/ && mv .whl_ray/*.part.* .whl_ray_2/
+    rm -rf .whl_ray
+  fi
+done
+$CARRY check
+du -sh .whl .whl_ray_1 .whl_ray_2 .whl_nixl 2>/dev/null || true

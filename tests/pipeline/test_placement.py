@@ -83,7 +83,7 @@ def test_judge_servers_the_run_starts_take_bundles_of_the_rollout_pool():
 
 def test_colocated_layout_needs_one_gpu_per_part_and_no_more_servers_than_ranks():
     cfg = load_config(None, ["cluster.colocate=true", "cluster.gpus_per_server=1", "cluster.gpus_per_trainer_rank=1",
-                             "trainer.device=cuda"])  # fmt: skip
+                             "trainer.device=cuda", "weightsync.backend=ipc"])  # fmt: skip
     groups, parts = plan(cfg)
     assert groups == {"colocated": [{"GPU": 1.0, "trainer_pool": 1.0, "rollout_pool": 1.0}]}
     shares = {p.name: p.demand for p in parts if p.group}
