@@ -102,3 +102,61 @@ def test_serve_flags_round_trip_the_request_limits():
     bare = build_parser().parse_args(["--model", "m", "--trust-request-chat-template"])
     assert parse_config(bare).trust_request_chat_template is True
     assert parse_config(build_parser().parse_args(["--model", "m"])).trust_request_chat_template is False
+
+
+HUGE = "lorem ipsum dolor sit amet " * (4 * 1024 * 1024 // 27)  # about 4 MiB of ordinary words
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/generate", "/v1/completions", "/v1/chat/completions"],
+)
+def test_a_huge_text_prompt_is_refused_without_tokenising_it_whole(tiny_model_path, path):
+    """Work on a prompt is bounded by the server's limit, not by the text: characters first, then the head's
+    tokens; a normal request is served as before."""
+    body = {
+        "/generate": {"text": HUGE, "sampling_params": {"max_new_tokens": 2}},
+        "/v1/completions": {"prompt": HUGE, "max_tokens": 2},
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": HUGE}], "max_tokens": 2},
+    }[path]
+    cfg = msgspec.structs.replace(TEST_ENGINE, max_request_bytes=8 << 20)
+    encoded: list[int] = []
+
+    async def main():
+        async with serving(tiny_model_path, cfg) as (engine, http):
+            encode = engine.tokenizer.encode
+
+            def counting_encode(text, **kwargs):
+                encoded.append(len(text))
+                return encode(text, **kwargs)
+
+            engine.tokenizer.encode = counting_encode
+            huge = await http.post(path, json=body)
+            small = await http.post(path, json=TEXT_REQUESTS[path])
+            return huge, small
+
+    huge, small = run(main())
+    assert huge.status_code == 400 and "more than 1023 tokens" in huge.json()["error"]["message"]
+    assert small.status_code == 200
+    limit = (TEST_ENGINE.max_model_len - 1) * 8
+    assert max(encoded) <= limit < len(HUGE) // 100  # the head at most, never the whole text
+
+
+def test_bounded_encoding_refuses_by_characters_first_and_keeps_what_fits(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    from slipstream.rollouter.embedded.engine import RequestError
+    from slipstream.rollouter.embedded.http import encode_bounded, longest_token_chars
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    calls: list[int] = []
+    encode = tok.encode
+    tok.encode = lambda text, **kw: calls.append(len(text)) or encode(text, **kw)
+    longest = longest_token_chars(tok)
+    with pytest.raises(RequestError, match="more than 10 tokens"):
+        encode_bounded(tok, "x" * (10 * longest + 1), 10)
+    assert calls == []  # refused on characters alone
+    text = "one two three four five"
+    assert encode_bounded(tok, text, 64) == encode(text, add_special_tokens=False)
+    with pytest.raises(RequestError, match="tokens; this server accepts at most 3"):
+        encode_bounded(tok, text, 3)

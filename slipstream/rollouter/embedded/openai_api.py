@@ -32,8 +32,10 @@ from slipstream.rollouter.embedded.engine import EmbeddedEngine, RequestError, R
 from slipstream.rollouter.embedded.http import (
     SSE_DONE,
     decode_body,
+    encode_bounded,
     encode_text,
     json_response,
+    max_prompt_tokens,
     sse,
     wait_or_abort_on_disconnect,
 )
@@ -325,10 +327,10 @@ async def _chat_prompt_ids(engine: EmbeddedEngine, req: ChatCompletionRequest) -
     tok = engine.tokenizer
     if tok is None or not (getattr(tok, "chat_template", None) or req.chat_template):
         raise RequestError("this model has no chat template: use /v1/completions or /generate")
-    return await asyncio.to_thread(_render_chat, tok, req)
+    return await asyncio.to_thread(_render_chat, tok, req, max_prompt_tokens(engine))
 
 
-def _render_chat(tok, req: ChatCompletionRequest) -> list[int]:
+def _render_chat(tok, req: ChatCompletionRequest, max_tokens: int) -> list[int]:
     """Runs in a worker thread (see app.py): template rendering and tokenising are CPU-bound."""
     kwargs = dict(req.chat_template_kwargs or {})
     if req.chat_template is not None:
@@ -343,4 +345,4 @@ def _render_chat(tok, req: ChatCompletionRequest) -> list[int]:
         )
     except Exception as err:  # noqa: BLE001 - a template error is the caller's malformed messages
         raise RequestError(f"cannot render messages with the chat template: {err}") from err
-    return tok.encode(text, add_special_tokens=False)
+    return encode_bounded(tok, text, max_tokens)
