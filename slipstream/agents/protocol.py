@@ -36,6 +36,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     top_k: int = -1
     # Generation stops after any of these (the server's EOS tokens always stop it too).
     stop_token_ids: list[int] = []
+    # Keep generating past EOS until max_new_tokens (benchmarks and tests of long requests).
+    ignore_eos: bool = False
 
 
 class GenerateOutput(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -32,6 +32,8 @@ def build_generate_payload(input_ids: list[int], sampling: SamplingParams, rid: 
     }
     if sampling.stop_token_ids:
         params["stop_token_ids"] = list(sampling.stop_token_ids)
+    if sampling.ignore_eos:
+        params["ignore_eos"] = True
     return {
         "input_ids": list(input_ids),
         "sampling_params": params,

@@ -52,6 +52,8 @@ def _vllm_sampling(sampling: SamplingParams) -> dict:
     }
     if sampling.stop_token_ids:
         params["stop_token_ids"] = list(sampling.stop_token_ids)
+    if sampling.ignore_eos:
+        params["ignore_eos"] = True
     return params
 
 

