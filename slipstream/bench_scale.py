@@ -490,7 +490,7 @@ async def _sleep_sampling(seconds: float, usage: _Usage, tasks: list[asyncio.Tas
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from slipstream.testing import make_tiny_tokenizer
+    from slipstream.utils.tiny_models import make_tiny_tokenizer
 
     with tempfile.TemporaryDirectory(prefix="slipstream-scale-") as tmp:
         tokenizer = make_tiny_tokenizer(tmp)

@@ -83,7 +83,8 @@ class _SnapshotHeaderV1(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
     def upgrade(self) -> SnapshotHeader:
         groups = [
-            SnapGroup(g.partition, g.leased, g.meta.upgrade(), g.tensors, g.nbytes, g.offset) for g in self.groups
+            SnapGroup(g.partition, g.leased, g.meta.upgrade(), g.tensors, g.nbytes, g.offset)
+            for g in self.groups
         ]
         dropped = [m.upgrade() for m in self.dropped]
         return SnapshotHeader(FORMAT_VERSION, self.created, groups, self.consumed_groups, self.consumed_uids,

@@ -128,7 +128,7 @@ def run_bench(model: str | None, requests: int, max_tokens: int, threads: int, l
 
     with tempfile.TemporaryDirectory(prefix="slipstream-bench-gateway-") as tmp:
         if model is None:
-            from slipstream.testing import make_tiny_model
+            from slipstream.utils.tiny_models import make_tiny_model
 
             model_path = make_tiny_model(Path(tmp) / "tiny")
         else:

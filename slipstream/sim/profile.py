@@ -41,121 +41,26 @@ import math
 import statistics
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 import yaml
 
 from slipstream.cli_args import command_parser
 
-Pos = Annotated[float, msgspec.Meta(gt=0)]
-NonNeg = Annotated[float, msgspec.Meta(ge=0)]
-
-
-class ProfileError(ValueError):
-    """A profile that cannot be used; the message names the field."""
-
-
-class _Struct(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    pass
-
-
-class DecodeCurve(_Struct):
-    concurrency: list[Pos]
-    tokens_per_s: list[Pos]
-
-    def rate(self, k: int) -> float:
-        """Total decode tokens/s of one server with ``k`` requests decoding (linear between points)."""
-        if k <= 0:
-            return 0.0
-        xs, ys = self.concurrency, self.tokens_per_s
-        if k <= xs[0]:
-            return ys[0] * k / xs[0]
-        for (x0, y0), (x1, y1) in zip(
-            zip(xs, ys, strict=False), zip(xs[1:], ys[1:], strict=False), strict=False
-        ):
-            if k <= x1:
-                return y0 + (y1 - y0) * (k - x0) / (x1 - x0)
-        return ys[-1]
-
-
-class Lengths(_Struct):
-    mean: Pos
-    sigma: NonNeg = 1.0
-    samples: list[Pos] = []
-    drift_per_step: float = 0.0
-
-
-class TrainerRates(_Struct):
-    tokens_per_s_per_rank: Pos
-    fixed_s: NonNeg = 0.0
-
-
-class PushCost(_Struct):
-    fixed_s: NonNeg = 0.0
-    s_per_byte: NonNeg = 0.0
-    model_bytes: NonNeg = 0.0
-
-    @property
-    def seconds(self) -> float:
-        return self.fixed_s + self.s_per_byte * self.model_bytes
-
-
-class Profile(_Struct):
-    decode: DecodeCurve
-    prefill_tokens_per_s: Pos
-    prompt_tokens: NonNeg
-    lengths: Lengths
-    trainer: TrainerRates
-    push: PushCost = msgspec.field(default_factory=PushCost)
-    step_overhead_s: NonNeg = 0.0
-    source: str = ""
-
-
-def _check(prof: Profile) -> Profile:
-    d = prof.decode
-    if not d.concurrency or len(d.concurrency) != len(d.tokens_per_s):
-        raise ProfileError(
-            "profile field decode.tokens_per_s: needs one value per decode.concurrency point "
-            f"({len(d.concurrency)} points, {len(d.tokens_per_s)} values)"
-        )
-    if any(b <= a for a, b in zip(d.concurrency, d.concurrency[1:], strict=False)):
-        raise ProfileError(f"profile field decode.concurrency: must increase, got {d.concurrency}")
-    if prof.lengths.drift_per_step <= -1:
-        raise ProfileError("profile field lengths.drift_per_step: must be above -1")
-    return prof
-
-
-def parse_profile(data: Any) -> Profile:
-    """A :class:`Profile` from plain data (a YAML mapping), validated."""
-    if not isinstance(data, dict):
-        raise ProfileError(f"a profile is a mapping of fields, got {type(data).__name__}")
-    try:
-        prof = msgspec.convert(data, Profile)
-    except msgspec.ValidationError as err:
-        text = str(err)
-        where = text.rpartition(" - at `$")[2].rstrip("`") if " - at `$" in text else ""
-        what = text.partition(" - at ")[0]
-        field = where.lstrip(".") or "(top level)"
-        if what.startswith("Object contains unknown field"):
-            field = f"{where.lstrip('.') + '.' if where else ''}{what.split('`')[1]}"
-        raise ProfileError(f"profile field {field}: {what}") from None
-    return _check(prof)
-
-
-def load_profile(path: str | Path) -> Profile:
-    p = Path(path)
-    if not p.is_file():
-        raise ProfileError(f"profile {p}: no such file")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as err:
-        raise ProfileError(f"profile {p}: not YAML: {err}") from None
-    return parse_profile(data)
-
-
-def save_profile(prof: Profile, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(msgspec.to_builtins(prof), sort_keys=False))
+# The data (structs, load and save) lives in sim/types.py, which the simulator imports; here is the fitting.
+from slipstream.sim.types import (  # noqa: F401  (this module's public names since before the split)
+    DecodeCurve,
+    Lengths,
+    Profile,
+    ProfileError,
+    PushCost,
+    TrainerRates,
+    check_profile,
+    load_profile,
+    parse_profile,
+    save_profile,
+)
 
 
 # ---------------------------------------------------------------------------------------------- from a run
@@ -292,7 +197,7 @@ def profile_from_run(run_dir: str | Path, *, skip_first: int = 1) -> Profile:
     drift = _drift(
         [r["step"] for r in all_records], [r.get("trainer/response_len_mean", 0.0) for r in all_records]
     )
-    prof = _check(
+    prof = check_profile(
         Profile(
             source=f"slipstream profile {run} ({len(all_records)} steps, mode {cfg.async_.mode}, "
             f"{sum(samples):.0f} samples)",

@@ -63,7 +63,7 @@ from slipstream.config import Config, ConfigError, load_config
 from slipstream.pipeline.modes import prepare_config
 from slipstream.rollouter.balancer import LoadBalancer
 from slipstream.rollouter.gate import StalenessGate
-from slipstream.sim.profile import Profile, ProfileError, load_profile
+from slipstream.sim.types import Profile, ProfileError, load_profile
 
 _EPS = 1e-9
 

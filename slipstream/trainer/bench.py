@@ -52,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
 def _model_path(arg: str | None, workdir: Path) -> str:
     if arg:
         return arg
-    from slipstream.testing import make_tiny_model
+    from slipstream.utils.tiny_models import make_tiny_model
 
     return str(
         make_tiny_model(

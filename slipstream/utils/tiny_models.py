@@ -1,0 +1,127 @@
+"""Tiny, random-initialised models for benchmarks and tests: nothing is ever downloaded.
+
+A shared utility (``utils/``), so benchmarks inside the roles (``trainer/bench.py``,
+``rollouter/bench_gateway.py``) and the whole-system ones use it without importing test support;
+``slipstream/testing.py`` re-exports it for the tests.
+
+:func:`make_tiny_model` writes a normal HF checkpoint directory (config, safetensors weights, tokenizer with a
+ChatML chat template that understands tools) that every part of Slipstream accepts as a model path. The
+tokenizer is byte-level with no merges: every UTF-8 byte is one token, plus the special tokens below, so any
+text round-trips exactly and token counts are predictable (one per byte).
+
+Worked example::
+
+    path = make_tiny_model(tmp_path / "tiny")
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+]
+
+# ChatML, with tools rendered in the system turn and tool results as <tool_response> blocks in a user turn
+# (the Hermes/Qwen convention the `tool` agent loop parses).
+CHAT_TEMPLATE = (
+    "{% if tools %}"
+    "<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "You may call tools. Available tools:\n"
+    "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}{{ '\\n' }}"
+    'Call one as <tool_call>{"name": ..., "arguments": {...}}</tool_call>.<|im_end|>\n'
+    "{% elif messages[0]['role'] == 'system' %}"
+    "<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}"
+    "{% elif message['role'] == 'tool' %}"
+    "<|im_start|>user\n<tool_response>\n{{ message['content'] }}\n</tool_response><|im_end|>\n"
+    "{% else %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tiny_tokenizer(path: str | Path):
+    """Write a byte-level tokenizer (256 byte tokens + SPECIAL_TOKENS) to ``path`` and return it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        additional_special_tokens=SPECIAL_TOKENS[1:],
+    )
+    tok.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[1:]})
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(str(path))
+    return tok
+
+
+def make_tiny_model(
+    path: str | Path,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 2048,
+    seed: int = 0,
+    dtype: str = "float32",
+) -> Path:
+    """Write a random-initialised Llama causal LM with the tiny tokenizer to ``path``; return the path.
+
+    Calling it twice with the same arguments gives bit-identical weights (seeded initialisation).
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from slipstream.utils.tensors import parse_dtype
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = make_tiny_tokenizer(path)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tok.pad_token_id,
+        torch_dtype=dtype,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).to(parse_dtype(dtype))
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.pad_token_id = config.pad_token_id
+    model.save_pretrained(str(path))
+    (path / "slipstream_tiny.json").write_text(json.dumps({"seed": seed, "kind": "tiny-llama"}))
+    return path
