@@ -254,3 +254,63 @@ def test_two_gloo_ranks_train_the_same_adapters_as_one(tiny_model_path, single_p
     fresh.load_checkpoint(tmp_path / "ckpt")
     for name, tensor in fresh.get_adapter_params():
         assert torch.equal(tensor, got["adapters"][name]), name
+
+
+# ------------------------------------------------------------------------------------------ trainer loop
+def test_trainer_steps_with_a_kl_reference_and_publishes_the_merged_model(
+    tiny_model_path, single_process_group, tmp_path
+):
+    """A LoRA policy with a KL penalty against the base model runs whole trainer steps: the reference pass
+    reads the base weights (KL 0 at step 0, > 0 once the adapters moved), pushes carry merged HF tensors,
+    and a checkpoint taken by the loop resumes the adapters."""
+    from slipstream.trainer.trainer import Trainer, latest_checkpoint
+    from tests.trainer.fake_queue import FakeQueue, collate, make_group
+
+    cfg = trainer_settings(
+        tiny_model_path,
+        *LORA,
+        "trainer.lr=1e-2",
+        "trainer.batch_groups=2",
+        "trainer.checkpoint_every=2",
+        "trainer.algorithm.kl_type=k3",
+        "trainer.algorithm.kl_coef=0.1",
+        "trainer.algorithm.kl_reference=reference",
+        f"run.output_dir={tmp_path}",
+    )
+    queue = FakeQueue(snapshot_dir=tmp_path / cfg.run.name / "checkpoints")
+    for i in range(8):
+        queue.put(make_group(f"g{i}", 4, version=0, seed=i))
+    engine = FSDPEngine(cfg)
+    engine.initialize()
+    published = []
+    trainer = Trainer(
+        cfg,
+        engine,
+        queue,
+        rank=0,
+        world_size=1,
+        collate_fn=collate,
+        publish_fn=lambda v, named: published.append((v, dict(named))),
+        **make_aux_engines(cfg, policy=engine),
+    )
+    assert isinstance(trainer.reference, BaseModelReference)
+    kls = [trainer.step() for _ in range(3)]
+    kl_key = "trainer/kl"
+    assert kl_key in kls[0], sorted(kls[0])
+    assert kls[0][kl_key] == pytest.approx(0.0, abs=1e-6)
+    assert kls[2][kl_key] > 1e-6
+    assert [v for v, _ in published] == [1, 2, 3]
+    assert set(published[-1][1]) == {n for n, _ in engine.get_per_tensor_param()}
+    assert not any(is_adapter_name(n) for n in published[-1][1])
+
+    ckpt = latest_checkpoint(trainer.checkpoint_root)
+    assert ckpt is not None and ckpt.name == "step_00000002"
+    fresh = FSDPEngine(cfg)
+    fresh.initialize()
+    second = Trainer(
+        cfg, fresh, FakeQueue(snapshot_dir=queue.snapshot_dir), rank=0, world_size=1, collate_fn=collate,
+        **make_aux_engines(cfg, policy=fresh),
+    )
+    second.resume(ckpt)
+    assert second.version == 2
+    assert any(p.abs().sum() > 0 for n, p in fresh.get_adapter_params() if n.endswith("lora_B.weight"))

@@ -142,12 +142,22 @@ def test_mismatched_deltas_are_refused() -> None:
         apply_delta(torch.zeros(4, 4), d)
     with pytest.raises(DeltaError):
         apply_delta_(torch.zeros(4, 8, dtype=torch.bfloat16)[:, :4], d)  # not contiguous
-    bad = Delta("sparse", (4, 4), torch.bfloat16, torch.ones(1, dtype=torch.bfloat16),
-                indices=torch.tensor([16], dtype=torch.int32))
+    bad = Delta(
+        "sparse",
+        (4, 4),
+        torch.bfloat16,
+        torch.ones(1, dtype=torch.bfloat16),
+        indices=torch.tensor([16], dtype=torch.int32),
+    )
     with pytest.raises(DeltaError, match="out of range"):
         apply_delta(a, bad)
-    bad = Delta("mask", (4, 4), torch.bfloat16, torch.ones(3, dtype=torch.bfloat16),
-                mask=pack_bits(torch.ones(16, dtype=torch.bool)))
+    bad = Delta(
+        "mask",
+        (4, 4),
+        torch.bfloat16,
+        torch.ones(3, dtype=torch.bfloat16),
+        mask=pack_bits(torch.ones(16, dtype=torch.bool)),
+    )
     with pytest.raises(DeltaError, match="marks 16"):
         apply_delta(a, bad)
 
@@ -215,7 +225,9 @@ def test_merge_adapters_merges_each_pair_and_guards_shapes() -> None:
     with pytest.raises(AdapterShapeError, match="m.v.weight"):
         merge_adapters(base, wrong, 0.5)
     with pytest.raises(AdapterShapeError, match="does not have"):
-        merge_adapters(base, {"m.k.lora_A.weight": torch.randn(2, 4), "m.k.lora_B.weight": torch.randn(4, 2)}, 1)
+        merge_adapters(
+            base, {"m.k.lora_A.weight": torch.randn(2, 4), "m.k.lora_B.weight": torch.randn(4, 2)}, 1
+        )
     with pytest.raises(AdapterShapeError, match="B tensor missing"):
         pair_adapters({"m.q.lora_A.weight": torch.randn(2, 4)})
     with pytest.raises(ValueError):
@@ -226,3 +238,18 @@ def test_peft_adapter_config_fields() -> None:
     cfg = peft_adapter_config(16, 32.0, ["v_proj", "q_proj", "q_proj"], 0.05, "/models/x")
     assert cfg["r"] == 16 and cfg["lora_alpha"] == 32.0 and cfg["target_modules"] == ["q_proj", "v_proj"]
     assert cfg["peft_type"] == "LORA" and cfg["base_model_name_or_path"] == "/models/x"
+
+
+# ------------------------------------------------------------------------------------------ measurement
+def test_changed_fraction_measurement_grows_with_the_learning_rate(tiny_model_path) -> None:
+    from slipstream.weightsync.send_less_bench import measure_changed_fraction
+
+    small = measure_changed_fraction(str(tiny_model_path), 1e-6, 2, batch=2, seq_len=16)
+    large = measure_changed_fraction(str(tiny_model_path), 1e-2, 2, batch=2, seq_len=16)
+    assert small["exact"] and large["exact"] and len(small["steps"]) == 2
+    assert 0.0 <= small["changed_fraction"] < large["changed_fraction"] <= 1.0
+    assert large["changed_fraction"] > 0.5  # 1e-2 moves almost every bf16 value of a random init
+    for res in (small, large):
+        for row in res["steps"]:
+            assert 0 <= row["delta_bytes"] <= row["dense_bytes"]
+    assert small["bytes_ratio"] < large["bytes_ratio"]
