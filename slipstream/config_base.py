@@ -84,13 +84,23 @@ def value_at(root: msgspec.Struct, key: str) -> Any:
 def settings_from_root(cls: type[msgspec.Struct], root: msgspec.Struct, root_keys: dict[str, str]) -> Any:
     """A role's settings struct ``cls`` from the root config: each field that names a root section takes that
     section whole, each field in ``root_keys`` the value at its dotted root key (the one mapping, read by the
-    settings tests too)."""
+    settings tests too).
+
+    Built through ``msgspec.convert``, which checks every field's type and bounds (``cls(**values)`` checks
+    none): a value the settings bound more tightly than the root, or a root changed with
+    ``msgspec.structs.replace`` (which validates nothing), is a :class:`ConfigError` naming the root key."""
     sections = {f.name for f in msgspec.structs.fields(type(root))}
     values = {}
     for field in msgspec.structs.fields(cls):
-        values[field.name] = (
+        values[field.encode_name] = (
             value_at(root, root_keys[field.name]) if field.name in root_keys else getattr(root, field.name)
         )
         if field.name not in root_keys and field.name not in sections:
             raise TypeError(f"{cls.__name__}.{field.name}: neither a root section nor in its ROOT_KEYS")
-    return cls(**values)
+    try:
+        return msgspec.convert(values, cls)  # sections pass through as they are (already the right type)
+    except msgspec.ValidationError as err:
+        message, _, where = str(err).partition(" - at `$.")
+        name = where.rstrip("`").split(".")[0].split("[")[0]
+        key = root_keys.get(name, name)
+        raise ConfigError(f"{key or '<root>'}: {message} (for {cls.__name__})") from None

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import msgspec
+import pytest
 
 from slipstream.config import Config, load_config
 from slipstream.rollouter.settings import ROOT_KEYS, RollouterSettings, from_root
@@ -56,3 +57,13 @@ def test_settings_travel_as_msgspec():
     settings = from_root(load_config(None, ["trainer.batch_groups=3"]))
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(settings), type=RollouterSettings)
     assert back == settings
+
+
+def test_settings_are_validated_and_a_bad_value_names_its_root_key():
+    from slipstream.config import ConfigError
+
+    cfg = load_config(None, [])
+    # msgspec.structs.replace checks nothing: only the settings' own validation can catch this.
+    broken = msgspec.structs.replace(cfg, queue=msgspec.structs.replace(cfg.queue, put_timeout_s=0.0))
+    with pytest.raises(ConfigError, match=r"queue\.put_timeout_s: Expected `float` > 0"):
+        from_root(broken)
