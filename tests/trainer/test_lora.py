@@ -151,8 +151,11 @@ def test_dropout_applies_to_training_passes_only(tiny_model_path, single_process
 
 # ------------------------------------------------------------------------------------------ reference
 def test_reference_is_the_base_model_without_a_second_copy(tiny_model_path, single_process_group):
-    kl = ("trainer.algorithm.kl_type=k3", "trainer.algorithm.kl_coef=0.01",
-          "trainer.algorithm.kl_reference=reference")
+    kl = (
+        "trainer.algorithm.kl_type=k3",
+        "trainer.algorithm.kl_coef=0.01",
+        "trainer.algorithm.kl_reference=reference",
+    )
     full = _engine(tiny_model_path)
     engine = _engine(tiny_model_path, *LORA, *kl)
     aux = make_aux_engines(engine.settings, policy=engine)
@@ -169,7 +172,9 @@ def test_reference_is_the_base_model_without_a_second_copy(tiny_model_path, sing
         ref.forward_backward_batch(batch, _nll)
     # another checkpoint as reference still gets its own frozen copy
     other = make_aux_engines(
-        trainer_settings(tiny_model_path, *LORA, *kl, f"trainer.algorithm.reference_path={tiny_model_path}/."),
+        trainer_settings(
+            tiny_model_path, *LORA, *kl, f"trainer.algorithm.reference_path={tiny_model_path}/."
+        ),
         policy=engine,
     )["reference"]
     assert isinstance(other, FSDPEngine) and other.frozen
@@ -308,7 +313,12 @@ def test_trainer_steps_with_a_kl_reference_and_publishes_the_merged_model(
     fresh = FSDPEngine(cfg)
     fresh.initialize()
     second = Trainer(
-        cfg, fresh, FakeQueue(snapshot_dir=queue.snapshot_dir), rank=0, world_size=1, collate_fn=collate,
+        cfg,
+        fresh,
+        FakeQueue(snapshot_dir=queue.snapshot_dir),
+        rank=0,
+        world_size=1,
+        collate_fn=collate,
         **make_aux_engines(cfg, policy=fresh),
     )
     second.resume(ckpt)
