@@ -6,13 +6,16 @@ The package is the only place (with ``cli.py``) that imports every role (design.
   config checks that run before anything starts;
 * ``controller.py``: :class:`Pipeline`, the composition of the four parts below that ``slipstream train``
   runs: start, train ``total_steps``, stop on request, always shut down;
-* ``launcher.py``: start-up (Ray, the queue, the inference servers, the trainer ranks, the rollouter) and
-  shutdown, with :class:`~slipstream.pipeline.launcher.Parts` holding the actors' handles;
+* ``launcher.py``: start-up (its order is written once, in ``Launcher.start_parts``) and shutdown, with
+  :class:`~slipstream.pipeline.launcher.Parts` holding the actors' typed handles;
 * ``driver.py``: the step driver (steps, weight pushes, the metrics record);
 * ``supervisor.py``: health checks and the restart policy for servers and trainer ranks;
 * ``checkpoint.py``: run checkpoints consistent across parts (the coordinator), and the record of trained
   samples; the directory layout is ``slipstream/utils/checkpoints.py``;
-* ``cluster.py``: the small cluster interface those parts use (spawn, call, get, wait, kill), and Ray's;
+* ``handles.py``: one typed handle per role (``TrainerGroup``, ``RolloutHandle``, ``ServerHandle``,
+  ``QueueHandle``), one method per operation: how those parts call the actors;
+* ``cluster.py``: the small cluster interface under the handles (spawn, call, get, wait, kill), and Ray's;
+* ``health.py``: what counts as a dead server and the restart flow shared by rollout and judge servers;
 * ``types.py``: the msgspec Structs of every call to the actors and every report they return;
 * ``actors.py``: the Ray actors that host the parts;
 * ``placement.py``: the pools reserved as Ray placement groups before any model loads.
