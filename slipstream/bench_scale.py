@@ -66,22 +66,23 @@ def _pct(values: list[float], q: float) -> float:
 
 
 # ---------------------------------------------------------------------------------------- trainers (child)
-class _NoBytesLink:
-    """A data plane that moves nothing: the publisher's pushes are their control messages alone."""
+def _no_bytes_link(cfg: Any, adapters: list[Any], group_name: str) -> Any:
+    """The publisher's link over a transport that moves nothing: a push is its control messages alone."""
+    from slipstream.weightsync.servers import ServerLink
+    from slipstream.weightsync.torch_dist import TorchDistTransport
 
-    kind = "control"
+    class NoBytes(TorchDistTransport):
+        def _before_send(self, version: int) -> None:  # no group to check: nobody joined one
+            return None
 
-    def __init__(self, group_name: str) -> None:
-        self.group_name = group_name
+        def send_payload(self, bucket: Any) -> None:
+            return None
 
-    def send(self, bucket: Any) -> None:
-        pass
+    class NoBytesLink(ServerLink):
+        async def close(self, adapters: Any) -> None:  # the servers never joined a group to leave
+            return None
 
-    def fail(self) -> None:
-        pass
-
-    async def close(self, adapters: Any) -> None:
-        pass
+    return NoBytesLink(NoBytes(cfg, is_sender=True, device="cpu"), adapters, group_name, streamed=False)
 
 
 def _control_only_publisher(urls: list[str], pause_mode: str):
@@ -93,7 +94,9 @@ def _control_only_publisher(urls: list[str], pause_mode: str):
         async def _ensure_link(self, report):  # no process group to build: the link sends no bytes
             members = self._live()
             if self._link is None or members != self._link_members:
-                self._link, self._link_members = _NoBytesLink(self.cfg.group_name), members
+                adapters = [self.servers[u] for u in members]
+                self._link = _no_bytes_link(self.cfg, adapters, self.cfg.group_name)
+                self._link_members = members
             return members
 
     # naive: one update call per tensor, so --buckets tensors make that many calls per server and push

@@ -1,39 +1,54 @@
-"""The checkpoint engine: one interface for every transport that moves a weight version to receivers.
+"""The weight transport: one interface for every way a weight version moves from trainer rank 0 to receivers.
 
-One sender (trainer rank 0) pushes each version to K receivers. An engine is used in four steps, the same
-for every transport (verl's CheckpointEngine shape, design.md §3):
+One sender (trainer rank 0) pushes each version to a fixed set of receivers (one inference server each, or
+its workers). Every transport is used in the same four steps, on both ends:
 
-1. ``prepare()`` on every side returns a :class:`Rendezvous` (a msgspec Struct: it travels as bytes over
-   our own HTTP or pipes, never pickled);
-2. the controller calls the class method ``build_topology(sender, receivers)``, which gives each side its
-   :class:`InitInfo` (rank, world size, peers);
-3. ``init_process_group(info)`` on every side, concurrently (it returns once all have joined);
-4. per version: the sender ``await send_weights(named_tensors, version)`` while every receiver iterates
-   ``receive_weights()``; then ``finalize()`` when done (or after any :class:`TransferError`, after which
-   the group must be rebuilt from step 1).
+1. ``prepare()`` returns a :class:`Rendezvous`: a msgspec Struct that travels as bytes (our HTTP routes,
+   pipes, vLLM's ``/init_weight_transfer_engine`` body), never pickled;
+2. whoever wires the two sides calls :func:`build_topology` (one function for every transport), which gives
+   each end its :class:`InitInfo` (rank, world size, peers);
+3. ``connect(info)`` on every end, concurrently (it returns once all have joined);
+4. per version, the sender ``await send_weights(named_tensors, version)``: the tensors are packed into
+   buckets (``buckets.py``) and sent double-buffered (bucket *i+1* is packed while bucket *i* is on the
+   wire, :func:`send_pipelined`); each receiver takes the version with :func:`receive_version`, which stages
+   every bucket and hands the whole version to a ``load`` callback only once it is complete (all or none);
+   ``close()`` when done, ``fail()`` to tear down at once after an error (then back to step 1).
 
-Receivers stage: ``receive_weights()`` yields tensors that land in receive memory the engine keeps, and
-:func:`receive_into` hands the whole version to a :class:`WeightTarget` only once it is complete, so a
-transfer cut short changes nothing that serves.
+Metadata (a :class:`BucketMeta` per bucket: names, dtypes, shapes, offsets and each entry's ``kind``) goes
+one of two ways. In band (the default): the transport carries it itself (torch_dist: the group's TCPStore;
+ipc: its control socket; nixl: NIXL notifications) and a receiver iterates ``receive_weights()``. Out of
+band: the sender passes ``announce``, a coroutine that hands one bucket's metadata to every receiver (an
+SGLang or vLLM server's blocking HTTP update call) and returns once they all landed it; the receiver then
+lands each bucket it is told about with ``receive_bucket(meta, staging)``. Only transports that move bytes
+without a handshake of their own take ``announce`` (``torch_dist``, ``nccl_uid``).
 
-Backends (``weightsync.backend``), one module each, looked up in :data:`ENGINES`:
-  * ``torch_dist``: a torch.distributed group (gloo on CPU, NCCL on GPU), bucketed and double-buffered;
-  * ``naive``: the same group, one tensor at a time: the baseline the bucketed path is measured against;
-  * ``nixl``: NIXL (UCX) reads from the sender's registered buffers, DRAM or GPU memory.
-  * ``ipc``: one host: receivers copy out of buffers the sender shares (POSIX shared memory, CUDA IPC).
-To add one: write ``weightsync/<name>.py`` with a :class:`CheckpointEngine` subclass decorated with
-``@ENGINES.register("<name>")``, add ``"<name>": "slipstream.weightsync.<name>:<Class>"`` to the lazy table of
-:data:`ENGINES` and the name to the config's ``backend`` choices.
+Transports (``weightsync.backend``; registry :data:`TRANSPORTS`, one module each):
+  * ``torch_dist``: a torch.distributed group (gloo on CPU, NCCL on GPU), one broadcast per bucket;
+  * ``nccl_uid``: an NCCL communicator from a unique id we mint: the sender end of vLLM's own ``nccl``
+    weight-transfer engine (its receiving end is vLLM's; GPU only);
+  * ``nixl``: receivers READ each bucket from the sender's registered memory over NIXL (UCX);
+  * ``ipc``: one host: receivers copy each bucket out of memory the sender shares (POSIX shared memory,
+    CUDA IPC).
+``naive`` is not a transport: it is ``torch_dist`` sending one tensor per bucket, each waited for
+(``layout=None``), the baseline the bucketed path is measured against. The publisher chooses a transport
+for a set of servers with ``servers.choose_transport``.
 
-Worked example (two processes; the rendezvous structs are passed between them as msgpack bytes)::
+To add a transport: write ``weightsync/<name>.py`` with a :class:`Transport` subclass decorated with
+``@TRANSPORTS.register("<name>")`` implementing ``prepare``, ``connect``, ``start_bucket`` (and
+``send_payload`` if it can take ``announce``), ``receive_weights``, ``fail`` and ``close``; add
+``"<name>": "slipstream.weightsync.<name>:<Class>"`` to the lazy table below, the name to the config's
+``backend`` choices, and, if servers join it over HTTP, its case in ``servers.py``.
 
-    # sender                                         # receiver
-    eng = make_engine(cfg, is_sender=True)           eng = make_engine(cfg, is_sender=False)
-    s = eng.prepare()                                r = eng.prepare()
-    send_info, (recv_info,) = TorchDistEngine.build_topology(s, [r])
-    eng.init_process_group(send_info)                eng.init_process_group(recv_info)
-    await eng.send_weights(model.named_parameters(), version=1)
-                                                     version = await receive_into(eng, target)
+Worked example (two processes; the structs pass between them as msgpack bytes)::
+
+    # sender (trainer rank 0)                         # receiver (any process: a server, a vLLM worker)
+    t = make_transport("torch_dist", cfg, is_sender=True)  r = make_transport("torch_dist", cfg, is_sender=False)
+    mine = t.prepare()                                 raw = msgspec.msgpack.encode(r.prepare())
+    info, (theirs,) = build_topology(mine, [msgspec.msgpack.decode(raw, type=Rendezvous)], "w")
+    t.connect(info)                                    r.connect(theirs)
+    await t.send_weights(model.named_parameters(), version=1)
+                                                       version = await receive_version(r, model.load_weights)
+    t.close()                                          r.close()
 """
 
 from __future__ import annotations
@@ -50,12 +65,24 @@ import torch
 
 from slipstream.utils.logging import get_logger
 from slipstream.utils.registry import Registry
-from slipstream.weightsync.buckets import PackedBucket
+from slipstream.weightsync.buckets import (
+    BucketPacker,
+    BufferPool,
+    Layout,
+    PackedBucket,
+    StagingArea,
+    per_tensor_buckets,
+)
 from slipstream.weightsync.config import WeightSyncConfig
-from slipstream.weightsync.errors import TransferError
-from slipstream.weightsync.types import InitInfo, Rendezvous, WeightTarget
+from slipstream.weightsync.errors import SourceFailed, TransferError
+from slipstream.weightsync.types import BucketMeta, InitInfo, Rendezvous
 
 log = get_logger(__name__)
+
+# An out-of-band announcement: hands one bucket's metadata to every receiver, returns once all landed it.
+Announce = Callable[[BucketMeta], Awaitable[None]]
+# What a receiver does with a whole version: load these tensors (views of staging memory: copy them).
+Load = Callable[[list[tuple[str, torch.Tensor]], int], None]
 
 
 class SendStats(msgspec.Struct, kw_only=True):
@@ -80,7 +107,7 @@ class WeightStream:
 
     ``version`` is known once the first bucket has arrived; ``nbytes`` counts payload bytes received. The
     iterator raises :class:`TransferError` when the transfer is cut short, and then nothing it yielded
-    may be used. Yielded tensors live in the engine's receive memory: valid until the next version.
+    may be used. Yielded tensors live in the transport's receive memory: valid until the next version.
     """
 
     def __init__(self, source: Callable[[WeightStream], AsyncIterator[tuple[str, torch.Tensor]]]) -> None:
@@ -109,79 +136,218 @@ class WeightStream:
         return {name: tensor async for name, tensor in self}
 
 
-class CheckpointEngine(ABC):
-    """Moves versions of named tensors from one sender to ``world_size - 1`` receivers.
+class Transport(ABC):
+    """One end of a weight transport: the sender (trainer rank 0) or one receiver (module docstring).
 
-    Lifecycle: ``prepare`` → ``build_topology`` (class method, run by the controller) →
-    ``init_process_group`` → many ``send_weights`` / ``receive_weights`` → ``finalize``. Every wait is
-    bounded by ``cfg.timeout_s``; any failure raises :class:`TransferError` and leaves the engine needing
-    a new ``prepare``/``init_process_group`` round.
+    Lifecycle: ``prepare`` → :func:`build_topology` (by whoever wires the ends) → ``connect`` → many
+    ``send_weights`` / ``receive_weights`` → ``close``. Every wait is bounded by ``cfg.timeout_s``; any
+    failure raises :class:`TransferError` and leaves the end needing a new ``prepare``/``connect`` round.
+
+    A subclass implements the rendezvous, ``start_bucket`` (one bucket in band), ``receive_weights``,
+    ``fail`` and ``close``; packing, double-buffering, statistics and the abort on a failed version are
+    here. ``depth`` is how many buckets may be in flight (the sender holds that many buffers).
     """
 
     name: ClassVar[str]
+    depth: ClassVar[int] = 2
 
     def __init__(self, cfg: WeightSyncConfig, *, is_sender: bool, device: str | torch.device | None = None):
         self.cfg = cfg
         self.is_sender = is_sender
         self.device = torch.device(device) if device is not None else resolve_device(cfg)
         self.bucket_bytes = cfg.bucket_mb << 20
+        self.pool: BufferPool | None = None  # the sender's transfer buffers (a subclass makes them)
+        # Receiving end: a version older than this is refused at its first bucket, before it is staged
+        # (ends that call :meth:`check_version` there: ipc; elsewhere the caller checks the version it is told).
+        self.min_version: int | None = None
+
+    # -- rendezvous
 
     @abstractmethod
     def prepare(self) -> Rendezvous:
-        """Allocate what the transport needs and return what peers must know to reach this side."""
-
-    @classmethod
-    @abstractmethod
-    def build_topology(
-        cls, sender: Rendezvous, receivers: list[Rendezvous], group_name: str = "slipstream_weights"
-    ) -> tuple[InitInfo, list[InitInfo]]:
-        """Assign ranks: the sender's init info and one per receiver, in ``receivers`` order."""
+        """Allocate what the transport needs and return what peers must know to reach this end."""
 
     @abstractmethod
-    def init_process_group(self, info: InitInfo) -> None:
-        """Join the group described by ``info``; blocks until every member has joined (or times out)."""
+    def connect(self, info: InitInfo) -> None:
+        """Join the ends described by ``info``; blocks until every member has joined (or times out)."""
 
     @abstractmethod
+    def fail(self) -> None:
+        """Tear down at once after a failure: peers waiting on this end fail instead of timing out."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Leave and release transport resources (safe to call twice, and after a failure)."""
+
+    # -- sending
+
+    def layout(self) -> Layout:
+        """How this transport cuts buckets when the caller names no layout."""
+        return Layout.slipstream(self.bucket_bytes)
+
+    @abstractmethod
+    def start_bucket(self, bucket: PackedBucket) -> Awaitable[None]:
+        """Put one bucket (metadata and payload) on its way before returning; the awaitable completes
+        once every receiver holds it. Called from the event loop, in bucket order."""
+
+    def send_payload(self, bucket: PackedBucket) -> None:
+        """Move one bucket's payload whose metadata the caller announces itself (blocking; a thread)."""
+        raise TransferError(f"`{self.name}` carries its own bucket metadata: send without `announce`")
+
+    def _before_send(self, version: int) -> None:
+        """Raise TransferError when this end cannot send now (not connected, broken)."""
+        return None
+
+    def _ready(self, bucket: PackedBucket) -> PackedBucket:
+        """Runs in the packing thread once a bucket is packed, before it is announced (a GPU end
+        synchronises its stream here, so no receiver reads bytes still being written)."""
+        return bucket
+
+    def _abort(self, version: int, err: BaseException) -> None:
+        """Tell the receivers to drop ``version`` after the sender gave up on it (a worker thread)."""
+        return None
+
     async def send_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        *,
+        layout: Layout | None | str = "default",
+        announce: Announce | None = None,
     ) -> SendStats:
-        """Send one version, streaming from ``named_tensors``; returns once every payload has left."""
+        """Send one version, streaming from ``named_tensors``; returns once every receiver holds it.
+
+        ``layout``: ``"default"`` (:meth:`layout`), a :class:`Layout` (a server's own byte layout), or None
+        for one tensor per bucket, each waited for (the ``naive`` baseline). ``announce``: out-of-band
+        metadata (module docstring); one bucket is then in flight at a time, since each announcement
+        returns only once its bucket landed. Raises :class:`TransferError` (:class:`SourceFailed` when
+        ``named_tensors`` or packing failed, the cause chained); receivers then drop the version.
+        """
+        if not self.is_sender:
+            raise TransferError(f"`{self.name}`: send_weights on a receiving end")
+        self._before_send(version)
+        chosen = self.layout() if layout == "default" else layout
+        if chosen is None:
+            buckets: Iterator[PackedBucket] = per_tensor_buckets(named_tensors, version, self.device)
+        else:
+            assert isinstance(chosen, Layout) and self.pool is not None
+            buckets = BucketPacker(named_tensors, version, chosen, self.pool, timeout_s=self.cfg.timeout_s)
+        if announce is None:
+            start, depth = self.start_bucket, (1 if chosen is None else self.depth)
+        else:
+            start, depth = (lambda b: self._announced(b, announce)), 1
+        stats, began = SendStats(version=version), time.perf_counter()
+        try:
+            await send_pipelined(map(self._ready, buckets), start, self._release, stats, depth=depth)
+        except Exception as err:
+            await asyncio.to_thread(self._abort, version, err)
+            if isinstance(err, TransferError):
+                raise
+            raise SourceFailed(f"version {version}: packing failed ({err}); receivers dropped it") from err
+        stats.seconds = time.perf_counter() - began
+        return stats
+
+    def _release(self, bucket: PackedBucket) -> None:
+        if self.pool is not None:
+            self.pool.release(bucket.slot)
+
+    async def _announced(self, bucket: PackedBucket, announce: Announce) -> None:
+        """One bucket with out-of-band metadata: the announcement (every receiver's blocking call) in
+        flight while the payload moves. On any failure the transport is torn down, so receivers still
+        blocked in their receive fail too, and the announcement is given up (after a short grace, when
+        the payload failed first, for the receivers' answers to arrive)."""
+        calls = asyncio.ensure_future(announce(bucket.meta))
+        try:
+            if bucket.meta.entries and bucket.meta.nbytes:
+                await asyncio.to_thread(self.send_payload, bucket)
+        except BaseException:
+            await self._give_up(calls, grace_s=min(2.0, self.cfg.timeout_s))
+            raise
+        try:
+            await calls
+        except BaseException:
+            await self._give_up(calls, grace_s=0)
+            raise
+
+    async def _give_up(self, calls: asyncio.Future, grace_s: float) -> None:
+        try:
+            self.fail()
+        except Exception as err:
+            log.debug("tearing the transport down: %s", err)
+        if grace_s > 0:
+            await asyncio.wait([calls], timeout=grace_s)
+        calls.cancel()
+        await asyncio.gather(calls, return_exceptions=True)
+
+    # -- receiving
 
     @abstractmethod
     def receive_weights(self) -> WeightStream:
-        """The next version's tensors, as they arrive."""
+        """The next version's tensors, as they arrive, with in-band metadata."""
 
-    @abstractmethod
-    def finalize(self) -> None:
-        """Leave the group and release transport resources (safe to call twice, and after a failure)."""
+    def check_version(self, version: int) -> None:
+        """Refuse ``version`` when it is older than ``min_version`` (TransferError)."""
+        if self.min_version is not None and version < self.min_version:
+            raise TransferError(f"version {version} is older than the serving version {self.min_version}")
+
+    def receive_bucket(self, meta: BucketMeta, staging: StagingArea) -> list[tuple[str, torch.Tensor]]:
+        """Land one bucket announced out of band into ``staging`` (blocking); the tensors it completed."""
+        raise TransferError(f"`{self.name}` carries its own bucket metadata: use receive_weights()")
 
 
 # ---------------------------------------------------------------------------------------------- registry
 
-# Each backend module is imported when first chosen, and registers its class (setting ``cls.name``).
-ENGINES: Registry[type[CheckpointEngine]] = Registry(
-    "weight-sync backend",
+# Each transport module is imported when first chosen, and registers its class (setting ``cls.name``).
+TRANSPORTS: Registry[type[Transport]] = Registry(
+    "weight transport",
     "weightsync.backend",
-    base=CheckpointEngine,
+    base=Transport,
     name_attr="name",
     lazy={
-        "torch_dist": "slipstream.weightsync.torch_dist:TorchDistEngine",
-        "naive": "slipstream.weightsync.naive:NaiveEngine",
-        "nixl": "slipstream.weightsync.nixl_engine:NixlEngine",
-        "ipc": "slipstream.weightsync.ipc_engine:IpcEngine",
+        "torch_dist": "slipstream.weightsync.torch_dist:TorchDistTransport",
+        "nccl_uid": "slipstream.weightsync.nccl_uid:NcclUidTransport",
+        "nixl": "slipstream.weightsync.nixl_engine:NixlTransport",
+        "ipc": "slipstream.weightsync.ipc_engine:IpcTransport",
     },
 )
 
 
-def get_engine_class(name: str) -> type[CheckpointEngine]:
-    """The engine class registered as ``name``; ValueError listing the known names otherwise."""
-    return ENGINES.get(name)
+def make_transport(
+    name: str, cfg: WeightSyncConfig, *, is_sender: bool, device: str | torch.device | None = None
+) -> Transport:
+    """An end of the transport registered as ``name``; ValueError listing the known names otherwise."""
+    return TRANSPORTS.get(name)(cfg, is_sender=is_sender, device=device)
 
 
-def make_engine(
-    cfg: WeightSyncConfig, *, is_sender: bool, device: str | torch.device | None = None
-) -> CheckpointEngine:
-    return get_engine_class(cfg.backend)(cfg, is_sender=is_sender, device=device)
+def build_topology(
+    sender: Rendezvous, receivers: list[Rendezvous], group_name: str = "slipstream_weights"
+) -> tuple[InitInfo, list[InitInfo]]:
+    """Ranks for one sender and ``receivers`` (in order): the sender's :class:`InitInfo` and one each.
+
+    The sender is rank 0; each receiver's rank is its first of ``ranks`` consecutive ones. The sender's
+    info lists every receiver as a peer, each receiver's the sender; all carry the sender's address.
+    """
+    wrong = sorted({r.backend for r in receivers} - {sender.backend})
+    if wrong:
+        raise ValueError(f"receivers of backend {wrong} cannot join a `{sender.backend}` sender")
+    world = 1 + sum(r.ranks for r in receivers)
+
+    def info(rank: int, peers: list[Rendezvous]) -> InitInfo:
+        return InitInfo(
+            backend=sender.backend,
+            rank=rank,
+            world_size=world,
+            group_name=group_name,
+            address=sender.address,
+            port=sender.port,
+            peers=peers,
+        )
+
+    rest, rank = [], 1
+    for receiver in receivers:
+        rest.append(info(rank, [sender]))
+        rank += receiver.ranks
+    return info(0, list(receivers)), rest
 
 
 # ------------------------------------------------------------------------------------------- pipelining
@@ -202,7 +368,7 @@ async def send_pipelined(
     ``release`` gives a bucket's buffer back once its transfer completed (or failed). Exceptions from
     packing (the caller's tensor iterator) and from transfers propagate, after every thread still running
     has been waited for, so no buffer is left held. The packing thread uses the caller's CUDA device (the
-    tensor iterator may run collectives on it).
+    tensor iterator may run collectives on it). ``stats`` counts buckets, tensors and bytes that arrived.
     """
     cuda = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
@@ -227,6 +393,8 @@ async def send_pipelined(
         finally:
             release(bucket)
         stats.buckets += 1
+        stats.bytes += bucket.meta.nbytes
+        stats.tensors += sum(1 for e in bucket.meta.entries if e.chunk_offset == 0)
 
     pending: asyncio.Task | None = asyncio.create_task(pack())
     try:
@@ -258,15 +426,17 @@ async def send_pipelined(
 # ------------------------------------------------------------------------------------------- receiving
 
 
-async def receive_into(engine: CheckpointEngine, target: WeightTarget) -> int:
-    """Receive one whole version and apply it to ``target`` at once; return the version.
+async def receive_version(transport: Transport, load: Load) -> int:
+    """Receive one whole version over ``transport`` (in band) and ``load`` it at once; return the version.
 
-    Nothing reaches the target unless every bucket arrived: on :class:`TransferError` the staged tensors
-    are dropped, the error is re-raised, and the target keeps serving what it had.
+    Nothing is loaded unless every bucket arrived: on :class:`TransferError` the staged tensors are
+    dropped, the error is re-raised, and whatever ``load`` fed keeps what it had. ``load`` runs in a worker
+    thread and gets views of the transport's staging memory: it must copy them in before returning. A
+    server passes ``target.apply_weights``; a vLLM worker its model's ``load_weights`` (wrapped).
     """
-    stream = engine.receive_weights()
+    stream = transport.receive_weights()
     staged = await stream.collect()
     if stream.version is None:
         raise TransferError("the stream ended before any bucket arrived")
-    await asyncio.to_thread(target.apply_weights, list(staged.items()), stream.version)
+    await asyncio.to_thread(load, list(staged.items()), stream.version)
     return stream.version

@@ -5,18 +5,19 @@ For each tensor set and receiver count, interleaved over ``--reps`` repetitions 
 
   * ``raw``: one broadcast of a single pre-allocated buffer holding as many bytes as the set: the
     transport's physical limit here;
-  * ``bucketed``: ``TorchDistEngine.send_weights`` (packing bucket *i+1* while bucket *i* is on the wire),
-    receivers staging each version and then applying it to their own copy of the model;
-  * ``naive``: ``NaiveEngine.send_weights``: one tensor at a time, each waited for;
-  * ``ipc``: ``IpcEngine.send_weights`` to the same receivers through shared memory (``--device cpu``:
+  * ``bucketed``: ``TorchDistTransport.send_weights`` (packing bucket *i+1* while bucket *i* is on the
+    wire), receivers staging each version and then applying it to their own copy of the model;
+  * ``naive``: the same transport with ``layout=None``: one tensor at a time, each waited for;
+  * ``ipc``: ``IpcTransport.send_weights`` to the same receivers through shared memory (``--device cpu``:
     POSIX shared memory; ``--device cuda``: CUDA IPC on one GPU, where NCCL cannot run and the
     torch_dist columns are not measured), against ``memcpy``: one copy of the set's bytes in this
     process, the limit for an engine that moves every byte by copying (``ipc`` copies twice: packing,
     then the receiver's copy out);
-  * ``nixl`` (with ``--backends ...,nixl``): ``NixlEngine.send_weights``, receivers READing each bucket
+  * ``nixl`` (with ``--backends ...,nixl``): ``NixlTransport.send_weights``, receivers READing each bucket
     from the sender's registered memory (DRAM on ``--device cpu``, GPU memory on ``--device cuda``).
 
-``--backends`` picks the engines measured (default ``torch_dist,ipc`` on a CPU, ``ipc`` on a GPU);
+Every row drives the transports the publisher uses (``weightsync.base.Transport``), with in-band metadata.
+``--backends`` picks the transports measured (default ``torch_dist,ipc`` on a CPU, ``ipc`` on a GPU);
 ``torch_dist`` brings ``raw``, ``bucketed`` and ``naive``.
 
 Every timing runs from a barrier of all ranks to a barrier after the last byte landed; the figure is the
@@ -46,12 +47,9 @@ import torch
 
 from slipstream.cli_args import add_device_flag, add_json_flag, command_parser, doc_paragraph
 from slipstream.utils.tensors import total_nbytes
-from slipstream.weightsync.base import SendStats
+from slipstream.weightsync.base import SendStats, Transport, build_topology, make_transport
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.groups import DistGroup
-from slipstream.weightsync.ipc_engine import IpcEngine
-from slipstream.weightsync.naive import NaiveEngine
-from slipstream.weightsync.torch_dist import TorchDistEngine
 from slipstream.weightsync.types import InitInfo, Rendezvous
 
 # SmolLM2-135M-Instruct's config.json (the fields that decide parameter shapes).
@@ -119,16 +117,16 @@ def _barrier(group: DistGroup) -> None:
 def _receiver(conn, cfg_raw: bytes, with_nixl: bool) -> None:
     torch.set_num_threads(1)
     cfg = msgspec.msgpack.decode(cfg_raw, type=WeightSyncConfig)
-    engine = TorchDistEngine(cfg, is_sender=False, device="cpu")
-    ipc = IpcEngine(cfg, is_sender=False, device=cfg.device)
-    nixl = _nixl_engine(cfg, is_sender=False) if with_nixl else None
+    engine = make_transport("torch_dist", cfg, is_sender=False, device="cpu")
+    ipc = make_transport("ipc", cfg, is_sender=False)
+    nixl = make_transport("nixl", cfg, is_sender=False) if with_nixl else None
     ends = [engine.prepare(), ipc.prepare()] + ([nixl.prepare()] if nixl else [])
     conn.send_bytes(msgspec.msgpack.encode(ends))
     infos = msgspec.msgpack.decode(conn.recv_bytes(), type=list[InitInfo])
-    engine.init_process_group(infos[0])
-    ipc.init_process_group(infos[1])
+    engine.connect(infos[0])
+    ipc.connect(infos[1])
     if nixl:
-        nixl.init_process_group(infos[2])
+        nixl.connect(infos[2])
     receivers = {"sync": engine, "ipc": ipc, "nixl": nixl}
     group = engine.group
     model: dict[str, torch.Tensor] = {}
@@ -157,13 +155,7 @@ def _receiver(conn, cfg_raw: bytes, with_nixl: bool) -> None:
         conn.send_bytes(msgspec.msgpack.encode(reply))
     for end in (nixl, ipc, engine):
         if end is not None:
-            end.finalize()
-
-
-def _nixl_engine(cfg: WeightSyncConfig, is_sender: bool):
-    from slipstream.weightsync.nixl_engine import NixlEngine
-
-    return NixlEngine(cfg, is_sender=is_sender, device=cfg.device)
+            end.close()
 
 
 # ----------------------------------------------------------------------------------------------- sender
@@ -181,28 +173,21 @@ class Bench:
             proc.start()
             self.conns.append(mine)
             self.procs.append(proc)
-        self.engine = TorchDistEngine(cfg, is_sender=True, device="cpu")  # also the barrier's group
-        self.naive = NaiveEngine(cfg, is_sender=True, device="cpu")
-        self.ipc = IpcEngine(cfg, is_sender=True, device=cfg.device)
+        self.engine = make_transport("torch_dist", cfg, is_sender=True, device="cpu")  # and the barriers
+        self.ipc = make_transport("ipc", cfg, is_sender=True)
         rdvs = [msgspec.msgpack.decode(c.recv_bytes(), type=list[Rendezvous]) for c in self.conns]
-        mine_info, infos = TorchDistEngine.build_topology(
-            self.engine.prepare(), [r[0] for r in rdvs], "bench"
-        )
-        ipc_info, ipc_infos = IpcEngine.build_topology(self.ipc.prepare(), [r[1] for r in rdvs], "bench")
-        self.nixl = _nixl_engine(cfg, is_sender=True) if with_nixl else None
+        mine_info, infos = build_topology(self.engine.prepare(), [r[0] for r in rdvs], "bench")
+        ipc_info, ipc_infos = build_topology(self.ipc.prepare(), [r[1] for r in rdvs], "bench")
+        self.nixl = make_transport("nixl", cfg, is_sender=True) if with_nixl else None
         nixl_infos = [None] * receivers
         if self.nixl is not None:
-            nixl_info, nixl_infos = type(self.nixl).build_topology(
-                self.nixl.prepare(), [r[2] for r in rdvs], "bench"
-            )
+            nixl_info, nixl_infos = build_topology(self.nixl.prepare(), [r[2] for r in rdvs], "bench")
         for conn, info, other, third in zip(self.conns, infos, ipc_infos, nixl_infos, strict=True):
             conn.send_bytes(msgspec.msgpack.encode([info, other] + ([third] if third else [])))
-        self.engine.init_process_group(mine_info)
-        self.ipc.init_process_group(ipc_info)
+        self.engine.connect(mine_info)
+        self.ipc.connect(ipc_info)
         if self.nixl is not None:
-            self.nixl.init_process_group(nixl_info)
-        # Same group and metadata channel, same receive path: only the sender differs.
-        self.naive.group, self.naive.meta = self.engine.group, self.engine.meta
+            self.nixl.connect(nixl_info)
         self.version = 0
 
     def command(self, cmd: Cmd) -> list[Reply]:
@@ -228,14 +213,16 @@ class Bench:
         self.replies()
         return elapsed
 
-    def sync(self, engine, tensors) -> tuple[float, float, SendStats]:
+    def sync(self, engine: Transport, tensors, naive: bool = False) -> tuple[float, float, SendStats]:
+        """One version over ``engine`` (``naive``: one tensor per bucket, each waited for)."""
         self.version += 1
         op = "ipc" if engine is self.ipc else "nixl" if engine is self.nixl else "sync"
         self.command(Cmd(op=op))
         group = self.engine.group
         _barrier(group)
         start = time.perf_counter()
-        stats = asyncio.run(engine.send_weights(tensors, self.version))
+        layout = None if naive else "default"
+        stats = asyncio.run(engine.send_weights(tensors, self.version, layout=layout))
         _barrier(group)
         elapsed = time.perf_counter() - start
         pause = max(r.apply_s for r in self.replies())
@@ -244,9 +231,9 @@ class Bench:
     def close(self) -> None:
         self.command(Cmd(op="stop"))
         if self.nixl is not None:
-            self.nixl.finalize()
-        self.ipc.finalize()
-        self.engine.finalize()
+            self.nixl.close()
+        self.ipc.close()
+        self.engine.close()
         for proc in self.procs:
             proc.join(timeout=30)
 
@@ -289,7 +276,7 @@ def run_set(
         if "torch_dist" in backends:
             got["raw"] = bench.raw(buf)
             got["bucketed"], got["pause"], _ = bench.sync(bench.engine, tensors)
-            got["naive"], _, _ = bench.sync(bench.naive, tensors)
+            got["naive"], _, _ = bench.sync(bench.engine, tensors, naive=True)
         if rep:
             for k in names:
                 times[k].append(got[k])

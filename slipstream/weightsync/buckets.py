@@ -43,7 +43,7 @@ import torch
 
 from slipstream.utils import tensors as tensor_utils
 from slipstream.utils.tensors import dtype_name
-from slipstream.weightsync.types import BucketMeta, TensorEntry
+from slipstream.weightsync.types import ENTRY_KINDS, BucketMeta, TensorEntry
 
 
 class BucketError(ValueError):
@@ -398,6 +398,11 @@ def check_meta(meta: BucketMeta) -> None:
             raise BucketError(f"bucket {meta.index}: segment ({off}, {n}) overlaps or leaves the payload")
         cursor = off + n
     for entry in meta.entries:
+        if entry.kind not in ENTRY_KINDS:
+            raise BucketError(
+                f"bucket {meta.index} of version {meta.version}: `{entry.name}` is a `{entry.kind}` entry; "
+                f"this receiver reads only {', '.join(ENTRY_KINDS)} entries"
+            )
         full = tensor_nbytes(entry.shape, parse_dtype(entry.dtype))
         if entry.offset < 0 or entry.nbytes < 0 or entry.offset + entry.nbytes > meta.nbytes:
             raise BucketError(

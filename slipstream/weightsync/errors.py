@@ -13,3 +13,9 @@ class TransferError(RuntimeError):
 
 class TransferAborted(TransferError):
     """The sender gave up on a version on purpose (its tensor iterator raised) and said so."""
+
+
+class SourceFailed(TransferError):
+    """The sender's own side failed mid-version (its tensor iterator raised, packing ran out of memory),
+    not the wire: receivers were told to drop the version. The original error is ``__cause__``; a caller
+    that must not mistake a bug for a lost push (the publisher) raises that one."""

@@ -47,6 +47,7 @@ Worked example (what the trainer's adapter sends, per version, after one ``init`
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -56,10 +57,11 @@ import torch
 from fastapi import APIRouter, Request, Response
 
 from slipstream.utils.logging import get_logger
-from slipstream.weightsync.buckets import BucketError, StagingArea, flattened_meta, segments_of
+from slipstream.weightsync.base import Transport, make_transport
+from slipstream.weightsync.buckets import BucketError, StagingArea, flattened_meta
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.errors import TransferError
-from slipstream.weightsync.groups import DistGroup, open_group
+from slipstream.weightsync.torch_dist import TorchDistTransport
 from slipstream.weightsync.types import (
     BeginWeightUpdateReq,
     BucketMeta,
@@ -67,15 +69,18 @@ from slipstream.weightsync.types import (
     EndWeightUpdateReq,
     InitInfo,
     InitWeightsUpdateGroupReq,
-    NixlStreamReq,
     PausableTarget,
     ReceiverStatus,
+    Rendezvous,
+    StreamConnectReq,
     UpdateWeightsFromDistributedReq,
     WeightTarget,
     WeightUpdateResp,
 )
 
 log = get_logger(__name__)
+
+STREAMS = ("ipc", "nixl")  # transports whose versions arrive in band (``/begin_weight_update {stream}``)
 
 
 class RequestError(ValueError):
@@ -116,12 +121,13 @@ class WeightReceiver:
     def __init__(self, target: WeightTarget, cfg: WeightSyncConfig | None = None) -> None:
         self.target = target
         self.cfg = cfg or WeightSyncConfig()
-        self.groups: dict[str, DistGroup] = {}
+        # The torch_dist receiving end of each group this server joined, by group name.
+        self.groups: dict[str, TorchDistTransport] = {}
         self.session: _Session | None = None
         self._staging: dict[str, StagingArea] = {}
         self._lock = asyncio.Lock()
-        self._nixl = None  # a receiving NixlEngine once /weightsync/nixl/prepare ran
-        self._ipc = None  # a receiving IpcEngine once /weightsync/ipc/prepare ran
+        # In-band receiving ends (``ipc``, ``nixl``), once ``/weightsync/<name>/prepare`` ran.
+        self.streams: dict[str, Transport] = {}
         self.applied_versions = 0
         self.failed_versions = 0
         self.last_error = ""
@@ -143,18 +149,19 @@ class WeightReceiver:
         old = self.groups.pop(req.group_name, None)
         if old is not None:
             await asyncio.to_thread(old.close, 0)
-        group = await asyncio.to_thread(
-            open_group,
-            master_address=req.master_address,
-            master_port=req.master_port,
+        wait_s = req.timeout_s or self.cfg.timeout_s
+        end = TorchDistTransport.for_backend(msgspec.structs.replace(self.cfg, timeout_s=wait_s), backend)
+        info = InitInfo(
+            backend=end.name,
             rank=req.rank_offset,
             world_size=req.world_size,
             group_name=req.group_name,
-            backend=backend,
-            timeout_s=req.timeout_s or self.cfg.timeout_s,
+            address=req.master_address,
+            port=req.master_port,
         )
-        self.wait_s = req.timeout_s or self.cfg.timeout_s
-        self.groups[req.group_name] = group
+        await asyncio.to_thread(end.connect, info)
+        self.wait_s = wait_s
+        self.groups[req.group_name] = end
         return WeightUpdateResp(success=True, message=f"joined `{req.group_name}` as rank {req.rank_offset}")
 
     async def destroy_group(self, req: DestroyWeightsUpdateGroupReq) -> WeightUpdateResp:
@@ -178,18 +185,17 @@ class WeightReceiver:
         session = _Session(version=version)
         self.session = session
         self._watch(session)
-        if req.stream == "nixl":
-            if self._nixl is None:
-                raise RequestError("stream `nixl` needs /weightsync/nixl/prepare and /connect first")
-            session.stream_task = asyncio.create_task(self._receive_stream(session))
-        elif req.stream == "ipc":
-            if self._ipc is None:
-                raise RequestError("stream `ipc` needs /weightsync/ipc/prepare and /connect first")
-            self._ipc.min_version = self.target.weight_version  # refused at its first bucket
-            session.stream_task = asyncio.create_task(self._receive_stream(session, self._ipc))
+        if req.stream is not None:
+            if req.stream not in STREAMS:
+                raise RequestError(f"unknown stream `{req.stream}` (expected {', '.join(STREAMS)} or none)")
+            end = self.streams.get(req.stream)
+            if end is None:
+                raise RequestError(
+                    f"stream `{req.stream}` needs /weightsync/{req.stream}/prepare and /connect first"
+                )
+            end.min_version = self.target.weight_version  # refused at its first bucket
+            session.stream_task = asyncio.create_task(self._receive_stream(session, end))
             session.stream_task.add_done_callback(lambda task: _stream_failed(self, session, task))
-        elif req.stream is not None:
-            raise RequestError(f"unknown stream `{req.stream}` (expected `nixl`, `ipc` or none)")
         return WeightUpdateResp(success=True, weight_version=session.version)
 
     async def update(self, req: UpdateWeightsFromDistributedReq) -> WeightUpdateResp:
@@ -214,14 +220,12 @@ class WeightReceiver:
         start = time.perf_counter()
         for meta in metas:
             try:
-                dest = session.staging.destination(meta)
-                await asyncio.to_thread(_receive, group, meta, dest, self.wait_s)
+                await asyncio.to_thread(group.receive_bucket, meta, session.staging)
             except (TransferError, BucketError) as err:
                 await self._close_group(req.group_name)
                 self._fail(session, f"bucket {meta.index}: {err}")
                 self._release(session)
                 raise TransferError(self.last_error) from err
-            session.staging.commit(meta)
             session.next_index = max(session.next_index, meta.index + 1)
         session.receive_s += time.perf_counter() - start
         session.active = time.monotonic()
@@ -301,52 +305,34 @@ class WeightReceiver:
         return _router(self)
 
     def close(self) -> None:
-        """Leave every group and release NIXL resources (call at server shutdown)."""
-        for group in self.groups.values():
-            group.close(barrier_timeout_s=0)
+        """Leave every group and release the in-band ends (call at server shutdown)."""
+        for end in self.groups.values():
+            end.close(barrier_timeout_s=0)
         self.groups.clear()
-        if self._nixl is not None:
-            self._nixl.finalize()
-            self._nixl = None
-        if self._ipc is not None:
-            self._ipc.finalize()
-            self._ipc = None
+        for stream in self.streams.values():
+            stream.close()
+        self.streams.clear()
 
-    # -- NIXL stream mode
+    # -- in-band streams (``ipc`` on one host, ``nixl``): the whole version arrives over the transport
 
-    async def nixl_prepare(self):
-        from slipstream.weightsync.nixl_engine import NixlEngine
+    async def stream_prepare(self, name: str) -> Rendezvous:
+        """``/weightsync/<name>/prepare``: this server's receiving end of transport ``name``."""
+        if name not in self.streams:
+            self.streams[name] = make_transport(name, self.cfg, is_sender=False)
+        return await asyncio.to_thread(self.streams[name].prepare)
 
-        if self._nixl is None:
-            self._nixl = NixlEngine(self.cfg, is_sender=False)
-        return await asyncio.to_thread(self._nixl.prepare)
+    async def stream_connect(self, name: str, req: StreamConnectReq) -> WeightUpdateResp:
+        """``/weightsync/<name>/connect``: join the sender whose rendezvous ``req`` carries."""
+        end = self.streams.get(name)
+        if end is None:
+            raise RequestError(f"call /weightsync/{name}/prepare first")
+        info = InitInfo(backend=name, rank=1, world_size=2, group_name=req.group_name, peers=[req.sender])
+        await asyncio.to_thread(end.connect, info)
+        return WeightUpdateResp(success=True, message=f"connected to the {name} sender")
 
-    async def nixl_connect(self, req: NixlStreamReq) -> WeightUpdateResp:
-        if self._nixl is None:
-            raise RequestError("call /weightsync/nixl/prepare first")
-        info = InitInfo(backend="nixl", rank=1, world_size=2, group_name=req.group_name, peers=[req.sender])
-        await asyncio.to_thread(self._nixl.init_process_group, info)
-        return WeightUpdateResp(success=True, message=f"connected to {req.sender.agent_name}")
-
-    # -- IPC stream mode (one host; weightsync/ipc_engine.py)
-
-    async def ipc_prepare(self):
-        from slipstream.weightsync.ipc_engine import IpcEngine
-
-        if self._ipc is None:
-            self._ipc = IpcEngine(self.cfg, is_sender=False)
-        return await asyncio.to_thread(self._ipc.prepare)
-
-    async def ipc_connect(self, req: NixlStreamReq) -> WeightUpdateResp:
-        if self._ipc is None:
-            raise RequestError("call /weightsync/ipc/prepare first")
-        info = InitInfo(backend="ipc", rank=1, world_size=2, group_name=req.group_name, peers=[req.sender])
-        await asyncio.to_thread(self._ipc.init_process_group, info)
-        return WeightUpdateResp(success=True, message="connected to the ipc sender")
-
-    async def _receive_stream(self, session: _Session, engine=None) -> None:
+    async def _receive_stream(self, session: _Session, end: Transport) -> None:
         start = time.perf_counter()
-        stream = (engine or self._nixl).receive_weights()
+        stream = end.receive_weights()
         staged = await stream.collect()
         if session.version is not None and stream.version != session.version:
             raise TransferError(f"received version {stream.version}, expected {session.version}")
@@ -462,10 +448,9 @@ class WeightReceiver:
             log.warning("weight update discarded, old weights keep serving: %s", self.last_error)
 
     async def _close_group(self, name: str) -> None:
-        group = self.groups.pop(name, None)
-        if group is not None:
-            group.broken = True
-            await asyncio.to_thread(group.close, 0)
+        end = self.groups.pop(name, None)
+        if end is not None:
+            await asyncio.to_thread(end.fail)
 
 
 def _stream_failed(receiver: WeightReceiver, session: _Session, task: asyncio.Task) -> None:
@@ -474,13 +459,6 @@ def _stream_failed(receiver: WeightReceiver, session: _Session, task: asyncio.Ta
     if not task.cancelled() and task.exception() is not None:
         receiver._fail(session, f"stream: {task.exception()}")
         traceback.clear_frames(task.exception().__traceback__)
-
-
-def _receive(group: DistGroup, meta: BucketMeta, dest: torch.Tensor, timeout_s: float) -> None:
-    """Every segment of one bucket's payload, posted at once, landing in ``dest``."""
-    works = [group.broadcast_async(dest[off : off + n]) for off, n in segments_of(meta)]
-    for work in works:
-        group.wait(work, timeout_s)
 
 
 @dataclass
@@ -528,10 +506,11 @@ def _router(receiver: WeightReceiver) -> APIRouter:
     endpoint("/update_weights_from_distributed", UpdateWeightsFromDistributedReq, receiver.update)
     endpoint("/end_weight_update", EndWeightUpdateReq, receiver.end)
     router.add_api_route("/weightsync/status", _status(receiver), methods=["GET"])
-    endpoint("/weightsync/nixl/prepare", None, receiver.nixl_prepare)
-    endpoint("/weightsync/nixl/connect", NixlStreamReq, receiver.nixl_connect)
-    endpoint("/weightsync/ipc/prepare", None, receiver.ipc_prepare)
-    endpoint("/weightsync/ipc/connect", NixlStreamReq, receiver.ipc_connect)
+    for name in STREAMS:
+        endpoint(f"/weightsync/{name}/prepare", None, functools.partial(receiver.stream_prepare, name))
+        endpoint(
+            f"/weightsync/{name}/connect", StreamConnectReq, functools.partial(receiver.stream_connect, name)
+        )
     router.weight_receiver = receiver  # type: ignore[attr-defined]
     return router
 

@@ -6,7 +6,7 @@ server sharing a GPU cannot use ``torch_dist``; and between processes on one hos
 packs each bucket into one of two buffers it shares with every receiver and announces it; each receiver
 copies the bucket out of the mapped buffer straight into its staging memory and acknowledges; the sender
 reuses a buffer once every receiver acknowledged it, packing bucket *i+1* while receivers copy bucket *i*.
-Buckets, versions, staging and aborts are those of the other engines (the ``slipstream`` layout: mixed
+Buckets, versions, staging and aborts are those of the other transports (the ``slipstream`` layout: mixed
 dtypes, tensors larger than a bucket in chunks; a version reaches the target whole or not at all).
 
 Two memory kinds behind one protocol (:class:`HostMemory`, :class:`CudaMemory`), chosen by the sender's
@@ -53,7 +53,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import msgspec
@@ -61,14 +61,8 @@ import torch
 
 from slipstream.utils.logging import get_logger
 from slipstream.utils.tensors import total_nbytes
-from slipstream.weightsync.base import (
-    ENGINES,
-    CheckpointEngine,
-    SendStats,
-    WeightStream,
-    send_pipelined,
-)
-from slipstream.weightsync.buckets import BucketError, BucketPacker, BufferPool, Layout, StagingArea
+from slipstream.weightsync.base import TRANSPORTS, Transport, WeightStream
+from slipstream.weightsync.buckets import BucketError, BufferPool, Layout, PackedBucket, StagingArea
 from slipstream.weightsync.errors import TransferAborted, TransferError
 from slipstream.weightsync.types import InitInfo, IpcBuffer, IpcMessage, Rendezvous
 
@@ -291,7 +285,7 @@ class _Conn:
             with self._send_lock:
                 _send(self.sock, msg)
         except OSError as err:
-            raise TransferError(f"{self.label}: {type(err).__name__}: {err}") from err
+            raise TransferError(f"{self.label} went away ({type(err).__name__}: {err})") from err
 
     def take(
         self,
@@ -359,16 +353,16 @@ class _Conn:
             self._on_close(bye)
 
 
-# ---------------------------------------------------------------------------------------------- engine
+# ------------------------------------------------------------------------------------------- transport
 
 
-@ENGINES.register("ipc")
-class IpcEngine(CheckpointEngine):
+@TRANSPORTS.register("ipc")
+class IpcTransport(Transport):
     """Sender or receiver of ``ipc`` weight pushes (see the module docstring).
 
-    Sender: ``prepare`` allocates the two shared buffers and listens; ``init_process_group`` accepts one
+    Sender: ``prepare`` allocates the two shared buffers and listens; ``connect`` accepts one
     connection per receiver and shares the buffers with it. Receiver: ``prepare`` reports where it runs;
-    ``init_process_group`` connects and maps the sender's buffers. ``min_version`` (receiver) refuses older
+    ``connect`` maps the sender's buffers. ``min_version`` (receiver) refuses older
     versions. Staging memory is allocated per version and lives only as long as that version's tensors:
     once the target copied them in, or the version failed, it is gone (a colocated server does not keep a
     second copy of the model between versions).
@@ -379,7 +373,6 @@ class IpcEngine(CheckpointEngine):
         self.memory: HostMemory | CudaMemory = CudaMemory() if self.device.type == "cuda" else HostMemory()
         self.pool: _SharedPool | None = None
         self._staged: list[weakref.ref] = []  # receiver: the buffers of the last version's staging
-        self.min_version: int | None = None
         self._secret = secrets.token_hex(16) if is_sender else ""
         self._dir: str | None = None
         self._listener: socket.socket | None = None
@@ -391,6 +384,9 @@ class IpcEngine(CheckpointEngine):
         self._socket_path = ""
 
     # -- rendezvous
+
+    def layout(self) -> Layout:
+        return Layout.slipstream(self.bucket_bytes)  # no direct segments: every byte goes through a buffer
 
     def prepare(self) -> Rendezvous:
         me = Rendezvous(backend=self.name, host=host_identity(), device=device_identity(self.device))
@@ -421,19 +417,7 @@ class IpcEngine(CheckpointEngine):
         sock.listen(128)
         self._listener = sock
 
-    @classmethod
-    def build_topology(
-        cls, sender: Rendezvous, receivers: list[Rendezvous], group_name: str = "slipstream_weights"
-    ) -> tuple[InitInfo, list[InitInfo]]:
-        world = 1 + len(receivers)
-        first = InitInfo(backend=cls.name, rank=0, world_size=world, group_name=group_name, peers=receivers)
-        rest = [
-            InitInfo(backend=cls.name, rank=i + 1, world_size=world, group_name=group_name, peers=[sender])
-            for i in range(len(receivers))
-        ]
-        return first, rest
-
-    def init_process_group(self, info: InitInfo) -> None:
+    def connect(self, info: InitInfo) -> None:
         if (info.rank == 0) != self.is_sender:
             raise ValueError(f"rank {info.rank} given to a {'sender' if self.is_sender else 'receiver'}")
         if self.is_sender:
@@ -443,7 +427,10 @@ class IpcEngine(CheckpointEngine):
                 raise ValueError("an ipc receiver needs exactly one sender peer with its socket path")
             self._connect(info.peers[0], info.rank)
 
-    def finalize(self) -> None:
+    def fail(self) -> None:
+        self.close()
+
+    def close(self) -> None:
         self._close_conns()
         if self._listener is not None:
             try:
@@ -462,7 +449,7 @@ class IpcEngine(CheckpointEngine):
 
     def _accept_all(self, count: int) -> None:
         if self.pool is None or self._listener is None:
-            raise RuntimeError("call prepare() on the sender before init_process_group()")
+            raise RuntimeError("call prepare() on the sender before connect()")
         self._close_conns()
         listener, deadline = self._listener, time.monotonic() + self.cfg.timeout_s
         conns: list[_Conn] = []
@@ -478,7 +465,7 @@ class IpcEngine(CheckpointEngine):
                     sock, _ = listener.accept()
                 except TimeoutError:
                     continue
-                except OSError as err:  # finalize() closed the listener: the join was given up
+                except OSError as err:  # close() closed the listener: the join was given up
                     raise TransferError(f"the ipc sender stopped accepting receivers ({err})") from err
                 conn = self._welcome(sock, deadline)
                 if conn is not None:
@@ -520,56 +507,31 @@ class IpcEngine(CheckpointEngine):
 
     # -- sender: pushing
 
-    async def send_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
-    ) -> SendStats:
+    def _before_send(self, version: int) -> None:
         if self.pool is None or not self._conns:
-            raise TransferError("ipc: call prepare() and init_process_group() before send_weights()")
+            raise TransferError("ipc: call prepare() and connect() before send_weights()")
         if self._broken:
             raise TransferError(f"ipc: {self._broken} in an earlier push; rebuild the group")
-        conns, pool = list(self._conns), self.pool
         self._push += 1
         push = self._push
-        for conn in conns:
+        for conn in self._conns:
             conn.purge(lambda m: m.push < push)  # answers to pushes that were given up
-        packer = BucketPacker(
-            named_tensors, version, Layout.slipstream(self.bucket_bytes), pool, self.cfg.timeout_s
+
+    def _ready(self, bucket: PackedBucket) -> PackedBucket:
+        self.memory.published(self.device)  # visible to other processes before it is announced
+        return bucket
+
+    def start_bucket(self, bucket: PackedBucket) -> Awaitable[None]:
+        meta, push, conns = bucket.meta, self._push, list(self._conns)
+        notice = IpcMessage(
+            kind="bucket", push=push, version=meta.version, index=meta.index, slot=bucket.slot, meta=meta
         )
-        stats, start = SendStats(version=version), time.perf_counter()
-
-        def begin(bucket):
-            meta = bucket.meta
-            notice = IpcMessage(
-                kind="bucket", push=push, version=version, index=meta.index, slot=bucket.slot, meta=meta
-            )
-            try:
-                for conn in conns:
-                    conn.send(notice)
-            except TransferError as err:
-                return _raise(err)
-            return asyncio.to_thread(self._await_acks, conns, push, meta.index)
-
         try:
-            await send_pipelined(
-                self._published(packer), begin, lambda b: pool.release(b.slot), stats, depth=2
-            )
-        except Exception as err:
-            await asyncio.to_thread(self._abort, conns, push, version)
-            gone = [c.label for c in conns if c.closed is not None]
-            if gone:
-                self._broken = f"{', '.join(gone)} went away"
-            if isinstance(err, TransferError):
-                raise
-            raise TransferError(f"version {version}: packing failed ({err}); receivers dropped it") from err
-        stats.tensors, stats.bytes = packer.tensors, packer.bytes
-        stats.seconds = time.perf_counter() - start
-        return stats
-
-    def _published(self, packer: BucketPacker) -> Iterator:
-        """The packer's buckets, each made visible to other processes before it is announced."""
-        for bucket in packer:
-            self.memory.published(self.device)
-            yield bucket
+            for conn in conns:
+                conn.send(notice)
+        except TransferError as err:
+            return _raise(err)
+        return asyncio.to_thread(self._await_acks, conns, push, meta.index)
 
     def _await_acks(self, conns: list[_Conn], push: int, index: int) -> None:
         for conn in conns:
@@ -580,13 +542,16 @@ class IpcEngine(CheckpointEngine):
                 fail=lambda m: m.kind == "ack" and m.push == push and not m.ok,
             )
 
-    def _abort(self, conns: list[_Conn], push: int, version: int) -> None:
-        for conn in conns:
+    def _abort(self, version: int, err: BaseException) -> None:
+        for conn in self._conns:
             if conn.closed is None:
                 try:
-                    conn.send(IpcMessage(kind="abort", push=push, version=version))
-                except TransferError as err:
-                    log.debug("telling %s to drop version %d: %s", conn.label, version, err)
+                    conn.send(IpcMessage(kind="abort", push=self._push, version=version))
+                except TransferError as send_err:
+                    log.debug("telling %s to drop version %d: %s", conn.label, version, send_err)
+        gone = [c.label for c in self._conns if c.closed is not None]
+        if gone:
+            self._broken = f"{', '.join(gone)} went away"
 
     # -- receiver: connection
 
@@ -671,7 +636,7 @@ class IpcEngine(CheckpointEngine):
 
     async def _receive(self, stream: WeightStream) -> AsyncIterator[tuple[str, torch.Tensor]]:
         if not self._conns or self.is_sender:
-            raise TransferError("ipc: call prepare() and init_process_group() before receive_weights()")
+            raise TransferError("ipc: call prepare() and connect() before receive_weights()")
         conn, settled = self._conns[0], self._push
         self._staged = []
         staging = StagingArea(self.device, on_alloc=lambda t: self._staged.append(weakref.ref(t)))
@@ -695,7 +660,7 @@ class IpcEngine(CheckpointEngine):
                 if meta is None:
                     raise TransferError(f"bucket notice {index} carries no metadata")
                 if stream.version is None:
-                    self._check_version(meta.version)
+                    self.check_version(meta.version)
                     stream.version, stream.started = meta.version, time.perf_counter()
                     staging.begin(meta.version)
                 try:
@@ -719,10 +684,6 @@ class IpcEngine(CheckpointEngine):
         finally:
             if push is not None:
                 self._push = max(self._push, push)
-
-    def _check_version(self, version: int) -> None:
-        if self.min_version is not None and version < self.min_version:
-            raise TransferError(f"version {version} is older than the serving version {self.min_version}")
 
     def _copy_in(self, staging: StagingArea, msg: IpcMessage) -> None:
         meta = msg.meta

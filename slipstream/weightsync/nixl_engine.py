@@ -21,16 +21,17 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
 import torch
 
 from slipstream.utils.logging import get_logger
-from slipstream.weightsync.base import ENGINES, CheckpointEngine, SendStats, WeightStream
-from slipstream.weightsync.buckets import BucketError, BucketPacker, BufferPool, Layout, StagingArea
+from slipstream.weightsync.base import TRANSPORTS, Transport, WeightStream
+from slipstream.weightsync.buckets import BucketError, BufferPool, Layout, PackedBucket, StagingArea
 from slipstream.weightsync.errors import TransferAborted, TransferError
 from slipstream.weightsync.types import InitInfo, NixlNotice, Rendezvous
 
@@ -52,8 +53,8 @@ def _as_str(name: str | bytes) -> str:
     return name.decode() if isinstance(name, bytes) else name
 
 
-@ENGINES.register("nixl")
-class NixlEngine(CheckpointEngine):
+@TRANSPORTS.register("nixl")
+class NixlTransport(Transport):
     """Sender or receiver of NIXL weight pushes (see the module docstring).
 
     The sender's two transfer buffers are allocated and registered in ``prepare()`` and never grow: the
@@ -71,6 +72,7 @@ class NixlEngine(CheckpointEngine):
         self._sender_buffers: list[tuple[int, int, int]] = []
         self._sender_mem_type = "DRAM"  # where the sender's buffers live: the remote side of every READ
         self._inbox: list[tuple[str, NixlNotice]] = []
+        self._inbox_lock = threading.Lock()
         self._prepared = False
         self.pool: BufferPool | None = None
         self.staging: StagingArea | None = None
@@ -95,21 +97,9 @@ class NixlEngine(CheckpointEngine):
             buffers=buffers,
         )
 
-    @classmethod
-    def build_topology(
-        cls, sender: Rendezvous, receivers: list[Rendezvous], group_name: str = "slipstream_weights"
-    ) -> tuple[InitInfo, list[InitInfo]]:
-        world = 1 + len(receivers)
-        first = InitInfo(backend=cls.name, rank=0, world_size=world, group_name=group_name, peers=receivers)
-        rest = [
-            InitInfo(backend=cls.name, rank=i + 1, world_size=world, group_name=group_name, peers=[sender])
-            for i in range(len(receivers))
-        ]
-        return first, rest
-
-    def init_process_group(self, info: InitInfo) -> None:
+    def connect(self, info: InitInfo) -> None:
         if self.agent is None:
-            raise RuntimeError("call prepare() before init_process_group()")
+            raise RuntimeError("call prepare() before connect()")
         if (info.rank == 0) != self.is_sender:
             raise ValueError(f"rank {info.rank} given to a {'sender' if self.is_sender else 'receiver'}")
         for peer in self._peers:
@@ -122,7 +112,10 @@ class NixlEngine(CheckpointEngine):
             self._sender_mem_type = info.peers[0].mem_type or "DRAM"
         self._inbox.clear()
 
-    def finalize(self) -> None:
+    def fail(self) -> None:
+        self.close()
+
+    def close(self) -> None:
         if self.agent is None:
             return
         for peer in self._peers:
@@ -154,106 +147,87 @@ class NixlEngine(CheckpointEngine):
         self.agent.send_notif(peer, msgspec.msgpack.encode(notice))
 
     def _poll(self, pick: Callable[[str, NixlNotice], bool], what: str) -> tuple[str, NixlNotice]:
-        """Block (in a worker thread) until a notice ``pick`` accepts arrives; TransferError on timeout."""
+        """Block (in a worker thread) until a notice ``pick`` accepts arrives; TransferError on timeout.
+        Two buckets' acknowledgements are awaited from two threads: the inbox and the agent go under a lock."""
         deadline = time.monotonic() + self.cfg.timeout_s
         delay = 0.0002
         while True:
-            for i, (peer, notice) in enumerate(self._inbox):
-                if pick(peer, notice):
-                    del self._inbox[i]
-                    return peer, notice
-            try:
-                notifs = self.agent.get_new_notifs()
-            except Exception as err:
-                raise TransferError(f"reading NIXL notifications failed: {err}") from err
-            for peer, msgs in notifs.items():
-                for raw in msgs:
-                    try:
-                        self._inbox.append((_as_str(peer), _notice.decode(raw)))
-                    except msgspec.DecodeError:
-                        log.warning("ignoring an undecodable NIXL notification from %s", peer)
-            if any(pick(p, n) for p, n in self._inbox):
-                continue
+            with self._inbox_lock:
+                found = self._take(pick)
+            if found is not None:
+                return found
             if time.monotonic() > deadline:
                 raise TransferError(f"no {what} within {self.cfg.timeout_s} s")
             time.sleep(delay)
             delay = min(delay * 2, 0.005)
 
+    def _take(self, pick: Callable[[str, NixlNotice], bool]) -> tuple[str, NixlNotice] | None:
+        """The first notice ``pick`` accepts, from the inbox or fetched now into it (None: not yet)."""
+        for fetched in (False, True):
+            if fetched:
+                try:
+                    notifs = self.agent.get_new_notifs()
+                except Exception as err:
+                    raise TransferError(f"reading NIXL notifications failed: {err}") from err
+                for peer, msgs in notifs.items():
+                    for raw in msgs:
+                        try:
+                            self._inbox.append((_as_str(peer), _notice.decode(raw)))
+                        except msgspec.DecodeError:
+                            log.warning("ignoring an undecodable NIXL notification from %s", peer)
+            for i, (peer, notice) in enumerate(self._inbox):
+                if pick(peer, notice):
+                    del self._inbox[i]
+                    return peer, notice
+        return None
+
     # -- sending
 
-    async def send_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
-    ) -> SendStats:
+    def _before_send(self, version: int) -> None:
         if self.pool is None or not self._peers:
-            raise TransferError("nixl: call prepare() and init_process_group() before send_weights()")
-        layout = Layout.slipstream(self.bucket_bytes)
-        packer = BucketPacker(named_tensors, version, layout, self.pool, timeout_s=self.cfg.timeout_s)
-        stats, start = SendStats(version=version), time.perf_counter()
-        in_flight: list = []
-        try:
-            while True:
-                t0 = time.perf_counter()
-                bucket = await asyncio.to_thread(self._pack_next, packer)
-                stats.pack_s += time.perf_counter() - t0
-                if bucket is None:
-                    break
-                notice = NixlNotice(
-                    kind="bucket",
-                    version=version,
-                    index=bucket.meta.index,
-                    slot=bucket.slot,
-                    meta=bucket.meta,
-                )
-                await asyncio.to_thread(self._notify_all, notice)
-                in_flight.append(bucket)
-                stats.buckets += 1
-                if bucket.meta.last:
-                    break
-                if len(in_flight) >= 2:  # both buffers out: wait for the older one before packing again
-                    await asyncio.to_thread(self._await_acks, in_flight.pop(0))
-            while in_flight:
-                await asyncio.to_thread(self._await_acks, in_flight.pop(0))
-        except Exception as err:
-            await asyncio.to_thread(self._notify_all, NixlNotice(kind="abort", version=version), True)
-            for bucket in in_flight:
-                self.pool.release(bucket.slot)
-            if isinstance(err, TransferError):
-                raise
-            raise TransferError(f"version {version}: packing failed ({err}); receivers dropped it") from err
-        stats.tensors, stats.bytes = packer.tensors, packer.bytes
-        stats.seconds = time.perf_counter() - start
-        return stats
+            raise TransferError("nixl: call prepare() and connect() before send_weights()")
 
-    def _pack_next(self, packer: BucketPacker):
-        """The next bucket, its bytes in place: copies into GPU memory are asynchronous, and a receiver
-        told about a bucket reads it at once, so the packing stream is synchronised before any notice."""
-        bucket = next(packer, None)
-        if bucket is not None and self.device.type == "cuda":
+    def _ready(self, bucket: PackedBucket) -> PackedBucket:
+        """Copies into GPU memory are asynchronous, and a receiver told about a bucket reads it at once, so
+        the packing stream is synchronised before any notice."""
+        if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         return bucket
+
+    def start_bucket(self, bucket: PackedBucket) -> Awaitable[None]:
+        meta = bucket.meta
+        notice = NixlNotice(
+            kind="bucket", version=meta.version, index=meta.index, slot=bucket.slot, meta=meta
+        )
+
+        async def run() -> None:  # both buffers may be out: the pipeline waits for the older one
+            await asyncio.to_thread(self._notify_all, notice)
+            await asyncio.to_thread(self._await_acks, meta)
+
+        return run()
+
+    def _abort(self, version: int, err: BaseException) -> None:
+        self._notify_all(NixlNotice(kind="abort", version=version), True)
 
     def _notify_all(self, notice: NixlNotice, quiet: bool = False) -> None:
         for peer in self._peers:
             try:
-                self._notify(peer, notice)
+                with self._inbox_lock:  # one thread at a time in the agent, as when buckets went one by one
+                    self._notify(peer, notice)
             except Exception as err:
                 if not quiet:
                     raise TransferError(f"could not notify {peer}: {err}") from err
 
-    def _await_acks(self, bucket) -> None:
+    def _await_acks(self, meta) -> None:
         waiting = set(self._peers)
-        meta = bucket.meta
-        try:
-            while waiting:
-                peer, ack = self._poll(
-                    lambda p, n: n.kind == "ack" and n.version == meta.version and n.index == meta.index,
-                    f"acknowledgement of bucket {meta.index} from {sorted(waiting)}",
-                )
-                if not ack.ok:
-                    raise TransferError(f"receiver {peer} failed bucket {meta.index}: {ack.error}")
-                waiting.discard(peer)
-        finally:
-            self.pool.release(bucket.slot)
+        while waiting:
+            peer, ack = self._poll(
+                lambda p, n: n.kind == "ack" and n.version == meta.version and n.index == meta.index,
+                f"acknowledgement of bucket {meta.index} from {sorted(waiting)}",
+            )
+            if not ack.ok:
+                raise TransferError(f"receiver {peer} failed bucket {meta.index}: {ack.error}")
+            waiting.discard(peer)
 
     # -- receiving
 
@@ -262,7 +236,7 @@ class NixlEngine(CheckpointEngine):
 
     async def _receive(self, stream: WeightStream) -> AsyncIterator[tuple[str, torch.Tensor]]:
         if self.staging is None or not self._peers:
-            raise TransferError("nixl: call prepare() and init_process_group() before receive_weights()")
+            raise TransferError("nixl: call prepare() and connect() before receive_weights()")
         sender = self._peers[0]
         index = 0
         while True:

@@ -2,12 +2,14 @@
 
 :class:`WeightPublisher` is what the pipeline wires into the trainer's publish hook (on rank 0; the other
 ranks only iterate, see :func:`make_publish_fn`). For each version it runs, for all servers at once, the
-adapter's control sequence around a data plane (a :mod:`~slipstream.weightsync.links` link), packing
-bucket *i+1* in a worker thread while bucket *i* is on the wire and the servers' blocking HTTP calls are in
-flight (the deadlock rule: a server's receive call returns only once rank 0 has broadcast).
+adapter's control sequence around a transport (:mod:`~slipstream.weightsync.servers`: a
+:class:`~slipstream.weightsync.base.Transport` the servers joined), packing bucket *i+1* in a worker thread
+while bucket *i* is on the wire and the servers' blocking HTTP calls are in flight (the deadlock rule: a
+server's receive call returns only once rank 0 has broadcast).
 
 Membership and failures:
-  * the link is built for the current set of healthy servers and rebuilt when that set changes;
+  * the link (the transport with its servers) is built for the current set of healthy servers and rebuilt
+    when that set changes;
   * a server added later (``add_server``, e.g. a restarted replica) first gets the last published version
     over a link of its own, from the CPU copy kept with ``keep_last``; the next push includes it;
   * a push that fails (a server died, a timeout) tears the link down at once, probes every server, marks
@@ -39,11 +41,11 @@ from slipstream.utils.http_auth import env_token
 from slipstream.utils.http_client import HTTPClient
 from slipstream.utils.logging import get_logger
 from slipstream.weightsync.adapters import ServerAdapter, get_adapter_class
-from slipstream.weightsync.base import SendStats, resolve_device, send_pipelined
-from slipstream.weightsync.buckets import BucketPacker, BufferPool, PackedBucket, per_tensor_buckets
+from slipstream.weightsync.base import resolve_device
+from slipstream.weightsync.buckets import BufferPool
 from slipstream.weightsync.config import WeightSyncConfig
-from slipstream.weightsync.errors import TransferError
-from slipstream.weightsync.links import choose_link
+from slipstream.weightsync.errors import SourceFailed, TransferError
+from slipstream.weightsync.servers import ServerLink, choose_transport
 
 log = get_logger(__name__)
 
@@ -113,7 +115,7 @@ class WeightPublisher:
         self.snapshot = Snapshot() if cfg.keep_last else None
         self.servers: dict[str, ServerAdapter] = {}
         self.down: dict[str, str] = {}
-        self._link = None
+        self._link: ServerLink | None = None
         self._link_members: list[str] = []
         self._joins = 0
         self._builds = 0
@@ -183,11 +185,13 @@ class WeightPublisher:
             if members:
                 await self._push(members, version, source, report)
                 return report
+        except SourceFailed as failed:  # not the wire (a packing error, out of memory): recover, then raise
+            err = failed.__cause__ or failed
+            await self._after_failure(version, f"{type(err).__name__}: {err}", report)
+            raise err from None
         except TransferError as err:
             await self._after_failure(version, str(err), report)
-        except (
-            Exception
-        ) as err:  # not the wire (a packing error, out of memory): servers recovered, then raise
+        except Exception as err:  # the same, raised outside the transport
             await self._after_failure(version, f"{type(err).__name__}: {err}", report)
             raise
         finally:
@@ -215,10 +219,7 @@ class WeightPublisher:
         start = time.perf_counter()
         try:
             await _all(adapters, lambda a: a.before(version))
-            if link.kind in ("nixl", "ipc"):
-                stats = await link.send_weights(source, version)
-            else:
-                stats = await self._send_buckets(adapters, link, source, version)
+            stats = await link.push(adapters, source, version)
             await _all(adapters, lambda a: a.after(version))
         except BaseException:  # whatever failed, no server is left paused with its update session open
             await asyncio.gather(*(a.recover(version) for a in adapters), return_exceptions=True)
@@ -226,36 +227,6 @@ class WeightPublisher:
         report.ok = members
         report.bytes, report.buckets = stats.bytes, stats.buckets
         report.seconds = time.perf_counter() - start
-
-    async def _send_buckets(self, adapters: list[ServerAdapter], link, source: Iterator, version: int):
-        layout = adapters[0].layout()
-        if layout is None:
-            buckets = per_tensor_buckets(source, version, self.device)
-        else:
-            buckets = BucketPacker(source, version, layout, self.pool, timeout_s=self.cfg.timeout_s)
-        stats = SendStats(version=version)
-
-        async def send(bucket: PackedBucket) -> None:
-            calls = [asyncio.create_task(a.update(bucket.meta)) for a in adapters]
-            try:
-                if bucket.meta.entries and bucket.meta.nbytes:
-                    await asyncio.to_thread(link.send, bucket)
-                results = await asyncio.gather(*calls, return_exceptions=True)
-            except BaseException:
-                await _abandon(link, calls, grace_s=min(2.0, self.cfg.timeout_s))
-                raise
-            errors = [
-                f"{a.url}: {r}"
-                for a, r in zip(adapters, results, strict=True)
-                if isinstance(r, BaseException)
-            ]
-            if errors:
-                await _abandon(link, calls, grace_s=0)
-                raise TransferError("; ".join(errors))
-            stats.bytes += bucket.meta.nbytes
-
-        await send_pipelined(buckets, send, lambda b: self.pool.release(b.slot), stats, depth=1)
-        return stats
 
     async def _ensure_link(self, report: PublishReport) -> list[str]:
         members = self._live()
@@ -265,12 +236,12 @@ class WeightPublisher:
         if not members:
             return []
         adapters = [self.servers[u] for u in members]
-        link_cls = await choose_link(self.cfg, self._adapter_cls, adapters, self.device)
+        transport = await choose_transport(self.cfg, self._adapter_cls, adapters, self.device)
         # Every rebuild gets a fresh group name: a server that could not leave the old group (it was
         # stuck in a broadcast when the link failed) must not refuse the new one for its name.
         name = self.cfg.group_name if not self._builds else f"{self.cfg.group_name}-{self._builds}"
         self._builds += 1
-        self._link = await link_cls.open(adapters, self.cfg, self.device, name)
+        self._link = await ServerLink.open(transport, adapters, self.cfg, self.device, name, self.pool)
         self._link_members = members
         return members
 
@@ -320,10 +291,10 @@ class WeightPublisher:
         adapters = [self.servers[u] for u in urls]
         self._joins += 1
         name = f"{self.cfg.group_name}-join{self._joins}"
-        link_cls = await choose_link(self.cfg, self._adapter_cls, adapters, self.device)
+        transport = await choose_transport(self.cfg, self._adapter_cls, adapters, self.device)
         saved = self._link, self._link_members
         try:
-            self._link = await link_cls.open(adapters, self.cfg, self.device, name)
+            self._link = await ServerLink.open(transport, adapters, self.cfg, self.device, name, self.pool)
             self._link_members = urls
             await self._push(urls, version, iter(self.snapshot.items()), report)
             await self._link.close(adapters)
@@ -356,19 +327,6 @@ async def _leave(adapters: list[ServerAdapter], group_name: str, timeout_s: floa
             log.debug("%s: leaving group %s: %s", adapter.url, group_name, err)
 
     await asyncio.gather(*(one(a) for a in adapters))
-
-
-async def _abandon(link, calls: list[asyncio.Task], grace_s: float) -> None:
-    """Stop waiting for servers after a failure: tear the link down so their receives fail, drop calls."""
-    try:
-        link.fail()
-    except Exception as err:
-        log.debug("tearing the link down: %s", err)
-    if grace_s > 0:
-        await asyncio.wait(calls, timeout=grace_s)
-    for call in calls:
-        call.cancel()
-    await asyncio.gather(*calls, return_exceptions=True)
 
 
 def _drain(source: Iterator) -> None:

@@ -1,18 +1,23 @@
 """``torch_dist``: bucketed, double-buffered broadcasts over a torch.distributed group (gloo or NCCL).
 
-One code path for CPU and GPU: the group (``groups.open_group``) uses gloo when the engine's device is the
-CPU and NCCL when it is a GPU; buffers live on that device. Each bucket is exactly one broadcast (plus, on
-GPU, one per large tensor sent from its own memory). Its metadata does not take a collective of its own:
-measured on gloo, one extra small broadcast per bucket cost a fifth of the bandwidth, because the next
-payload waits behind it on the same connection. Metadata goes beside the data instead, as msgpack bytes
-under one key per bucket in the group's own TCPStore (:class:`MetaChannel`), which receivers read ahead.
+One code path for CPU and GPU: the group (``groups.open_group``) uses gloo when the transport's device is
+the CPU and NCCL when it is a GPU; buffers live on that device. Each bucket is exactly one broadcast (plus,
+on GPU, one per large tensor sent from its own memory).
+
+Metadata, in band: it does not take a collective of its own: measured on gloo, one extra small broadcast
+per bucket cost a fifth of the bandwidth, because the next payload waits behind it on the same connection.
+Metadata goes beside the data instead, as msgpack bytes under one key per bucket in the group's own
+TCPStore (:class:`MetaChannel`), which receivers read ahead. Out of band (``announce``): a server's HTTP
+update call carries each bucket's metadata (SGLang's ``/update_weights_from_distributed``, our embedded
+server's ``slipstream_bucket``) and its receiver lands the bucket with ``receive_bucket``.
 
 Pipelining: two buckets are in flight at once, and while they drain a worker thread packs the next one
 into the buffer that frees first; receivers post bucket *i+1*'s payload before bucket *i*'s has landed,
-straight into their staging memory (no unpacking copy), and yield its tensors as views.
+straight into their staging memory (no unpacking copy), and yield its tensors as views. The ``naive``
+baseline is this transport with ``layout=None``: one broadcast per tensor, each waited for.
 
-Worked example: see :mod:`slipstream.weightsync.base`; with this engine ``build_topology`` gives the sender
-rank 0 of a group of ``1 + len(receivers)`` and everyone the sender's store address.
+Worked example: see :mod:`slipstream.weightsync.base`; :func:`~slipstream.weightsync.base.build_topology`
+gives the sender rank 0 of a group of ``1 + len(receivers)`` and everyone the sender's store address.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable
 from datetime import timedelta
 
 import msgspec
@@ -28,24 +33,24 @@ import torch
 import torch.distributed as dist
 
 from slipstream.utils.logging import get_logger
-from slipstream.weightsync.base import (
-    ENGINES,
-    CheckpointEngine,
-    SendStats,
-    WeightStream,
-    send_pipelined,
-)
+from slipstream.weightsync.base import TRANSPORTS, Transport, WeightStream
 from slipstream.weightsync.buckets import (
     BucketError,
-    BucketPacker,
     BufferPool,
     Layout,
     PackedBucket,
     StagingArea,
+    parse_dtype,
     segments_of,
 )
 from slipstream.weightsync.errors import TransferAborted, TransferError
-from slipstream.weightsync.groups import DistGroup, backend_for_device, open_group, reserve_port
+from slipstream.weightsync.groups import (
+    DistGroup,
+    backend_for_device,
+    device_for_backend,
+    open_group,
+    reserve_port,
+)
 from slipstream.weightsync.types import BucketMeta, InitInfo, Rendezvous
 
 log = get_logger(__name__)
@@ -116,17 +121,35 @@ class MetaChannel:
         self.seq += 1
 
 
-@ENGINES.register("torch_dist")
-class TorchDistEngine(CheckpointEngine):
-    """Sender or receiver of one torch.distributed weight group (see the module docstring)."""
+@TRANSPORTS.register("torch_dist")
+class TorchDistTransport(Transport):
+    """Sender or receiver of one torch.distributed weight group (see the module docstring).
 
-    def __init__(self, cfg, *, is_sender: bool, device: str | torch.device | None = None) -> None:
+    In band, metadata goes through the group's store (:class:`MetaChannel`) and two buckets are in flight;
+    out of band (``announce``), each bucket is one broadcast matched by the receivers' ``receive_bucket``
+    (an SGLang server's ``/update_weights_from_distributed``). ``typed``: send a single-dtype bucket as
+    one typed tensor, as SGLang's NCCL receiver expects (ours and gloo take plain bytes).
+    """
+
+    def __init__(
+        self, cfg, *, is_sender: bool, device: str | torch.device | None = None, typed: bool = False
+    ) -> None:
         super().__init__(cfg, is_sender=is_sender, device=device)
+        self.typed = typed
         self.group: DistGroup | None = None
         self.meta: MetaChannel | None = None
         self._sock: socket.socket | None = None
         self.pool = BufferPool(self.device) if is_sender else None
         self.staging = None if is_sender else StagingArea(self.device)
+
+    @classmethod
+    def for_backend(cls, cfg, backend: str) -> TorchDistTransport:
+        """A receiving end on the device a process-group backend implies (gloo: CPU, NCCL: this GPU)."""
+        return cls(cfg, is_sender=False, device=device_for_backend(backend))
+
+    @property
+    def group_name(self) -> str:
+        return self.group.group_name if self.group is not None else ""
 
     # -- rendezvous
 
@@ -139,30 +162,12 @@ class TorchDistEngine(CheckpointEngine):
             backend=self.name, address=self.cfg.master_address, port=self._sock.getsockname()[1]
         )
 
-    @classmethod
-    def build_topology(
-        cls, sender: Rendezvous, receivers: list[Rendezvous], group_name: str = "slipstream_weights"
-    ) -> tuple[InitInfo, list[InitInfo]]:
-        world = 1 + len(receivers)
-
-        def info(rank: int) -> InitInfo:
-            return InitInfo(
-                backend=cls.name,
-                rank=rank,
-                world_size=world,
-                group_name=group_name,
-                address=sender.address,
-                port=sender.port,
-            )
-
-        return info(0), [info(i + 1) for i in range(len(receivers))]
-
-    def init_process_group(self, info: InitInfo) -> None:
+    def connect(self, info: InitInfo) -> None:
         if (info.rank == 0) != self.is_sender:
             raise ValueError(f"rank {info.rank} given to a {'sender' if self.is_sender else 'receiver'}")
         if self.is_sender and self._sock is None:
-            raise RuntimeError("call prepare() on the sender before init_process_group()")
-        if self.group is not None:  # a rebuild (a receiver joined or left): everyone re-inits at once
+            raise RuntimeError("call prepare() on the sender before connect()")
+        if self.group is not None:  # a rebuild (a receiver joined or left): everyone re-joins at once
             self.group.close(barrier_timeout_s=0)
             self.group = None
         self.group = open_group(
@@ -178,9 +183,18 @@ class TorchDistEngine(CheckpointEngine):
         self.meta = MetaChannel(self.group, self.cfg.timeout_s)
         self._sock = None
 
-    def finalize(self) -> None:
+    def fail(self) -> None:
+        """Tear the group down at once (peers blocked in a broadcast then fail instead of waiting)."""
         if self.group is not None:
-            self.group.close(barrier_timeout_s=min(10.0, self.cfg.timeout_s))
+            self.group.broken = True
+            self.group.close(0)
+
+    def close(self, barrier_timeout_s: float | None = None) -> None:
+        """Leave the group; a healthy one first meets its peers at a barrier (``barrier_timeout_s``, default
+        10 s; 0 where the peers never join one, as SGLang's destroy does not)."""
+        if self.group is not None:
+            wait = min(10.0, self.cfg.timeout_s) if barrier_timeout_s is None else barrier_timeout_s
+            self.group.close(barrier_timeout_s=wait)
             self.group = None
             self.meta = None
         if self._sock is not None:
@@ -189,7 +203,7 @@ class TorchDistEngine(CheckpointEngine):
 
     def _require_group(self) -> DistGroup:
         if self.group is None:
-            raise TransferError(f"{self.name}: no group (call prepare/init_process_group first)")
+            raise TransferError(f"{self.name}: no group (call prepare/connect first)")
         if self.group.broken:
             raise TransferError(f"{self.name}: the group broke in an earlier transfer; rebuild it")
         return self.group
@@ -200,51 +214,37 @@ class TorchDistEngine(CheckpointEngine):
         direct = DIRECT_MIN_BYTES if self.device.type == "cuda" else self.bucket_bytes // 2
         return Layout.slipstream(self.bucket_bytes, direct_min_bytes=direct)
 
-    async def send_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
-    ) -> SendStats:
+    def _before_send(self, version: int) -> None:
+        self._require_group()
+        if self.meta is not None:
+            self.meta.forget_posted()
+
+    def start_bucket(self, bucket: PackedBucket) -> Awaitable[None]:
         group = self._require_group()
-        pool = self.pool
-        assert pool is not None, "send_weights on a receiver"
-        packer = BucketPacker(named_tensors, version, self.layout(), pool, timeout_s=self.cfg.timeout_s)
-        stats = SendStats(version=version)
-        start = time.perf_counter()
-        self.meta.forget_posted()
+        self.meta.post(bucket.meta)  # in order, from the event loop: issue order is matching order
+        works = [group.broadcast_async(part) for _, part in bucket.payloads()]
+        return asyncio.to_thread(self._wait_all, group, works)
 
-        def begin(bucket: PackedBucket):
-            works = self._issue_bucket(group, bucket)  # in order, from this thread: order is matching
-            return asyncio.to_thread(self._wait_all, group, works)
-
-        try:
-            # Two buckets in flight: the group carries bucket i+1's control message and payload while
-            # bucket i's are still draining, so the wire never idles between buckets.
-            await send_pipelined(packer, begin, lambda b: pool.release(b.slot), stats, depth=2)
-        except TransferError:
-            raise
-        except Exception as err:
-            await asyncio.to_thread(self._send_abort, group)
-            raise TransferError(f"version {version}: packing failed ({err}); receivers dropped it") from err
-        stats.tensors, stats.bytes = packer.tensors, packer.bytes
-        stats.seconds = time.perf_counter() - start
-        return stats
-
-    def _issue_bucket(self, group: DistGroup, bucket: PackedBucket) -> list:
-        """Post the bucket's metadata and start every payload broadcast; returns their works."""
-        self.meta.post(bucket.meta)
-        return [group.broadcast_async(part) for _, part in bucket.payloads()]
-
-    def _send_bucket(self, group: DistGroup, bucket: PackedBucket) -> None:
-        self._wait_all(group, self._issue_bucket(group, bucket))
+    def send_payload(self, bucket: PackedBucket) -> None:
+        group = self._require_group()
+        parts = [part for _, part in bucket.payloads()]
+        if self.typed and bucket.meta.entries and len(parts) == 1:
+            dtype = parse_dtype(bucket.meta.entries[0].dtype)
+            if parts[0].numel() % dtype.itemsize == 0:
+                parts = [parts[0].view(dtype)]
+        self._wait_all(group, [group.broadcast_async(part) for part in parts])
 
     def _wait_all(self, group: DistGroup, works: list) -> None:
         for work in works:
             group.wait(work, self.cfg.timeout_s)
 
-    def _send_abort(self, group: DistGroup) -> None:
+    def _abort(self, version: int, err: BaseException) -> None:
+        if isinstance(err, TransferError) or self.meta is None:
+            return  # the group is broken: receivers fail on it already
         try:
             self.meta.post_abort()
-        except TransferError as err:
-            log.warning("could not tell receivers to drop the version: %s", err)
+        except TransferError as post_err:
+            log.warning("could not tell receivers to drop the version: %s", post_err)
 
     # -- receiving
 
@@ -254,16 +254,17 @@ class TorchDistEngine(CheckpointEngine):
     async def _receive(self, stream: WeightStream) -> AsyncIterator[tuple[str, torch.Tensor]]:
         group = self._require_group()
         staging, channel = self.staging, self.meta
-        assert staging is not None and channel is not None, "receive_weights on a sender"
+        if staging is None or channel is None:
+            raise TransferError("receive_weights on a sending end")
         meta = await asyncio.to_thread(channel.take)
         stream.version, stream.started = meta.version, time.perf_counter()
         staging.begin(meta.version)
-        works = self._post_payload(group, meta)
+        works = self._post_payload(group, staging, meta)
         while True:
             following = None
             if not meta.last:  # read ahead: bucket i+1 is posted before bucket i has landed
                 following = await asyncio.to_thread(channel.take)
-                following_works = self._post_payload(group, following)
+                following_works = self._post_payload(group, staging, following)
             await asyncio.to_thread(self._wait_all, group, works)
             stream.nbytes += meta.nbytes
             for item in staging.commit(meta):
@@ -274,12 +275,18 @@ class TorchDistEngine(CheckpointEngine):
                 return
             meta, works = following, following_works
 
-    def _post_payload(self, group: DistGroup, meta: BucketMeta) -> list:
-        if meta.version != self.staging.version:
+    def receive_bucket(self, meta: BucketMeta, staging: StagingArea) -> list[tuple[str, torch.Tensor]]:
+        """Land one bucket announced out of band (every segment posted at once) into ``staging``."""
+        group = self._require_group()
+        self._wait_all(group, self._post_payload(group, staging, meta))
+        return staging.commit(meta)
+
+    def _post_payload(self, group: DistGroup, staging: StagingArea, meta: BucketMeta) -> list:
+        if meta.version != staging.version:
             group.broken = True
-            raise TransferError(f"bucket of version {meta.version} inside version {self.staging.version}")
+            raise TransferError(f"bucket of version {meta.version} inside version {staging.version}")
         try:
-            dest = self.staging.destination(meta)
+            dest = staging.destination(meta)
         except BucketError as err:
             group.broken = True  # we cannot take part in the payload broadcast: the group is out of step
             raise TransferError(f"bucket {meta.index} of version {meta.version}: {err}") from err

@@ -64,12 +64,23 @@ class PausableTarget(WeightTarget, Protocol):
 # dtypes travel as torch's attribute names ("bfloat16", "float8_e4m3fn"); shapes as lists of ints.
 
 
+DENSE = "dense"
+ENTRY_KINDS = (DENSE,)
+
+
 class TensorEntry(msgspec.Struct, array_like=True, gc=False, frozen=True):
     """Where one tensor (or one chunk of a tensor larger than a bucket) lies in a bucket's payload.
 
     The full tensor has ``prod(shape) * itemsize(dtype)`` bytes; this entry carries ``nbytes`` of them,
     starting at byte ``chunk_offset`` of the tensor, stored at byte ``offset`` of the bucket. A tensor that
     fits a bucket has ``chunk_offset == 0`` and ``nbytes`` equal to its full size.
+
+    ``kind`` says what the bytes are. Only ``dense`` exists (the full tensor's values, ``dtype``/``shape``
+    as named): a receiver refuses any other kind at the bucket (``StagingArea``), so a sender that knows
+    more kinds never has its payload read as dense values. Room for payloads that are not a full dense
+    tensor, each a new kind with its own reading in ``StagingArea.commit``: a delta (element indices and
+    new values against the version the receiver holds), an adapter-only set (low-rank factors applied on
+    the served base weights).
     """
 
     name: str
@@ -78,6 +89,7 @@ class TensorEntry(msgspec.Struct, array_like=True, gc=False, frozen=True):
     offset: int
     nbytes: int
     chunk_offset: int = 0
+    kind: str = DENSE
 
 
 class BucketMeta(msgspec.Struct, kw_only=True, gc=False, omit_defaults=True):
@@ -99,15 +111,22 @@ class BucketMeta(msgspec.Struct, kw_only=True, gc=False, omit_defaults=True):
 
 
 class Rendezvous(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """What one side of a checkpoint engine publishes before the group is built (``prepare()``).
+    """What one end of a transport publishes before it is connected (``Transport.prepare()``).
 
-    torch_dist / naive: the sender names the store address and port it listens on; receivers publish
-    nothing but their backend. nixl: every side publishes its agent name and NIXL's agent metadata
-    (an opaque blob produced by NIXL's own serializer, not a pickle); the sender also lists the address,
-    length and device of each registered send buffer so receivers can READ from them.
+    It travels as msgpack or JSON bytes (``msgspec``), never pickled: a receiver in another program (a
+    vLLM worker plug-in) returns ``msgspec.msgpack.encode(transport.prepare())`` and the trainer decodes it
+    with ``msgspec.msgpack.decode(raw, type=Rendezvous)``.
+
+    torch_dist: the sender names the store address and port it listens on; receivers publish nothing but
+    their backend and how many ranks they take (``ranks``: an SGLang server joins with ``tp_size`` workers).
+    nccl_uid: the sender's NCCL unique id. nixl: every side publishes its agent name and NIXL's agent
+    metadata (an opaque blob produced by NIXL's own serializer, not a pickle); the sender also lists the
+    address, length and device of each registered send buffer so receivers can READ from them.
     """
 
     backend: str
+    ranks: int = 1
+    nccl_unique_id: bytes = b""
     address: str = ""
     port: int = 0
     agent_name: str = ""
@@ -122,7 +141,9 @@ class Rendezvous(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class InitInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """What ``build_topology`` hands each rank for ``init_process_group``: its rank and its peers."""
+    """What :func:`~slipstream.weightsync.base.build_topology` hands each end for ``connect``: its (first)
+    rank, the world size, the group's name, the sender's store address (torch_dist) and its peers (the
+    sender: every receiver's rendezvous; a receiver: the sender's). Msgspec bytes like ``Rendezvous``."""
 
     backend: str
     rank: int
@@ -196,8 +217,8 @@ class WeightUpdateResp(msgspec.Struct, kw_only=True, omit_defaults=True):
     weight_version: int | None = None
 
 
-class NixlStreamReq(msgspec.Struct, kw_only=True):
-    """``/weightsync/nixl/connect``: the sender's rendezvous, once per group."""
+class StreamConnectReq(msgspec.Struct, kw_only=True):
+    """``/weightsync/<name>/connect`` (``ipc``, ``nixl``): the sender's rendezvous, once per group."""
 
     sender: Rendezvous
     group_name: str = "weight_update_group"

@@ -1,7 +1,7 @@
 """A serving process for the ``ipc`` HTTP tests: our receiver routes in front of a dict of tensors.
 
 Besides the weight-update routes it answers ``GET /health``, ``GET /digest`` (a hash of every tensor it
-serves, and its version) and ``GET /ipc_state`` (what its receiving ipc engine holds: staging bytes, mapped
+serves, and its version) and ``GET /ipc_state`` (what its receiving ipc end holds: staging bytes, mapped
 sender buffers, and the shared-memory segments the process maps). ``die_after_buckets=N`` makes the process
 exit abruptly while copying bucket N+1 of a version: a server killed in the middle of a transfer.
 """
@@ -24,10 +24,10 @@ def build_app(die_after_buckets: int | None = None):
     from fastapi import FastAPI
 
     from slipstream.weightsync.http_receiver import WeightReceiver
-    from slipstream.weightsync.ipc_engine import IpcEngine
+    from slipstream.weightsync.ipc_engine import IpcTransport
 
     if die_after_buckets is not None:
-        copy_in, copied = IpcEngine._copy_in, {"n": 0}
+        copy_in, copied = IpcTransport._copy_in, {"n": 0}
 
         def dying_copy_in(self, staging, msg):
             copied["n"] += 1
@@ -35,7 +35,7 @@ def build_app(die_after_buckets: int | None = None):
                 os._exit(1)
             return copy_in(self, staging, msg)
 
-        IpcEngine._copy_in = dying_copy_in
+        IpcTransport._copy_in = dying_copy_in
 
     target = DictTarget(mixed_tensors(0))
     receiver = WeightReceiver(target)
@@ -52,7 +52,7 @@ def build_app(die_after_buckets: int | None = None):
 
     @app.get("/ipc_state")
     def ipc_state() -> dict:
-        engine = receiver._ipc
+        engine = receiver.streams.get("ipc")
         return {
             "staging_bytes": engine.staging_bytes if engine else 0,
             "mapped": engine.mapped if engine else 0,

@@ -1,4 +1,4 @@
-"""Checkpoint engines across real processes: gloo groups and NIXL on DRAM, one sender, several receivers.
+"""Transports across real processes: gloo groups and NIXL on DRAM, one sender, several receivers.
 
 The test process is the sender (except where the sender must die: then it is a child too); receivers are
 child processes driven over pipes (wsync_helpers.engine_receiver). Failures are injected by processes
@@ -14,9 +14,9 @@ import time
 import msgspec
 import pytest
 import torch
-from wsync_helpers import digest, engine_receiver, mixed_tensors, pipe, recv, send, spawn
+from wsync_helpers import digest, engine_receiver, mixed_tensors, pipe, recv, send, spawn, transport_of
 
-from slipstream.weightsync.base import get_engine_class, make_engine
+from slipstream.weightsync.base import build_topology, make_transport
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.errors import TransferError
 from slipstream.weightsync.types import InitInfo, Rendezvous
@@ -31,24 +31,26 @@ class Cluster:
     def __init__(self, backend: str, receivers: int, group: str) -> None:
         self.backend, self.group = backend, group
         self.cfg = WeightSyncConfig(backend=backend, device="cpu", **CFG)
-        self.engine = make_engine(self.cfg, is_sender=True)
+        self.engine = make_transport(transport_of(backend), self.cfg, is_sender=True)
+        # ``naive`` is torch_dist with one tensor per bucket, each waited for
+        self.layout = None if backend == "naive" else "default"
         self.children = [_Child(backend) for _ in range(receivers)]
         self.connect(self.children)
 
     def connect(self, children: list[_Child]) -> None:
-        sender_info, infos = get_engine_class(self.backend).build_topology(
+        sender_info, infos = build_topology(
             self.engine.prepare(), [c.rendezvous for c in children], self.group
         )
         for child, info in zip(children, infos, strict=True):
             send(child.conn, {"op": "init", "info": msgspec.to_builtins(info)})
-        self.engine.init_process_group(sender_info)
+        self.engine.connect(sender_info)
         assert all(recv(c.conn)["ok"] for c in children)
 
     def push(self, version: int, tensors=None, die_after=None, children=None) -> list[dict]:
         children = children if children is not None else self.children
         for i, child in enumerate(children):
             send(child.conn, {"op": "recv", "die_after": die_after[i] if die_after else None})
-        asyncio.run(self.engine.send_weights(tensors or mixed_tensors(version), version))
+        asyncio.run(self.engine.send_weights(tensors or mixed_tensors(version), version, layout=self.layout))
         return [recv(c.conn) for c in children]
 
     def close(self) -> None:
@@ -61,7 +63,7 @@ def stop_all(children: list[_Child], engine=None) -> None:
     for child in alive:
         send(child.conn, {"op": "stop"})
     if engine is not None:
-        engine.finalize()
+        engine.close()
     for child in alive:
         try:
             recv(child.conn, timeout=30)
@@ -98,7 +100,7 @@ def test_versions_arrive_bit_exact_at_every_receiver_and_a_late_receiver_catches
         cluster.close()
 
 
-def test_naive_engine_sends_tensor_by_tensor_to_the_same_receivers():
+def test_naive_sends_tensor_by_tensor_to_the_same_receivers():
     cluster = Cluster("naive", receivers=1, group="naive")
     try:
         stats_reply = cluster.push(1)
@@ -153,11 +155,11 @@ def _dying_sender(conn, backend: str, group: str) -> None:
     """Sends version 1 whole, then dies after three tensors of version 2."""
     torch.set_num_threads(1)
     cfg = WeightSyncConfig(backend=backend, device="cpu", **CFG)
-    engine = make_engine(cfg, is_sender=True)
+    engine = make_transport(backend, cfg, is_sender=True)
     rendezvous = [msgspec.convert(r, Rendezvous) for r in recv(conn)]
-    info, infos = get_engine_class(backend).build_topology(engine.prepare(), rendezvous, group)
+    info, infos = build_topology(engine.prepare(), rendezvous, group)
     send(conn, [msgspec.to_builtins(i) for i in infos])
-    engine.init_process_group(info)
+    engine.connect(info)
     asyncio.run(engine.send_weights(mixed_tensors(1), 1))
 
     def dies():

@@ -1,4 +1,4 @@
-"""The ``ipc`` engine across real processes on the CPU (POSIX shared memory), and how ``auto`` chooses it.
+"""The ``ipc`` transport across real processes on the CPU (POSIX shared memory), and how ``auto`` chooses it.
 
 The test process is the sender (except where the sender must die: then it is a child too); receivers are
 child processes driven over pipes. Peers die abruptly (``os._exit``) in the middle of a version. Nothing
@@ -18,10 +18,10 @@ import pytest
 import torch
 from wsync_helpers import digest, engine_receiver, mixed_tensors, pipe, recv, send, spawn
 
-from slipstream.weightsync.base import make_engine
+from slipstream.weightsync.base import build_topology, make_transport
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.errors import TransferError
-from slipstream.weightsync.ipc_engine import IpcEngine, colocated, host_identity
+from slipstream.weightsync.ipc_engine import colocated, host_identity
 from slipstream.weightsync.types import InitInfo, Rendezvous
 
 TIMEOUT_S = 120.0  # a bound, never reached: deaths are seen as the end of a connection
@@ -47,15 +47,15 @@ class _Child:
 class Cluster:
     def __init__(self, receivers: int) -> None:
         self.cfg = WeightSyncConfig(backend="ipc", device="cpu", **CFG)
-        self.engine = make_engine(self.cfg, is_sender=True)
+        self.engine = make_transport("ipc", self.cfg, is_sender=True)
         self.children = [_Child() for _ in range(receivers)]
         self.connect(self.children)
 
     def connect(self, children: list[_Child]) -> None:
-        mine, infos = IpcEngine.build_topology(self.engine.prepare(), [c.rendezvous for c in children], "t")
+        mine, infos = build_topology(self.engine.prepare(), [c.rendezvous for c in children], "t")
         for child, info in zip(children, infos, strict=True):
             send(child.conn, {"op": "init", "info": msgspec.to_builtins(info)})
-        self.engine.init_process_group(mine)
+        self.engine.connect(mine)
         assert all(recv(c.conn)["ok"] for c in children)
 
     def push(self, version: int, tensors=None) -> list[dict]:
@@ -69,7 +69,7 @@ class Cluster:
             if child.proc.is_alive():
                 send(child.conn, {"op": "stop"})
                 recv(child.conn)
-        self.engine.finalize()
+        self.engine.close()
         for child in self.children:
             child.proc.join(timeout=30)
 
@@ -146,11 +146,11 @@ def test_a_receiver_killed_mid_sync_fails_the_push_at_once_and_the_sender_frees_
 def _dying_sender(conn, group: str) -> None:
     """Sends version 1 whole, then dies three tensors into version 2."""
     torch.set_num_threads(1)
-    engine = make_engine(WeightSyncConfig(backend="ipc", device="cpu", **CFG), is_sender=True)
+    engine = make_transport("ipc", WeightSyncConfig(backend="ipc", device="cpu", **CFG), is_sender=True)
     rendezvous = [msgspec.convert(r, Rendezvous) for r in recv(conn)]
-    info, infos = IpcEngine.build_topology(engine.prepare(), rendezvous, group)
+    info, infos = build_topology(engine.prepare(), rendezvous, group)
     send(conn, [msgspec.to_builtins(i) for i in infos])
-    engine.init_process_group(info)
+    engine.connect(info)
     asyncio.run(engine.send_weights(mixed_tensors(1), 1))
 
     def dies():

@@ -1,4 +1,4 @@
-"""The publisher over ``ipc`` links to serving processes on this host, and how ``auto`` picks the link.
+"""The publisher over ``ipc`` to serving processes on this host, and how ``auto`` picks the transport.
 
 Servers are child processes running our receiver routes in front of a dict of tensors (ipc_target_server.py,
 which also reports what its ipc engine holds); one test uses the real embedded server. Processes die
@@ -17,12 +17,13 @@ import torch
 from ipc_target_server import serve
 from wsync_helpers import digest, mixed_tensors, spawn
 
+from slipstream.serverapi import EMBEDDED
 from slipstream.utils.net import free_port
 from slipstream.weightsync import ipc_engine
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.errors import TransferError
-from slipstream.weightsync.links import DistLink, IpcLink, NixlLink, choose_link
 from slipstream.weightsync.publisher import WeightPublisher
+from slipstream.weightsync.servers import choose_transport
 
 TIMEOUT_S = 120.0  # a bound, never reached: deaths are seen as the end of a connection
 needs_proc = pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/<pid>/maps")
@@ -76,14 +77,14 @@ def test_auto_picks_ipc_on_this_host_and_versions_arrive_bit_exact_including_a_l
         for version in (1, 2):  # mixed dtypes (fp8 too) and a tensor larger than a bucket
             report = pub.publish(version, iter(mixed_tensors(version)))
             assert report.ok == [first] and not report.failed, report
-            assert pub._link.kind == "ipc"
+            assert pub._link.transport.name == "ipc"
             assert served(first) == {"version": version, "digest": digest(mixed_tensors(version))}
         assert get(first, "/ipc_state")["mapped"] == 2
         catch_up = pub.add_server(late)
         assert catch_up is not None and catch_up.ok == [late]
         assert served(late) == {"version": 2, "digest": digest(mixed_tensors(2))}
         report = pub.publish(3, iter(mixed_tensors(3)))
-        assert sorted(report.ok) == sorted([first, late]) and pub._link.kind == "ipc"
+        assert sorted(report.ok) == sorted([first, late]) and pub._link.transport.name == "ipc"
         assert served(first) == served(late) == {"version": 3, "digest": digest(mixed_tensors(3))}
         assert get(first, "/weightsync/status")["failed_versions"] == 0
     finally:
@@ -182,7 +183,7 @@ def test_a_serving_embedded_server_gets_a_version_over_ipc_and_generates_with_it
         pub = WeightPublisher(config("auto"), [server.url], "embedded")
         try:
             report = pub.publish(1, ((n, p.detach()) for n, p in model.named_parameters()))
-            assert report.ok == [server.url] and pub._link.kind == "ipc", report
+            assert report.ok == [server.url] and pub._link.transport.name == "ipc", report
         finally:
             pub.close()
         answer = httpx.post(f"{server.url}/generate", json=body, timeout=120).json()
@@ -201,6 +202,7 @@ class _Stub:
 
     def __init__(self, kind: str, host: str, device: str, fails: bool = False) -> None:
         self.kind, self.transport, self.url = kind, "dist", f"http://{kind}"
+        self.api = EMBEDDED  # the stream routes it is asked on
         self.answer = {"backend": "ipc", "host": host, "device": device}
         self.fails, self.calls = fails, 0
 
@@ -214,22 +216,22 @@ class _Stub:
 @pytest.mark.parametrize(
     ("backend", "kind", "receivers", "want"),
     [
-        ("auto", "embedded", [("here", "cuda:GPU-a"), ("here", "cuda:GPU-a")], IpcLink),
+        ("auto", "embedded", [("here", "cuda:GPU-a"), ("here", "cuda:GPU-a")], "ipc"),
         (
             "auto",
             "embedded",
             [("here", "cuda:GPU-a"), ("here", "cuda:GPU-b")],
-            DistLink,
+            "torch_dist",
         ),  # one on another GPU
-        ("auto", "embedded", [("there", "cuda:GPU-a")], DistLink),  # another host, same UUID string
-        ("auto", "embedded", [("here", None)], DistLink),  # a server without the ipc routes
-        ("auto", "sglang", [("here", "cuda:GPU-a")], DistLink),  # never asked
-        ("torch_dist", "embedded", [("here", "cuda:GPU-a")], DistLink),
-        ("ipc", "embedded", [("there", "cpu")], IpcLink),
-        ("nixl", "embedded", [("here", "cuda:GPU-a")], NixlLink),
+        ("auto", "embedded", [("there", "cuda:GPU-a")], "torch_dist"),  # another host, same UUID string
+        ("auto", "embedded", [("here", None)], "torch_dist"),  # a server without the ipc routes
+        ("auto", "sglang", [("here", "cuda:GPU-a")], "torch_dist"),  # never asked
+        ("torch_dist", "embedded", [("here", "cuda:GPU-a")], "torch_dist"),
+        ("ipc", "embedded", [("there", "cpu")], "ipc"),
+        ("nixl", "embedded", [("here", "cuda:GPU-a")], "nixl"),
     ],
 )
-def test_the_link_follows_the_backend_and_auto_picks_ipc_only_on_this_host_and_this_gpu(
+def test_the_transport_follows_the_backend_and_auto_picks_ipc_only_on_this_host_and_this_gpu(
     monkeypatch, backend, kind, receivers, want
 ):
     monkeypatch.setattr(ipc_engine, "device_identity", lambda device: "cuda:GPU-a")  # the trainer's GPU
@@ -238,8 +240,8 @@ def test_the_link_follows_the_backend_and_auto_picks_ipc_only_on_this_host_and_t
         _Stub(kind, here if host == "here" else "other/boot", device or "", fails=device is None)
         for host, device in receivers
     ]
-    got = asyncio.run(choose_link(config(backend), _adapter_class(kind), stubs, torch.device("cpu")))
-    assert got is want
+    got = asyncio.run(choose_transport(config(backend), _adapter_class(kind), stubs, torch.device("cpu")))
+    assert got == want
     if kind != "embedded" or backend != "auto":
         assert all(s.calls == 0 for s in stubs)
 
@@ -247,8 +249,10 @@ def test_the_link_follows_the_backend_and_auto_picks_ipc_only_on_this_host_and_t
 def test_auto_with_a_host_memory_sender_picks_ipc_for_any_device_of_this_host():
     here = ipc_engine.host_identity()
     stubs = [_Stub("embedded", here, "cuda:GPU-z"), _Stub("embedded", here, "cpu")]
-    got = asyncio.run(choose_link(config("auto"), _adapter_class("embedded"), stubs, torch.device("cpu")))
-    assert got is IpcLink
+    got = asyncio.run(
+        choose_transport(config("auto"), _adapter_class("embedded"), stubs, torch.device("cpu"))
+    )
+    assert got == "ipc"
 
 
 def _adapter_class(kind: str):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from slipstream.weightsync.config import WeightSyncConfig
-from slipstream.weightsync.nixl_engine import NixlEngine
+from slipstream.weightsync.nixl_engine import NixlTransport
 from slipstream.weightsync.types import InitInfo, Rendezvous
 
 
@@ -25,11 +25,11 @@ class RecordingAgent:
 
 
 def test_a_cpu_receiver_reads_a_gpu_senders_buffers_as_gpu_memory():
-    receiver = NixlEngine(WeightSyncConfig(device="cpu"), is_sender=False, device="cpu")
+    receiver = NixlTransport(WeightSyncConfig(device="cpu"), is_sender=False, device="cpu")
     receiver.agent = RecordingAgent()
     sender = Rendezvous(backend="nixl", agent_name="s", agent_metadata=b"m", mem_type="VRAM",
                         buffers=[(0x7F0000, 1 << 20, 3)])  # fmt: skip
-    receiver.init_process_group(InitInfo(backend="nixl", rank=1, world_size=2, group_name="w", peers=[sender]))
+    receiver.connect(InitInfo(backend="nixl", rank=1, world_size=2, group_name="w", peers=[sender]))
     dest = torch.empty(64, dtype=torch.uint8)
     op, local, remote, peer = receiver._start_read("sender", dest, 0x7F0000, 3, 64)
     assert (op, peer) == ("READ", "sender")

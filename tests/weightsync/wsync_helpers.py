@@ -96,31 +96,36 @@ def recv(conn, timeout: float = 60.0):
     return msgspec.msgpack.decode(conn.recv_bytes())
 
 
+def transport_of(backend: str) -> str:
+    """The transport a ``weightsync.backend`` names (``naive`` is torch_dist cut one tensor per bucket)."""
+    return "torch_dist" if backend == "naive" else backend
+
+
 def engine_receiver(conn, backend: str, cfg_kwargs: dict) -> None:
-    """A receiving engine in its own process, driven by messages:
+    """A receiving transport end in its own process (not a server), driven by messages:
 
     ``{"op": "init", "info": InitInfo}`` joins; ``{"op": "recv", "die_after": n}`` receives one version
     into a DictTarget (exiting abruptly after ``n`` tensors when given) and answers with the outcome and the
     digest of what now serves; ``{"op": "stop"}`` leaves.
     """
     torch.set_num_threads(1)
-    from slipstream.weightsync.base import make_engine
+    from slipstream.weightsync.base import make_transport
     from slipstream.weightsync.config import WeightSyncConfig
     from slipstream.weightsync.errors import TransferAborted, TransferError
     from slipstream.weightsync.types import InitInfo
 
     cfg = WeightSyncConfig(backend=backend, device="cpu", **cfg_kwargs)
-    engine = make_engine(cfg, is_sender=False)
+    engine = make_transport(transport_of(backend), cfg, is_sender=False)
     target = DictTarget(mixed_tensors(0))
     send(conn, msgspec.to_builtins(engine.prepare()))
     while True:
         msg = recv(conn, timeout=600)
         if msg["op"] == "stop":
-            engine.finalize()
+            engine.close()
             send(conn, {"ok": True})
             return
         if msg["op"] == "init":
-            engine.init_process_group(msgspec.convert(msg["info"], InitInfo))
+            engine.connect(msgspec.convert(msg["info"], InitInfo))
             send(conn, {"ok": True})
         elif msg["op"] == "recv":
             reply = {"ok": True, "error": "", "aborted": False}

@@ -1,9 +1,9 @@
-"""The NCCL link's bounded wait and communicator abort, in the parts a CPU can check."""
+"""The ``nccl_uid`` transport's bounded wait and communicator abort, in the parts a CPU can check."""
 
 from __future__ import annotations
 
-from slipstream.weightsync import links
-from slipstream.weightsync.links import abort_comm, wait_done
+from slipstream.weightsync import nccl_uid
+from slipstream.weightsync.nccl_uid import abort_comm, wait_done
 
 
 class FakeClock:
@@ -33,7 +33,7 @@ def test_a_broadcast_that_completes_is_seen_at_once():
 
 
 def test_an_aborted_communicator_is_kept_from_torchs_destructor_even_when_nccl_is_missing(monkeypatch):
-    monkeypatch.setattr(links, "_ABORTED", [])
+    monkeypatch.setattr(nccl_uid, "_ABORTED", [])
     comm = object()  # no NCCL library on a CPU machine: the abort reports False, the object stays alive
     assert abort_comm(comm) is False
-    assert links._ABORTED == [comm]
+    assert nccl_uid._ABORTED == [comm]

@@ -1,0 +1,247 @@
+"""A transport opened with a set of HTTP inference servers: which one, how they join it, how a version moves.
+
+The sending end is a :class:`~slipstream.weightsync.base.Transport`, the same class benches and tests drive;
+what this module adds is the servers' half of the rendezvous, made through their HTTP APIs (each server's
+:class:`~slipstream.weightsync.adapters.ServerAdapter`). Two ways to join, decided by the transport:
+
+* a *group* (``torch_dist``, ``nccl_uid``): each server joins through its adapter's ``init_group``
+  (SGLang's ``/init_weights_update_group``, vLLM's ``/init_weight_transfer_engine``) while rank 0 joins
+  here, concurrently, since both block until everyone has arrived. Every bucket's metadata is announced
+  out of band by the adapters' blocking ``update`` calls, in the server's own bucket layout;
+* a *stream* (``ipc``, ``nixl``; our embedded server): each server prepares its receiving end
+  (``POST /weightsync/<name>/prepare``, its :class:`Rendezvous`) and connects to ours (``/connect``); the
+  whole version then travels in band (``/begin_weight_update {stream: <name>}``), without per-bucket calls.
+
+:func:`choose_transport` is the one selector: ``weightsync.backend``, where ``auto`` picks ``ipc`` for
+embedded servers that all share this host (and this GPU, for a GPU sender) and the server kind's own
+transport otherwise; ``naive`` is ``torch_dist`` with one tensor per bucket (the adapters cut them).
+
+Worked example (what the publisher does)::
+
+    name = await choose_transport(cfg, adapter_cls, adapters, device)
+    link = await ServerLink.open(name, adapters, cfg, device, group_name="slipstream_weights")
+    stats = await link.push(adapters, named_tensors, version)   # between the adapters' before/after
+    await link.close(adapters)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from collections.abc import Iterable, Sequence
+
+import msgspec
+import torch
+
+from slipstream.utils.logging import get_logger
+from slipstream.weightsync.adapters import GroupSpec, ServerAdapter
+from slipstream.weightsync.base import SendStats, Transport, build_topology, make_transport
+from slipstream.weightsync.buckets import BufferPool
+from slipstream.weightsync.config import WeightSyncConfig
+from slipstream.weightsync.errors import TransferError
+from slipstream.weightsync.groups import backend_for_device
+from slipstream.weightsync.types import BucketMeta, Rendezvous
+
+log = get_logger(__name__)
+
+STREAMS = ("ipc", "nixl")  # transports a server joins through its stream routes; the others through a group
+_KIND_TRANSPORT = {"dist": "torch_dist"}  # an adapter's ``transport`` names its kind's own
+
+
+async def choose_transport(
+    cfg: WeightSyncConfig, adapter_cls: type[ServerAdapter], adapters: Sequence[ServerAdapter], device
+) -> str:
+    """The transport for a push to ``adapters`` (module docstring)."""
+    if cfg.backend in STREAMS:
+        return cfg.backend
+    if cfg.backend == "auto" and adapter_cls.kind == "embedded" and adapters:
+        if await colocated(adapters, device):
+            return "ipc"
+    return _KIND_TRANSPORT.get(adapter_cls.transport, adapter_cls.transport)
+
+
+async def colocated(adapters: Sequence[ServerAdapter], device) -> bool:
+    """Whether every server runs on this host and, for a GPU ``device``, on the same physical GPU."""
+    from slipstream.weightsync.ipc_engine import colocated as pair
+    from slipstream.weightsync.ipc_engine import device_identity, host_identity
+
+    me = Rendezvous(backend="ipc", host=host_identity(), device=device_identity(torch.device(device)))
+    try:
+        receivers = await _stream_receivers(adapters, "ipc")
+    except (TransferError, msgspec.ValidationError, msgspec.DecodeError) as err:
+        log.info("weightsync.backend auto: no ipc (%s)", err)
+        return False
+    return all(pair(me, r) for r in receivers)
+
+
+class ServerLink:
+    """The sending end of one transport, joined by a fixed set of servers (adding or losing one means a
+    new link). ``streamed``: the servers receive in band (module docstring)."""
+
+    def __init__(
+        self, transport: Transport, adapters: Sequence[ServerAdapter], group_name: str, streamed: bool
+    ) -> None:
+        self.transport = transport
+        self.group_name = group_name
+        self.streamed = streamed
+        self.failed = False
+        # While a stream is open its servers' adapters carry its name, so each version's begin asks for it.
+        self._adapters = {id(a): (a, a.transport) for a in adapters} if streamed else {}
+        for adapter, _ in self._adapters.values():
+            adapter.transport = transport.name  # type: ignore[misc]
+
+    @classmethod
+    async def open(
+        cls,
+        name: str,
+        adapters: Sequence[ServerAdapter],
+        cfg: WeightSyncConfig,
+        device,
+        group_name: str,
+        pool: BufferPool | None = None,
+    ) -> ServerLink:
+        """Open transport ``name`` and have every server join it; TransferError naming who failed."""
+        if name in STREAMS:
+            transport = make_transport(name, cfg, is_sender=True, device=device)
+            await _join_stream(transport, adapters, group_name)
+            return cls(transport, adapters, group_name, streamed=True)
+        transport = make_transport(name, cfg, is_sender=True, device=device)
+        if pool is not None:
+            transport.pool = pool  # the publisher's buffers, kept from one link to the next
+        if name == "torch_dist":
+            # SGLang's receiver builds its bucket as one typed tensor (single-dtype buckets); NCCL wants the
+            # same datatype on both ends. Our receivers and gloo take plain bytes.
+            transport.typed = backend_for_device(device) == "nccl" and any(
+                a.kind == "sglang" for a in adapters
+            )  # type: ignore[attr-defined]
+        await _join_group(transport, adapters, group_name)
+        return cls(transport, adapters, group_name, streamed=False)
+
+    async def push(
+        self, adapters: Sequence[ServerAdapter], named_tensors: Iterable, version: int
+    ) -> SendStats:
+        """Send one version to ``adapters`` (the link's servers), between their ``before`` and ``after``."""
+        if self.streamed:
+            return await self.transport.send_weights(named_tensors, version)
+
+        async def announce(meta: BucketMeta) -> None:
+            await _all(adapters, lambda a: a.update(meta))
+
+        layout = adapters[0].layout()  # None: one tensor per bucket (``naive``)
+        return await self.transport.send_weights(named_tensors, version, layout=layout, announce=announce)
+
+    def fail(self) -> None:
+        """Tear the transport down at once (peers blocked in a receive then fail instead of waiting)."""
+        self.failed = True
+        try:
+            self.transport.fail()
+        finally:
+            self._give_back()
+
+    async def close(self, adapters: Iterable[ServerAdapter]) -> None:
+        if self.streamed:
+            await asyncio.to_thread(self.transport.close)
+            self._give_back()
+            return
+        # No barrier: every broadcast was answered by the servers' update calls before a link is closed,
+        # and SGLang's destroy never joins one (a barrier would stall, then abort the communicator).
+        calls = [a.destroy_group(self.group_name) for a in adapters] if not self.failed else []
+        results = await asyncio.gather(asyncio.to_thread(self._close_quietly), *calls, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                log.debug("leaving group %s: %s", self.group_name, r)
+
+    def _close_quietly(self) -> None:
+        if hasattr(self.transport, "group"):
+            self.transport.close(barrier_timeout_s=0)  # type: ignore[call-arg]
+        else:
+            self.transport.close()
+
+    def _give_back(self) -> None:
+        for adapter, transport in self._adapters.values():
+            adapter.transport = transport  # type: ignore[misc]
+        self._adapters = {}
+
+
+# ------------------------------------------------------------------------------------------------ joining
+
+
+async def _join_group(transport: Transport, adapters: Sequence[ServerAdapter], group_name: str) -> None:
+    """Rank 0 joins here while every server joins through its adapter; a server counts its worker ranks."""
+    sender = await asyncio.to_thread(transport.prepare)
+    ranks = await asyncio.gather(*(a.ranks() for a in adapters))
+    receivers = [Rendezvous(backend=sender.backend, ranks=n) for n in ranks]
+    info, infos = build_topology(sender, receivers, group_name)
+    uid = base64.b64encode(sender.nccl_unique_id).decode() if sender.nccl_unique_id else ""
+    backend = "nccl" if uid else backend_for_device(transport.device)
+    specs = [
+        GroupSpec(
+            master_address=i.address,
+            master_port=i.port,
+            rank_offset=i.rank,
+            world_size=i.world_size,
+            group_name=group_name,
+            backend=backend,
+            nccl_unique_id_b64=uid,
+        )
+        for i in infos
+    ]
+    calls = [asyncio.create_task(a.init_group(s)) for a, s in zip(adapters, specs, strict=True)]
+    local = asyncio.create_task(asyncio.to_thread(transport.connect, info))
+    results = await asyncio.gather(local, *calls, return_exceptions=True)
+    _raise_join_errors(transport, adapters, results, "the weight group")
+
+
+async def _join_stream(transport: Transport, adapters: Sequence[ServerAdapter], group_name: str) -> None:
+    """Every server prepares its receiving end and connects to ours, while ours accepts them."""
+    try:
+        sender = await asyncio.to_thread(transport.prepare)
+        receivers = await _stream_receivers(adapters, transport.name)
+        info, _ = build_topology(sender, receivers, group_name)
+        body = {"sender": msgspec.to_builtins(sender), "group_name": group_name}
+        calls = [
+            asyncio.create_task(
+                a.call("POST", a.api.weights.stream_connect.format(stream=transport.name), json=body)
+            )
+            for a in adapters
+        ]
+        local = asyncio.create_task(asyncio.to_thread(transport.connect, info))
+        done, _ = await asyncio.wait([local, *calls], return_when=asyncio.FIRST_EXCEPTION)
+        if any(t.exception() is not None for t in done):
+            transport.close()  # wakes an ipc sender's accept, so nobody waits for the timeout
+        results = await asyncio.gather(local, *calls, return_exceptions=True)
+        _raise_join_errors(transport, adapters, results, f"the {transport.name} link")
+    except BaseException:
+        transport.close()
+        raise
+
+
+async def _stream_receivers(adapters: Sequence[ServerAdapter], name: str) -> list[Rendezvous]:
+    bodies = await asyncio.gather(
+        *(a.call("POST", a.api.weights.stream_prepare.format(stream=name)) for a in adapters)
+    )
+    # Through JSON bytes, not ``convert``: byte fields (NIXL's agent metadata) travel as base64 text.
+    return [msgspec.json.decode(msgspec.json.encode(body), type=Rendezvous) for body in bodies]
+
+
+def _raise_join_errors(
+    transport: Transport, adapters: Sequence[ServerAdapter], results: list, what: str
+) -> None:
+    errors = [
+        f"{a.url}: {r}" for a, r in zip(adapters, results[1:], strict=True) if isinstance(r, BaseException)
+    ]
+    if isinstance(results[0], BaseException):
+        errors.insert(0, f"trainer side: {results[0]}")
+    if errors:
+        try:
+            transport.fail()  # a half-built group has little to release; its peers may never arrive
+        except Exception as err:
+            log.debug("closing a half-built %s: %s", what, err)
+        raise TransferError(f"could not build {what}: " + "; ".join(errors))
+
+
+async def _all(adapters: Sequence[ServerAdapter], call) -> None:
+    results = await asyncio.gather(*(call(a) for a in adapters), return_exceptions=True)
+    errors = [f"{a.url}: {r}" for a, r in zip(adapters, results, strict=True) if isinstance(r, BaseException)]
+    if errors:
+        raise TransferError("; ".join(errors))
