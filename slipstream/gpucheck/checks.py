@@ -226,7 +226,7 @@ def weightsync_ipc(ctx: Context) -> dict:
     copy_s = _copy_seconds(sets[0], device)
     ipc_gbps = nbytes / statistics.median(seconds) / 1e9
     key = "weightsync_cuda_ipc_gbps" if device.type == "cuda" else "weightsync_shm_ipc_gbps"
-    figures = {key: round(ipc_gbps, 2), "weightsync_ipc_copy_gbps": round(nbytes / copy_s / 1e9, 2),
+    figures = {key: float(f"{ipc_gbps:.4g}"), "weightsync_ipc_copy_gbps": float(f"{nbytes / copy_s / 1e9:.4g}"),
                "weightsync_ipc_bytes": nbytes, "weightsync_ipc_of_copy": round(ipc_gbps * copy_s * 1e9 / nbytes, 3)}  # fmt: skip
     return {"ok": not mismatches and child.exitcode == 0, "figures": figures, "mismatches": mismatches,
             "seconds_per_push": [round(s, 4) for s in seconds]}  # fmt: skip

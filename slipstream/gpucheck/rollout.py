@@ -133,7 +133,7 @@ def rollout(ctx: Context) -> dict:
             partial(ctx, "rollout", figures)
     err, off, spread = logprob_errors(model, *fidelity)
     key = "embedded_logprob_err_bf16" if dtype == "bfloat16" else "embedded_logprob_err_fp32"
-    figures.update({key: round(err, 5), "embedded_logprob_err_one_off": round(off, 3),
+    figures.update({key: float(f"{err:.4g}"), "embedded_logprob_err_one_off": round(off, 3),
                     "embedded_logprob_ref_std": round(spread, 3)})  # fmt: skip
     partial(ctx, "rollout", figures)
     n = counts[0]
