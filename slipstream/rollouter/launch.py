@@ -99,7 +99,8 @@ class ServerProcess:
                 if not self.is_alive():
                     raise ServerLaunchError(
                         f"{self.kind} server ({' '.join(self.command[:6])} ...) exited with code "
-                        f"{self.popen.returncode} before becoming healthy. Its last output:\n{self.log_tail()}"
+                        f"{self.popen.returncode} before becoming healthy. Its log is {self.log_path}; its last "
+                        f"output:\n{self.log_tail()}"
                     )
                 try:
                     if http.get(f"{self.url}/health").status_code == 200:
@@ -111,7 +112,7 @@ class ServerProcess:
                     self.stop()
                     raise ServerLaunchError(
                         f"{self.kind} server at {self.url} was not healthy after {timeout_s:.0f} s (stopped it). "
-                        f"Its last output:\n{tail}"
+                        f"Its log is {self.log_path}; its last output:\n{tail}"
                     )
                 time.sleep(poll_s)
 
