@@ -216,6 +216,7 @@ def test_on_one_gpu_the_two_gpu_and_live_server_cases_skip(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ rehearsal
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_reduced_rehearsal_runs_stage_one_plumbing_and_checks_the_carried_set(tmp_path):
     _wheels()
