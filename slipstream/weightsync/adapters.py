@@ -98,6 +98,10 @@ class ServerAdapter:
     async def ranks(self) -> int:
         return 1
 
+    async def data_plane(self) -> str:
+        """The data plane this server takes (``transport``); a kind whose servers differ asks them."""
+        return self.transport
+
     async def init_group(self, spec: GroupSpec) -> None:
         raise NotImplementedError
 
@@ -178,6 +182,14 @@ class ServerAdapter:
         return await self.call(call.method, call.path, json=call.json, params=dict(call.params) or None)
 
 
+def _slipstream_layout(cfg: WeightSyncConfig) -> Layout:
+    """Our receivers' exact layout. Large tensors travel from the trainer's memory as their own segments;
+    the threshold is torch_dist's (see DIRECT_MIN_BYTES there)."""
+    cap = cfg.bucket_mb << 20
+    direct = 1 << 20 if resolve_device(cfg).type == "cuda" else cap // 2
+    return Layout.slipstream(cap, direct_min_bytes=direct)
+
+
 def _entries(meta: BucketMeta) -> tuple[list[str], list[str], list[list[int]]]:
     return (
         [e.name for e in meta.entries],
@@ -255,11 +267,7 @@ class EmbeddedAdapter(SGLangAdapter):
         self.transport = "nixl" if cfg.backend == "nixl" else "dist"  # type: ignore[misc]
 
     def layout(self) -> Layout | None:
-        # Large tensors travel from the trainer's memory as their own segments (our receiver takes them);
-        # the threshold is torch_dist's (see DIRECT_MIN_BYTES there).
-        cap = self.cfg.bucket_mb << 20
-        direct = 1 << 20 if resolve_device(self.cfg).type == "cuda" else cap // 2
-        return None if self.per_tensor else Layout.slipstream(cap, direct_min_bytes=direct)
+        return None if self.per_tensor else _slipstream_layout(self.cfg)
 
     async def ranks(self) -> int:
         return 1
@@ -311,51 +319,113 @@ class EmbeddedAdapter(SGLangAdapter):
 
 @register_adapter("vllm")
 class VLLMAdapter(ServerAdapter):
-    """vLLM (``serverapi.VLLM``) in dev mode with ``--weight-transfer-config '{"backend": "nccl"}'``."""
+    """vLLM (``serverapi.VLLM``) in dev mode, with whichever weight-transfer engine the server was started
+    with (``--weight-transfer-config``, read from ``/server_info``):
+
+    * ``slipstream`` (our plug-in, ``rollouter/vllm_weights.py``): a torch.distributed group (gloo on CPU,
+      NCCL on GPU) and our exact bucket layout, as for the embedded server; the server stages the version
+      and applies it whole with its last bucket, so a push that fails leaves the old weights serving;
+    * ``nccl`` (vLLM's own, GPU only): an NCCL communicator from a unique id we mint and vLLM's packed
+      layout; layers are loaded as they arrive, so a server cut short mid-version stays paused until a
+      whole version arrives (:meth:`recover`).
+    """
 
     api = VLLM
-    transport = "nccl_uid"
+    transport = "dist"  # the slipstream engine's; :meth:`data_plane` reads each server's
+    ENGINE_TRANSPORTS: ClassVar[dict[str, str]] = {"slipstream": "dist", "nccl": "nccl_uid"}
 
     def __init__(self, url: str, cfg: WeightSyncConfig, http: HTTPClient) -> None:
         super().__init__(url, cfg, http)
+        self.engine: str | None = None  # the server's weight-transfer engine, once read
         self._session = False  # between a successful /start_weight_update and its /finish_weight_update
         self._loading = False  # an /update_weights of this session was sent: the layers may mix versions
 
+    async def data_plane(self) -> str:
+        if self.engine is None:
+            info = await self.call("GET", "/server_info", params={"config_format": "json"})
+            engine = ((info.get("vllm_config") or {}).get("weight_transfer_config") or {}).get("backend")
+            self.engine = engine or "nccl"  # vLLM's default
+        if self.engine not in self.ENGINE_TRANSPORTS:
+            raise TransferError(
+                f"{self.url}: vLLM runs the `{self.engine}` weight-transfer engine; Slipstream pushes to "
+                f"{' or '.join(self.ENGINE_TRANSPORTS)} (rollout.vllm.weight_transfer)"
+            )
+        self.transport = self.ENGINE_TRANSPORTS[self.engine]  # type: ignore[misc]
+        return self.transport
+
+    @property
+    def staged(self) -> bool:
+        return self.engine != "nccl"
+
     def layout(self) -> Layout | None:
-        return None if self.per_tensor else Layout.vllm(self.cfg.bucket_mb << 20)
+        if self.per_tensor:
+            return None
+        if self.staged:
+            return _slipstream_layout(self.cfg)
+        return Layout.vllm(self.cfg.bucket_mb << 20)
 
     async def ranks(self) -> int:
         resp = await self.request(self.api.weights.ranks, params={"include_dp": "true"})
         return int(resp.get("world_size", 1) or 1)
 
     async def init_group(self, spec: GroupSpec) -> None:
-        await self.request(
-            self.api.weights.init_group,
-            json={
-                "init_info": {
-                    "rank_offset": spec.rank_offset,
-                    "world_size": spec.world_size,
-                    "nccl_unique_id_b64": spec.nccl_unique_id_b64,
-                    "packed": not self.per_tensor,
-                    "packed_buffer_size_bytes": self.cfg.bucket_mb << 20,
-                    "packed_num_buffers": 2,
-                }
-            },
-        )
+        self.group_name = spec.group_name
+        if self.staged:
+            info: dict[str, Any] = {
+                "master_address": spec.master_address,
+                "master_port": spec.master_port,
+                "rank_offset": spec.rank_offset,
+                "world_size": spec.world_size,
+                "group_name": spec.group_name,
+                "backend": spec.backend,
+                "timeout_s": self.cfg.timeout_s,
+            }
+        else:
+            info = {
+                "rank_offset": spec.rank_offset,
+                "world_size": spec.world_size,
+                "nccl_unique_id_b64": spec.nccl_unique_id_b64,
+                "packed": not self.per_tensor,
+                "packed_buffer_size_bytes": self.cfg.bucket_mb << 20,
+                "packed_num_buffers": 2,
+            }
+        await self.request(self.api.weights.init_group, json={"init_info": info})
 
     async def destroy_group(self, group_name: str) -> None:
         await self.request(self.api.weights.destroy_group, json={})
 
     async def before(self, version: int) -> None:
-        await super().before(version)
+        """Pause, then open the update session; a session a previous trainer left open (it died mid-version)
+        is closed first, without a version, since vLLM refuses a start while one is open."""
+        try:
+            await super().before(version)
+        except TransferError as err:
+            if "already active" not in str(err):
+                raise
+            log.warning("%s: closing a weight update left open by an earlier push", self.url)
+            with contextlib.suppress(TransferError):
+                await self.request(self.api.weights.end, json={})
+            await self.request(self.api.weights.begin, json=self.begin_body(version))
         self._session, self._loading = True, False
 
     async def update(self, meta: BucketMeta) -> None:
-        if meta.entries:
-            names, dtypes, shapes = _entries(meta)
+        if not meta.entries:
+            return
+        names, dtypes, shapes = _entries(meta)
+        if self.staged:
+            update_info: dict[str, Any] = {
+                "names": names,
+                "dtypes": dtypes,
+                "shapes": shapes,
+                "group_name": self.group_name,
+                "flush_cache": False,
+            }
+            if not self.per_tensor:
+                update_info["slipstream_bucket"] = msgspec.to_builtins(meta)
+        else:
             update_info = {"names": names, "dtype_names": dtypes, "shapes": shapes}
-            self._loading = True
-            await self.request(self.api.weights.update, json={"update_info": update_info})
+        self._loading = True
+        await self.request(self.api.weights.update, json={"update_info": update_info})
 
     async def end(self, version: int, *, abort_running: bool = False) -> None:
         await self.request(self.api.weights.end, json={"weight_version": str(version)})
@@ -364,12 +434,12 @@ class VLLMAdapter(ServerAdapter):
     async def recover(self, version: int) -> None:
         """Close the update session, and resume only a server whose weights are whole.
 
-        vLLM keeps the layers on the meta device from ``/start_weight_update`` until
-        ``/finish_weight_update``, and refuses the next start while a session is open, so the session is
-        always finished (without a version: the served version stays). A server that already received
-        part of the version holds layers of two versions (a layer cut short holds uninitialised
-        elements): it stays paused until a whole version arrives (the publisher's retry from its kept
-        copy, or the next push), whose ``after`` resumes it.
+        vLLM refuses the next start while a session is open, so the session is always finished (without a
+        version: the served version stays). With the ``slipstream`` engine nothing of a failed version
+        reached the model, so the server resumes. With vLLM's ``nccl`` engine the layers sit on the meta
+        device from ``/start_weight_update`` until ``/finish_weight_update``, and a server that received
+        part of the version holds layers of two versions: it stays paused until a whole version arrives (the
+        publisher's retry from its kept copy, or the next push), whose ``after`` resumes it.
         """
         if self._session:
             self._session = False
@@ -377,7 +447,7 @@ class VLLMAdapter(ServerAdapter):
                 await self.request(self.api.weights.end, json={})
             except TransferError as err:
                 log.debug("%s: closing the update session: %s", self.url, err)
-        if self._loading:
+        if self._loading and not self.staged:
             log.warning(
                 "%s holds part of version %d; it stays paused until a whole version arrives",
                 self.url,

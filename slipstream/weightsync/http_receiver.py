@@ -29,11 +29,16 @@ These routes change what a server serves, so they must only be reachable with th
 embedded server's app guards them (``slipstream/rollouter/embedded/auth.py``); an app that mounts this
 router elsewhere has to do the same.
 
+Underneath, the bytes move through the receiving ends of ``weightsync.base.Transport``: each joined group
+is a ``torch_dist`` end that lands every announced bucket (``receive_bucket``), and the in-band streams
+(``ipc``, ``nixl``) are ends whose whole version arrives by itself (``receive_weights``).
+
 Extensions (ignored by nothing, since only our adapters send them): ``weight_version`` on begin/end,
-``slipstream_bucket`` on updates (exact layout: aligned offsets, mixed dtypes, chunks), and the NIXL
-stream mode: ``POST /weightsync/nixl/prepare`` returns this side's NIXL rendezvous, ``/weightsync/nixl/
-connect`` takes the sender's, and ``/begin_weight_update`` with ``stream: "nixl"`` receives the whole
-version in-band while ``/end_weight_update`` waits for it and applies it.
+``slipstream_bucket`` on updates (exact layout: aligned offsets, mixed dtypes, chunks), and the stream
+mode, one route pair per in-band transport ``<name>`` (``ipc``, ``nixl``): ``POST /weightsync/<name>/
+prepare`` returns this side's rendezvous, ``/weightsync/<name>/connect`` takes the sender's, and
+``/begin_weight_update`` with ``stream: "<name>"`` receives the whole version in band while
+``/end_weight_update`` waits for it and applies it.
 
 Worked example (what the trainer's adapter sends, per version, after one ``init``)::
 

@@ -57,7 +57,11 @@ async def choose_transport(
     if cfg.backend == "auto" and adapter_cls.kind == "embedded" and adapters:
         if await colocated(adapters, device):
             return "ipc"
-    return _KIND_TRANSPORT.get(adapter_cls.transport, adapter_cls.transport)
+    planes = set(await asyncio.gather(*(a.data_plane() for a in adapters))) if adapters else set()
+    if len(planes) > 1:
+        raise TransferError(f"the servers take different data planes ({', '.join(sorted(planes))})")
+    plane = planes.pop() if planes else adapter_cls.transport
+    return _KIND_TRANSPORT.get(plane, plane)
 
 
 async def colocated(adapters: Sequence[ServerAdapter], device) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import pytest
 import torch
 from hypothesis import given, settings
@@ -162,6 +163,19 @@ def test_bad_metadata_is_refused_with_the_name_of_what_is_wrong():
     staging.begin(2)
     with pytest.raises(BucketError, match="version 1 arrived while staging version 2"):
         staging.destination(BucketMeta(version=1, index=0, nbytes=0, entries=[]))
+
+
+def test_an_entry_that_is_not_a_dense_tensor_is_refused_at_its_bucket_before_a_byte_lands():
+    """A sender that knows more payload kinds (a delta, an adapter-only set) never has its bytes read as
+    dense values by a receiver that does not; entries without a kind (older senders) are dense."""
+    staging = StagingArea("cpu")
+    staging.begin(3)
+    delta = TensorEntry("w", "float32", [4], 0, 16, 0, "delta")
+    with pytest.raises(BucketError, match="`w` is a `delta` entry; this receiver reads only dense"):
+        staging.destination(BucketMeta(version=3, index=0, nbytes=16, entries=[delta], last=True))
+    assert staging.staged == {} and not staging.complete
+    old = msgspec.msgpack.decode(msgspec.msgpack.encode(["w", "float32", [4], 0, 16, 0]), type=TensorEntry)
+    assert old.kind == "dense"
 
 
 def test_segments_default_to_the_whole_payload():

@@ -50,10 +50,16 @@ def _gpus() -> int:
 # NCCL never puts two ranks on one GPU ("Duplicate GPU detected"): torch_dist needs a GPU per process. NIXL
 # runs on one GPU, when it is installed (the GPU check's stage 1 carries no NIXL).
 BACKENDS = [
-    pytest.param("torch_dist", marks=[pytest.mark.gpu2, pytest.mark.skipif(_gpus() < 2, reason="needs two GPUs")]),
-    pytest.param("nixl", marks=pytest.mark.skipif(
-        importlib.util.find_spec("nixl") is None and importlib.util.find_spec("nixl_cu13") is None,
-        reason="needs nixl")),  # fmt: skip
+    pytest.param(
+        "torch_dist", marks=[pytest.mark.gpu2, pytest.mark.skipif(_gpus() < 2, reason="needs two GPUs")]
+    ),
+    pytest.param(
+        "nixl",
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("nixl") is None and importlib.util.find_spec("nixl_cu13") is None,
+            reason="needs nixl",
+        ),
+    ),  # fmt: skip
 ]
 
 

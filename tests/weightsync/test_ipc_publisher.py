@@ -91,6 +91,29 @@ def test_auto_picks_ipc_on_this_host_and_versions_arrive_bit_exact_including_a_l
         pub.close()
 
 
+def test_a_push_that_fails_off_the_wire_raises_to_the_trainer_and_the_next_one_goes_through(servers):
+    """A bug or an out-of-memory while packing is the trainer's error, not a lost push: raised as it is,
+    the server keeps its version, and nothing is retried from the kept copy as if a server had died."""
+    url = servers.start()
+    pub = WeightPublisher(config(), [url], "embedded")
+
+    def breaks():
+        for i, item in enumerate(mixed_tensors(2)):
+            if i == 3:
+                raise RuntimeError("packing failed")
+            yield item
+
+    try:
+        assert pub.publish(1, iter(mixed_tensors(1))).ok == [url]
+        with pytest.raises(RuntimeError, match="packing failed"):
+            pub.publish(2, breaks())
+        assert served(url) == {"version": 1, "digest": digest(mixed_tensors(1))}
+        assert pub.publish(3, iter(mixed_tensors(3))).ok == [url]
+        assert served(url) == {"version": 3, "digest": digest(mixed_tensors(3))}
+    finally:
+        pub.close()
+
+
 def _dying_trainer(urls: list[str]) -> None:
     """Publishes version 1, then dies three tensors into version 2."""
     torch.set_num_threads(1)
