@@ -260,6 +260,23 @@ def from_peft_name(name: str) -> str:
     return name
 
 
+def adapter_shapes(
+    base_shapes: Iterable[tuple[str, tuple[int, ...]]], rank: int, target_modules: Iterable[str]
+) -> list[tuple[str, tuple[int, ...]]]:
+    """(adapter tensor name, shape) of every LoRA tensor a rank-``rank`` adapter on ``target_modules`` has
+    for a base model with these (name, shape) parameters: A [r, in] then B [out, r] per adapted 2-D weight
+    whose module's last name part is a target. What a receiver allocates, and checks an adapter against."""
+    targets = set(target_modules)
+    out: list[tuple[str, tuple[int, ...]]] = []
+    for name, shape in base_shapes:
+        module, _, leaf = name.rpartition(".")
+        if leaf != "weight" or len(shape) != 2 or module.rpartition(".")[2] not in targets:
+            continue
+        out.append((adapter_name(module, "A"), (rank, shape[1])))
+        out.append((adapter_name(module, "B"), (shape[0], rank)))
+    return out
+
+
 def lora_scale(alpha: float, rank: int) -> float:
     """The factor LoRA's update is scaled by: alpha / r."""
     if rank <= 0:

@@ -17,21 +17,25 @@ data.
         --lr 1e-6 2e-5 --steps 10 --json
 
 ``measure_changed_fraction`` is what ``slipstream bench weightsync --send-less`` reports as
-``delta_changed_fraction``, ``delta_bytes_ratio`` and ``delta_exact``.
+``delta_changed_fraction``, ``delta_bytes_ratio`` and ``delta_exact``; :func:`lora_bytes_ratio` is the
+adapter's share of the model's elements, the bound on ``lora_bytes_ratio`` in one dtype.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
+from collections.abc import Iterable
 
 import torch
 
-from slipstream.weightsync.delta import apply_delta, bits_view, compute_delta
+from slipstream.weightsync.delta import adapter_shapes, apply_delta, bits_view, compute_delta
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def _snapshot(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -107,6 +111,20 @@ def measure_changed_fraction(
         "exact": all(r["exact"] for r in rows),
         "step_s": (time.perf_counter() - t0) / len(rows),
     }
+
+
+def lora_bytes_ratio(
+    base_shapes: list[tuple[str, tuple[int, ...]]],
+    rank: int = 16,
+    target_modules: Iterable[str] = LORA_TARGETS,
+) -> float:
+    """Elements (so bytes, in one dtype) of a rank-``rank`` adapter on ``target_modules`` over the model's.
+
+    SmolLM2-135M (``bench.model_shapes(bench.SMOLLM2_135M)``), rank 16 on the attention and MLP projections:
+    4,884,480 / 134,515,008 = 0.0363."""
+    full = sum(math.prod(shape) for _, shape in base_shapes)
+    adapter = sum(math.prod(shape) for _, shape in adapter_shapes(base_shapes, rank, target_modules))
+    return adapter / full
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,7 @@ from slipstream.trainer.engine.fsdp import FSDPEngine
 from slipstream.trainer.engine.lora import BaseModelReference, LoRALinear, lora_layers
 from slipstream.trainer.synthetic import make_packed_batch
 from slipstream.utils.net import free_port
-from slipstream.weightsync.delta import bits_view, is_adapter_name, merge_adapters
+from slipstream.weightsync.delta import adapter_shapes, bits_view, is_adapter_name, merge_adapters
 from tests.trainer.conftest import trainer_config, trainer_settings
 
 LORA = ("trainer.lora.rank=4", "trainer.lora.alpha=8")
@@ -117,6 +117,11 @@ def test_merged_push_serves_what_the_trainer_computes(tiny_model_path, single_pr
     assert set(merged) == set(base)  # HF names, no adapter tensors, tied weights once
     adapters = dict(engine.get_adapter_params())
     assert adapters and all(is_adapter_name(n) for n in adapters)
+    # the receiver's view of the adapter (weightsync/delta.py) names and shapes it as the trainer does
+    shapes = [(n, tuple(t.shape)) for n, t in base.items()]
+    assert adapter_shapes(shapes, 4, engine.tcfg.lora.target_modules) == [
+        (n, tuple(t.shape)) for n, t in adapters.items()
+    ]
     received = merge_adapters(base, adapters, scale=8 / 4)
     assert len(received) == 14
     for name, tensor in merged.items():

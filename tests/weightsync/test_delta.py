@@ -253,3 +253,18 @@ def test_changed_fraction_measurement_grows_with_the_learning_rate(tiny_model_pa
         for row in res["steps"]:
             assert 0 <= row["delta_bytes"] <= row["dense_bytes"]
     assert small["bytes_ratio"] < large["bytes_ratio"]
+
+
+def test_adapter_shapes_and_the_smollm2_adapter_share() -> None:
+    from slipstream.weightsync.bench import SMOLLM2_135M, model_shapes
+    from slipstream.weightsync.delta import adapter_shapes
+    from slipstream.weightsync.send_less_bench import lora_bytes_ratio
+
+    base = [("m.layers.0.q_proj.weight", (8, 6)), ("m.layers.0.q_proj.bias", (8,)), ("m.norm.weight", (6,))]
+    assert adapter_shapes(base, 2, ["q_proj", "norm"]) == [
+        ("m.layers.0.q_proj.lora_A.weight", (2, 6)),
+        ("m.layers.0.q_proj.lora_B.weight", (8, 2)),
+    ]
+    shapes = model_shapes(SMOLLM2_135M)
+    assert sum(1 for _ in adapter_shapes(shapes, 16, ["q_proj", "down_proj"])) == 2 * 2 * 30
+    assert lora_bytes_ratio(shapes, 16) == pytest.approx(4_884_480 / 134_515_008)
