@@ -57,7 +57,21 @@ def test_the_carried_wheels_are_exactly_the_pins_and_fit_a_call():
     assert carry.mib(folder) <= carry.CARRY_LIMIT_MIB
 
 
-def test_every_carried_wheel_finds_what_it_requires_on_the_gpu_machine():
+def _ray_wheels(tmp: Path) -> list[Path]:
+    """Stage 2's Ray wheels (Ray put back together from its parts), where gpu_wheels.sh fetched them."""
+    first, second = REPO / ".whl_ray_1", REPO / ".whl_ray_2"
+    if not (first / "PARTS").exists():
+        return []
+    parts = (first / "PARTS").read_text().split()
+    found = [d / p for p in parts for d in (first, second) if (d / p).exists()]
+    if len(found) != len(parts):
+        return []
+    ray = tmp / parts[0].rsplit(".part.", 1)[0]
+    ray.write_bytes(b"".join(p.read_bytes() for p in found))
+    return [ray, *first.glob("*.whl")]
+
+
+def test_every_carried_wheel_finds_what_it_requires_on_the_gpu_machine(tmp_path):
     """Each stage-1 wheel's requirements (for Python 3.12 on Linux) are carried or in the image, and the
     versions the image pins satisfy them (a hub that imports httpx2, or Ray without jsonschema, fails here)."""
     from packaging.requirements import Requirement
@@ -66,10 +80,11 @@ def test_every_carried_wheel_finds_what_it_requires_on_the_gpu_machine():
            "platform_system": "Linux", "implementation_name": "cpython", "platform_machine": "x86_64",
            "os_name": "posix", "platform_python_implementation": "CPython", "extra": ""}  # fmt: skip
     present = {carry.norm(k): v for k, v in carry.IMAGE.items()}
-    present.update({carry.norm(k): v for k, v in carry.STAGE1.items()})
+    for pins in (carry.STAGE1, carry.STAGE2_RAY):
+        present.update({carry.norm(k): v for k, v in pins.items()})
     present.update(torch="2.11.0", cffi=None)  # torch: the image's; cffi only for PyPy's pyzmq
     problems = []
-    for wheel in _wheels().glob("*.whl"):
+    for wheel in [*_wheels().glob("*.whl"), *_ray_wheels(tmp_path)]:
         with zipfile.ZipFile(wheel) as z:
             meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
             lines = z.read(meta).decode().splitlines()
