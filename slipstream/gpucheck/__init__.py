@@ -1,6 +1,6 @@
 """`scripts/gpu_check.sh`: what only a GPU can prove, in one short call, rehearsed on a CPU.
 
-Stage 1 (no Ray, no NIXL; one call of <= 420 s on one H100, limits adding up to 400 s):
+Stage 1 (no Ray, no NIXL; one call of <= 420 s on one H100, limits adding up to 390 s):
 
 * ``preflight``: every Slipstream module imports (those that need Ray, NIXL or a server package are listed,
   not failed), the versions that matter, the device and driver;

@@ -1,4 +1,4 @@
-"""Stage 1: what one GPU can prove without Ray or NIXL, in one call (limits add up to under 400 s).
+"""Stage 1: what one GPU can prove without Ray or NIXL, in one call (limits add up to 390 s).
 
 ``ctx.small`` runs the same code at small shapes on a CPU (the rehearsal): only sizes change, never the path.
 """

@@ -93,7 +93,7 @@ def logprob_errors(model, prompts, outs) -> tuple[float, float, float]:
     return worst, off, spread
 
 
-@check("rollout", 175)
+@check("rollout", 165)
 def rollout(ctx: Context) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
