@@ -50,6 +50,10 @@ class AgentLoopOutput(msgspec.Struct, kw_only=True):
     reward: float | None = None
     reward_components: dict[str, float] = {}
     reward_error: str = ""
+    # Earlier sequences of the same episode, in order, when it was not one linear token sequence (the
+    # `external` loop: a harness that compacted or edited its history started a new one). The rollouter
+    # trains each as its own trajectory in the episode's group, with the episode's reward.
+    earlier_segments: list[AgentLoopOutput] = []
 
     def validate(self) -> None:
         n = len(self.response_ids)
@@ -58,6 +62,8 @@ class AgentLoopOutput(msgspec.Struct, kw_only=True):
                 raise ValueError(
                     f"agent loop output: `{name}` has {len(getattr(self, name))} entries, expected {n}"
                 )
+        for seg in self.earlier_segments:
+            seg.validate()
 
     def add_generated(self, out: GenerateOutput) -> None:
         """Append the server's tokens exactly as generated (loss_mask 1)."""

@@ -10,7 +10,9 @@ gateway session (:mod:`slipstream.agents.gateway`) and runs the harness with
   reward (a number or ``{"reward": x, "components": {...}}``).
 
 The task is ``{"uid", "messages", "data_source", "ground_truth", "extra_info"}`` from the prompt row. The
-trajectory is what the gateway recorded (its last segment; see gateway/session.py), with the reward from
+trajectory is what the gateway recorded: its last segment, with every earlier segment (a harness that
+compacted or edited its history started a new one; see gateway/session.py) in ``earlier_segments``, each
+trained as its own sequence in the episode's group with the episode's reward, from
 ``agent.external.reward``: ``harness`` (returned or written), ``exit_status`` (0 → 1.0, 1 → 0.0) or
 ``function`` (the rollouter's reward function on the final assistant message).
 
@@ -223,6 +225,8 @@ class ExternalAgentLoop(AgentLoop):
             end = self.renderer.end_of_turn_id
             out.response_ids, out.loss_mask, out.logprobs = [end if end is not None else 0], [0], [0.0]
             out.versions = [self.gateway.latest_version if self.gateway else 0]
+        earlier = [*session.segments[:-1], *session.asides]  # asides: the unchosen replies of n > 1 requests
+        out.earlier_segments = [seg for seg in earlier if seg.response_ids]
         out.response_text = session.final_text
         out.num_resumes = session.resumes
         out.finish_reason = "length" if session.aborted else out.finish_reason
@@ -232,7 +236,8 @@ class ExternalAgentLoop(AgentLoop):
         if error:
             self.failed_episodes += 1
             log.warning("episode %s failed: %s", session.uid, error)
-            out.loss_mask = [0] * len(out.response_ids)
+            for seg in (out, *out.earlier_segments):
+                seg.loss_mask = [0] * len(seg.response_ids)
             out.reward, out.reward_error = self.ext.failure_reward, error
         elif reward is not None:
             out.reward = float(reward["reward"])

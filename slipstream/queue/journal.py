@@ -358,7 +358,7 @@ class Journal:
                     break
             for job in batch:
                 if job is None or self._closing.is_set():
-                    self._unfinished.extend(j for j in batch[batch.index(job):] if j is not None)
+                    self._unfinished.extend(j for j in batch[batch.index(job) :] if j is not None)
                     return
                 if isinstance(job, tuple):
                     _file_op(*job)

@@ -393,10 +393,11 @@ class Rollouter:
             raise GroupInterrupted(f"group {gid}: an episode was aborted")
         async with asyncio.TaskGroup() as tg:
             scores = [tg.create_task(self._score(sample, o)) for o in outputs]
-        trajectories = [
-            self._trajectory(gid, i, sample, out, score.result())
-            for i, (out, score) in enumerate(zip(outputs, scores, strict=True))
-        ]
+        trajectories = []
+        for i, (out, score) in enumerate(zip(outputs, scores, strict=True)):
+            trajectories.append(self._trajectory(gid, i, sample, out, score.result()))
+            for k, seg in enumerate(out.earlier_segments):  # same reward and group; its own sequence
+                trajectories.append(self._trajectory(gid, i, sample, seg, score.result(), segment=k))
         cfg = self.settings
         provenance = Provenance(
             prompt_index=work.ref.index,
@@ -416,7 +417,7 @@ class Rollouter:
         )
 
     def _trajectory(
-        self, gid: str, i: int, sample: Sample, out: AgentLoopOutput, score: RewardResult
+        self, gid: str, i: int, sample: Sample, out: AgentLoopOutput, score: RewardResult, segment: int = -1
     ) -> Trajectory:
         out.validate()
         rcfg = self.settings.reward
@@ -432,21 +433,24 @@ class Rollouter:
             "num_resumes": float(out.num_resumes),
             "reward_error": float(bool(score.error)),
         }
-        self.stats.record_trajectory(
-            versions=out.versions,
-            current_version=self.version,
-            num_resumes=out.num_resumes,
-            reward=score.score,
-            reward_error=bool(score.error),
-            response_len=len(out.response_ids),
-            num_turns=out.num_turns,
-            finish_reason=out.finish_reason,
-        )
+        if segment < 0:  # an episode's earlier segments are trained, not counted as more episodes
+            self.stats.record_trajectory(
+                versions=out.versions,
+                current_version=self.version,
+                num_resumes=out.num_resumes,
+                reward=score.score,
+                reward_error=bool(score.error),
+                response_len=len(out.response_ids),
+                num_turns=out.num_turns,
+                finish_reason=out.finish_reason,
+            )
         extra: dict[str, Any] = {"data_source": sample.data_source, "prompt_index": sample.index}
         if score.error:
             extra["reward_error"] = score.error
+        if segment >= 0:
+            extra["episode"], extra["segment"] = f"{gid}-{i}", segment
         return Trajectory(
-            uid=f"{gid}-{i}",
+            uid=f"{gid}-{i}" if segment < 0 else f"{gid}-{i}-seg{segment}",
             group_id=gid,
             prompt_ids=out.prompt_ids,
             response_ids=out.response_ids,

@@ -18,10 +18,28 @@ def malformed_then_answers(task, base_url, api_key):
 
 
 def raises_on_bad_request(task, base_url, api_key):
-    """Sends n=2 (refused with a 400) and lets the client's error escape."""
+    """Sends a message without a valid role (refused with a 400) and lets the client's error escape."""
     client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-    client.chat.completions.create(model="policy", messages=task["messages"], n=2)
+    client.chat.completions.create(model="policy", messages=[{"role": "narrator", "content": "x"}])
     return 1.0
+
+
+def compacts_twice(task, base_url, api_key):
+    """Two turns, then the history replaced by a summary of it (a compaction), twice: three segments of two
+    turns each."""
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+
+    def ask(messages):
+        reply = client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+        return reply.choices[0].message.content or ""
+
+    history = list(task["messages"])
+    for round_ in range(3):
+        history += [{"role": "assistant", "content": ask(history)}, {"role": "user", "content": "Go on."}]
+        summary = ask(history)
+        history = [{"role": "system", "content": f"Summary {round_} of the work so far: {summary}"},
+                   {"role": "user", "content": "Continue from the summary."}]  # fmt: skip
+    return 0.25
 
 
 def returns_text(task, base_url, api_key):

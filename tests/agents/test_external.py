@@ -137,9 +137,8 @@ class _Queue(QueueProducer):
         return []
 
 
-def test_rollouter_trains_on_the_harness_reward_and_keeps_a_failure_reason(server, tok):
-    """Through the rollouter: the harness's reward replaces the reward function, and a crashing sample is
-    one failed trajectory of the group (its reason kept, nothing of it trained), not a failed group."""
+def _through_rollouter(server, tok, harness: str, n: int):
+    """One group of ``n`` episodes of ``harness`` through a real Rollouter: (what it put, its metrics)."""
     from slipstream.agents.data import PromptSource
     from slipstream.config import load_config
     from slipstream.rollouter.rollouter import Rollouter
@@ -147,9 +146,9 @@ def test_rollouter_trains_on_the_harness_reward_and_keeps_a_failure_reason(serve
 
     overrides = {
         "agent.name": "external",
-        "agent.external.callable": "harness_plugins:first_sample_wins",
+        "agent.external.callable": harness,
         "agent.max_total_tokens": 512,
-        "rollout.n": 2,
+        "rollout.n": n,
         "rollout.sampling.max_new_tokens": 4,
         "trainer.batch_groups": 1,
         "data.max_prompt_tokens": 512,
@@ -168,10 +167,40 @@ def test_rollouter_trains_on_the_harness_reward_and_keeps_a_failure_reason(serve
             await client.aclose()
 
     metrics = asyncio.run(asyncio.wait_for(main(), 240))
-    (group,) = queue.groups
+    return queue.groups, metrics
+
+
+def test_rollouter_trains_on_the_harness_reward_and_keeps_a_failure_reason(server, tok):
+    """Through the rollouter: the harness's reward replaces the reward function, and a crashing sample is
+    one failed trajectory of the group (its reason kept, nothing of it trained), not a failed group."""
+    (group,), metrics = _through_rollouter(server, tok, "harness_plugins:first_sample_wins", n=2)
     won, crashed = group.to_trajectories()
     assert won.reward == 0.75 and "reward_error" not in won.extra and 1 in won.loss_mask
     assert crashed.reward == 0.0 and "harness bug" in crashed.extra["reward_error"]
     assert crashed.loss_mask == [0] * len(crashed.response_ids)
     assert metrics["rollouter/reward_errors"] == 1 and metrics["rollouter/failed_episodes"] == 1
     assert metrics["rollouter/gateway_sessions"] == 2 and metrics["rollouter/gateway_requests"] == 1
+
+
+def test_a_harness_that_compacts_its_history_twice_trains_all_three_segments(server, tok):
+    """Each compaction starts a new segment (the summary is not what the model saw before); every segment is
+    trained as its own sequence of the episode's group, with the episode's reward."""
+    (out,) = run_episodes(server, tok, ExternalAgentConfig(callable="harness_plugins:compacts_twice"))
+    assert out.reward_error == "" and out.metrics["gateway_divergences"] == 2.0
+    segments = [*out.earlier_segments, out]
+    assert len(segments) == 3 and [s.num_turns for s in segments] == [2, 2, 2]
+    assert "Summary 0" not in tok.decode(segments[0].prompt_ids)
+    assert "Summary 0" in tok.decode(segments[1].prompt_ids) and "Summary 1" in tok.decode(segments[2].prompt_ids)
+    for seg in segments:
+        seg.validate()
+        assert seg.loss_mask.count(1) >= 2  # both replies of the segment are trained
+
+    (group,), _ = _through_rollouter(server, tok, "harness_plugins:compacts_twice", n=2)
+    trajectories = group.to_trajectories()
+    assert len(trajectories) == 6 and {t.group_id for t in trajectories} == {group.group_id}
+    assert sorted(t.uid.removeprefix(group.group_id) for t in trajectories) == [
+        "-0", "-0-seg0", "-0-seg1", "-1", "-1-seg0", "-1-seg1"
+    ]  # fmt: skip
+    assert {t.reward for t in trajectories} == {0.25} and all(1 in t.loss_mask for t in trajectories)
+    seg = next(t for t in trajectories if t.uid.endswith("-1-seg1"))
+    assert seg.extra["episode"] == f"{group.group_id}-1" and seg.extra["segment"] == 1

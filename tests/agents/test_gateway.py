@@ -295,8 +295,8 @@ def test_sessions_are_isolated_and_bad_requests_cost_only_themselves(server, tok
                 await stolen.chat.completions.create(model="p", messages=QUESTION)
             bare = AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=a.api_key, max_retries=0)
             await bare.chat.completions.create(model="p", messages=QUESTION)  # the key alone finds A
-            with pytest.raises(BadRequestError, match="n must be 1"):
-                await _openai(a).chat.completions.create(model="p", messages=QUESTION, n=2)
+            with pytest.raises(BadRequestError, match="n must be an integer from 1"):
+                await _openai(a).chat.completions.create(model="p", messages=QUESTION, n=0)
             with pytest.raises(BadRequestError, match="role"):
                 await _openai(a).chat.completions.create(model="p", messages=[{"content": "x"}])
             async with httpx.AsyncClient() as http:
@@ -362,3 +362,106 @@ def test_a_failed_generation_records_nothing_and_a_retry_continues_the_segment(s
     episode, rec = asyncio.run(asyncio.wait_for(main(), 120))
     assert len(episode.segments) == 1 and episode.divergences == 0 and episode.errors == 1
     _assert_segment_matches(episode.segments[0], rec.calls)
+
+
+def test_tool_choice_none_required_and_named(server, tok):
+    """none: the call comes back as text; required and a named function: the reply is forced to open the call
+    (inserted tokens, loss_mask 0) and the model generates the rest."""
+
+    async def main():
+        gw, rec, raw = await _gateway(server.url, tok)
+        try:
+            got = {}
+            named = {"type": "function", "function": {"name": "calculator"}}
+            for choice in ("none", "required", named):
+                session = gw.open_session(f"ep-choice-{len(got)}")
+                reply = await _openai(session).chat.completions.create(
+                    model="p", messages=QUESTION, tools=[CALCULATOR], tool_choice=choice,
+                    extra_body={"return_token_ids": True},
+                )  # fmt: skip
+                got[json.dumps(choice)] = (reply.choices[0], await gw.close_session(session), rec.calls[-1])
+            with pytest.raises(BadRequestError, match="not among the tools"):
+                bad = gw.open_session("ep-bad-choice")
+                await _openai(bad).chat.completions.create(
+                    model="p", messages=QUESTION, tools=[CALCULATOR],
+                    tool_choice={"type": "function", "function": {"name": "search"}},
+                )  # fmt: skip
+            return got
+        finally:
+            await gw.stop()
+            await raw.aclose()
+
+    got = asyncio.run(asyncio.wait_for(main(), 120))
+    none, _, _ = got['"none"']
+    assert none.finish_reason == "stop" and not none.message.tool_calls
+    assert '"name": "calculator"' in none.message.content  # the call, as text
+    for key in ('"required"', json.dumps({"type": "function", "function": {"name": "calculator"}})):
+        choice, episode, (sent, out) = got[key]
+        assert choice.finish_reason == "tool_calls", (key, choice)
+        assert json.loads(choice.message.tool_calls[0].function.arguments) == {"expression": "6 * 7"}
+        seg = episode.segments[0]
+        forced = len(sent) - len(seg.prompt_ids)  # the server got the prompt plus the forced opening
+        assert forced > 0 and seg.loss_mask[:forced] == [0] * forced
+        assert seg.response_ids[:forced] == sent[len(seg.prompt_ids) :]
+        assert seg.response_ids[forced:] == out.output_ids and seg.loss_mask[forced:] == [1] * len(out.output_ids)
+        assert tok.decode(seg.response_ids, skip_special_tokens=False).startswith(CALL)
+
+
+def test_stop_strings_end_the_reply_and_the_record(server, tok):
+    async def main():
+        gw, rec, raw = await _gateway(server.url, tok)
+        try:
+            session = gw.open_session("ep-stop")
+            client = _openai(session)
+            first = await client.chat.completions.create(
+                model="p", messages=QUESTION, tools=[CALCULATOR], stop=['"arguments"', "never"]
+            )
+            history = [*QUESTION, first.choices[0].message.model_dump(exclude_none=True),
+                       {"role": "user", "content": "Go on."}]  # fmt: skip
+            await client.chat.completions.create(model="p", messages=history, tools=[CALCULATOR], max_tokens=3)
+            return first.choices[0], await gw.close_session(session), rec.calls
+        finally:
+            await gw.stop()
+            await raw.aclose()
+
+    choice, episode, calls = asyncio.run(asyncio.wait_for(main(), 120))
+    assert choice.finish_reason == "stop" and choice.message.content.endswith('{"name": "calculator", ')
+    assert not choice.message.tool_calls
+    (sent0, out0), (sent1, _) = calls
+    seg = episode.segments[0]
+    assert len(episode.segments) == 1 and episode.divergences == 0  # the harness's echo extends the segment
+    kept = tok.decode(seg.response_ids[: seg.loss_mask.index(0)], skip_special_tokens=True)
+    assert kept.endswith('"arguments"') and kept == tok.decode(out0.output_ids, skip_special_tokens=True)[: len(kept)]
+    k = seg.loss_mask.index(0)
+    assert sent1[: len(seg.prompt_ids) + k] == seg.prompt_ids + seg.response_ids[:k]
+    assert len(out0.output_ids) > k  # the server sampled on; the record stops at the stop
+
+
+def test_n_samples_concurrently_and_the_reply_sent_back_continues_the_segment(server, tok):
+    async def main():
+        gw, rec, raw = await _gateway(server.url, tok, SamplingParams(max_new_tokens=8, temperature=1.0))
+        try:
+            session = gw.open_session("ep-n")
+            client = _openai(session)
+            history = [{"role": "user", "content": "Say something."}]
+            many = await client.chat.completions.create(
+                model="p", messages=history, n=3, extra_body={"return_token_ids": True}
+            )
+            assert [c.index for c in many.choices] == [0, 1, 2]
+            kept = many.choices[1]
+            history += [{"role": "assistant", "content": kept.message.content}, {"role": "user", "content": "More."}]
+            await client.chat.completions.create(model="p", messages=history)
+            return many, await gw.close_session(session), rec.calls
+        finally:
+            await gw.stop()
+            await raw.aclose()
+
+    many, episode, calls = asyncio.run(asyncio.wait_for(main(), 120))
+    assert len(calls) == 4 and len({tuple(c[0]) for c in calls[:3]}) == 1  # one prompt, three samples
+    (seg,) = episode.segments
+    assert episode.divergences == 0 and seg.num_turns == 2
+    ids = [c.model_extra["token_ids"] for c in many.choices]
+    assert seg.response_ids[: len(ids[1])] == ids[1]  # the kept reply continues the segment
+    assert sorted(a.response_ids for a in episode.asides) == sorted([ids[0], ids[2]])
+    for aside in episode.asides:
+        assert aside.prompt_ids == seg.prompt_ids and aside.loss_mask == [1] * len(aside.response_ids)

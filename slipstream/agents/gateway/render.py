@@ -10,7 +10,14 @@ so the ids it sends are the ids the model is trained on. Two adaptations keep an
 
 Replies: ``<tool_call>`` blocks become OpenAI ``tool_calls`` (ids ``call_<hex>``, arguments as a JSON
 string) and the text before them the ``content``; a reply with a malformed block is returned as plain text,
-as OpenAI servers do when their tool parser fails.
+as OpenAI servers do when their tool parser fails. This is the format of every model in ``configs/`` and the
+recipes: Qwen2.5(-Math) and Qwen3 render and emit ``<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>``
+(Qwen3 after a ``<think>`` block), and SmolLM2's template renders no tools, so it gets the description above.
+
+``tool_choice`` (:func:`tool_prefill`): ``none`` parses no call, ``auto`` any, ``required`` forces the reply
+to open with ``<tool_call>`` and a named function with ``<tool_call>{"name": "<name>", "arguments": ``; the
+forced text is inserted tokens (loss_mask 0), the model generates the rest. There is no constrained
+decoding: a forced reply that still does not parse comes back as text.
 """
 
 from __future__ import annotations
@@ -111,12 +118,48 @@ def _template_call(call: dict[str, Any]) -> dict[str, Any]:
     return {"type": "function", "function": {"name": fn.get("name", ""), "arguments": args}}
 
 
-def parse_reply(tokenizer: Any, output_ids: list[int], stop_ids: set[int], with_tools: bool) -> dict:
-    """The assistant message for ``output_ids``: ``content`` and, when the request offered tools and the
-    reply calls them well-formed, ``tool_calls``."""
-    ids = output_ids[:-1] if output_ids and output_ids[-1] in stop_ids else output_ids
-    raw = tokenizer.decode(ids, skip_special_tokens=False)
-    plain = tokenizer.decode(ids, skip_special_tokens=True)
+def cut_at_stop(tokenizer: Any, output_ids: list[int], stops: list[str]) -> int:
+    """How many of ``output_ids`` to keep: up to the token that completes the first of the ``stop`` strings
+    in the decoded reply (all of them when none occurs). The tokens after it were sampled but never shown to
+    the harness, so the record ends there too."""
+    if not stops:
+        return len(output_ids)
+    text = tokenizer.decode(output_ids, skip_special_tokens=True)
+    ends = [text.find(s) + len(s) for s in stops if s in text]
+    if not ends:
+        return len(output_ids)
+    end = min(ends)
+    lo, hi = 1, len(output_ids)  # the shortest prefix whose text reaches `end`
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(tokenizer.decode(output_ids[:mid], skip_special_tokens=True)) >= end:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _before_stop(text: str, stops: list[str]) -> str:
+    cuts = [text.find(s) for s in stops if s in text]
+    return text[: min(cuts)] if cuts else text
+
+
+def parse_reply(
+    tokenizer: Any,
+    output_ids: list[int],
+    stop_ids: set[int],
+    with_tools: bool,
+    *,
+    prefill: list[int] = (),  # type: ignore[assignment]
+    stops: list[str] = (),  # type: ignore[assignment]
+) -> dict:
+    """The assistant message for ``prefill + output_ids`` (the forced start of a ``tool_choice`` reply and
+    what the model generated after it): ``content`` (up to the first ``stop`` string, which is left out, as
+    OpenAI does) and, when tools may be called and the reply calls them well-formed, ``tool_calls``."""
+    ids = list(prefill) + list(output_ids)
+    ids = ids[:-1] if ids and ids[-1] in stop_ids else ids
+    raw = _before_stop(tokenizer.decode(ids, skip_special_tokens=False), list(stops))
+    plain = _before_stop(tokenizer.decode(ids, skip_special_tokens=True), list(stops))
     message: dict[str, Any] = {"role": "assistant", "content": plain}
     if not with_tools or OPEN not in raw:
         return message
@@ -134,3 +177,13 @@ def parse_reply(tokenizer: Any, output_ids: list[int], stop_ids: set[int], with_
         for c in calls
     ]
     return message
+
+
+def tool_prefill(tool_choice: Any) -> str:
+    """The text a reply is forced to start with for ``tool_choice`` ("" for none, auto or absent)."""
+    if tool_choice == "required":
+        return OPEN
+    if isinstance(tool_choice, dict):
+        name = (tool_choice.get("function") or {}).get("name", "")
+        return OPEN + '{"name": ' + json.dumps(name) + ', "arguments": '
+    return ""

@@ -11,18 +11,23 @@ prompt ids it sent and the ids, logprobs and versions the server returned, never
 (session.py assembles them into segments).
 
 Routes (under ``/s/<session>`` or bare, with the key): ``POST /v1/chat/completions`` (``tools``, replies
-with OpenAI ``tool_calls``; ``stream`` answers in SSE chunks once the turn is generated, since the
-token-in/token-out interface returns whole turns), ``POST /v1/completions`` (a text or token-id prompt),
-``GET /v1/models``; and ``GET /health``. ``return_token_ids: true`` (vLLM's extension) adds ``token_ids``
-and ``prompt_token_ids`` to a choice; ``logprobs`` gives the sampled token's log-probability.
+with OpenAI ``tool_calls``, ``tool_choice`` none / auto / required / a named function, see render.py;
+``stream`` answers in SSE chunks once the turn is generated, since the token-in/token-out interface returns
+whole turns), ``POST /v1/completions`` (a text or token-id prompt), ``GET /v1/models``; and ``GET /health``.
+``return_token_ids: true`` (vLLM's extension) adds ``token_ids`` and ``prompt_token_ids`` to a choice;
+``logprobs`` gives the sampled token's log-probability.
 
 Sampling is the run's (``rollout.sampling``): the behaviour policy of training data should not depend on
 what a harness asks for. ``max_tokens`` caps a reply further; each reply is also capped to what is left of
 ``agent.max_total_tokens`` for the segment, and a session answers at most ``agent.max_turns`` requests with
-generation (then, like a spent token budget, an empty reply with ``finish_reason: length``). ``n`` > 1 and
-``stop`` strings are refused with a 400 (an episode is one linear conversation; the end-of-turn token ends a
-reply). Bad requests get OpenAI-style errors (``{"error": {"message", "type", "code"}}``) and cost nothing
-but themselves. The gateway binds loopback unless told otherwise.
+generation (then, like a spent token budget, an empty reply with ``finish_reason: length``). ``stop``
+strings end a reply at the first of them: the text returned leaves it out (as OpenAI does), the record keeps
+the tokens up to the one that completed it (the model's own), and drops what was sampled after it (the
+server generates on until its own stop, as the token-in/token-out interface has no stop strings). ``n`` > 1
+samples n replies from the same prompt concurrently; the one the harness sends back in its next request
+continues the segment, the others are trained as sequences of their own (Session.offer_choices). Bad requests
+get OpenAI-style errors (``{"error": {"message", "type", "code"}}``) and cost nothing but themselves. The
+gateway binds loopback unless told otherwise.
 
 Worked example::
 
@@ -53,8 +58,8 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from slipstream.agents.base import request_params
-from slipstream.agents.gateway.render import GatewayRenderer, parse_reply
-from slipstream.agents.gateway.session import Session
+from slipstream.agents.gateway.render import GatewayRenderer, cut_at_stop, parse_reply, tool_prefill
+from slipstream.agents.gateway.session import Choice, Session, record
 from slipstream.agents.protocol import GenerateOutput, InferenceClient, SamplingParams
 from slipstream.utils.logging import get_logger
 from slipstream.utils.net import LOOPBACK, is_loopback
@@ -63,6 +68,9 @@ log = get_logger(__name__)
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_REQUEST_BYTES = 8 * 1024 * 1024
+# Most replies one request may ask for (`n`), and most stop strings (OpenAI's limit).
+MAX_N = 16
+MAX_STOPS = 4
 # Seconds close_session waits for a request of the session to notice its abort.
 CLOSE_WAIT_S = 30.0
 
@@ -193,14 +201,13 @@ class Gateway:
         session.closed = True
         self._sessions.pop(session.sid, None)
         self._by_key.pop(_key_hash(session.api_key), None)
-        rid = session.active_rid
-        if rid is not None:
+        for rid in list(session.active_rids):
             with contextlib.suppress(Exception):
                 await self.client.abort(rid)
         with contextlib.suppress(TimeoutError):  # the aborted request records nothing more once held
             async with asyncio.timeout(CLOSE_WAIT_S):
                 async with session.lock:
-                    pass
+                    session.settle()
         return session
 
     # ------------------------------------------------------------------ HTTP
@@ -292,34 +299,70 @@ class Gateway:
             divergences = session.divergences
             try:
                 prompt_ids, tools = await self._prompt(session, body, chat)
-                out = await self._generate(session, prompt_ids, body)
+                prefill = self._prefill(body) if chat and tools else []
+                outs = await self._generate(session, prompt_ids + prefill, body)
             except BaseException:
                 session.rollback(state)
                 raise
             self.counters["divergences"] += session.divergences - divergences
-            seg = session.current
-            if out is not None:
-                seg.add_generated(out)
-                seg.num_turns += 1
-                session.resumes += out.num_resumes
-                self.counters["resumes"] += out.num_resumes
-                if out.versions:
-                    self.latest_version = max(self.latest_version, out.versions[-1])
-            out = out or GenerateOutput(output_ids=[], logprobs=[], versions=[], finish_reason="length")
-            stop_ids = self.renderer.stop_ids
-            ended = bool(out.output_ids) and out.output_ids[-1] in stop_ids
-            if chat:
-                reply = parse_reply(self.tokenizer, out.output_ids, stop_ids, bool(tools))
-                session.replied_chat(reply, ended)
-                session.final_text = reply.get("content") or ""
-            else:
-                reply = {"text": self.tokenizer.decode(out.output_ids, skip_special_tokens=True)}
-                session.replied_completion(reply["text"], isinstance(body["prompt"], str))
-                session.final_text = reply["text"]
-            finish = out.finish_reason if out.finish_reason == "stop" else "length"
-            if chat and reply.get("tool_calls"):
-                finish = "tool_calls"
-            return {"reply": reply, "out": out, "prompt_ids": prompt_ids, "finish": finish}
+            stops = _stops(body)
+            choices = [self._choice(o, prefill, body, chat, bool(tools), stops) for o in outs]
+            self._record(session, body, chat, prompt_ids, choices)
+            if not choices:  # no budget or turns left: an empty reply
+                empty = GenerateOutput(output_ids=[], logprobs=[], versions=[], finish_reason="length")
+                choices = [self._choice(empty, [], body, chat, False, stops)]
+                choices[0].finish = "length"
+            session.final_text = (choices[0].reply.get("content") if chat else choices[0].reply["text"]) or ""
+            return {"choices": choices, "prompt_ids": prompt_ids}
+
+    def _prefill(self, body: dict[str, Any]) -> list[int]:
+        text = tool_prefill(body.get("tool_choice"))
+        return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
+
+    def _choice(self, out: GenerateOutput, prefill: list[int], body: dict[str, Any], chat: bool,
+                with_tools: bool, stops: list[str]) -> Choice:  # fmt: skip
+        """One sampled reply, cut at a ``stop`` string, parsed (tool calls unless ``tool_choice`` is none)."""
+        keep = cut_at_stop(self.tokenizer, out.output_ids, stops)
+        stopped = bool(stops) and _has_stop(self.tokenizer, out.output_ids[:keep], stops)
+        if keep < len(out.output_ids):
+            out = msgspec.structs.replace(out, output_ids=out.output_ids[:keep], logprobs=out.logprobs[:keep],
+                                          versions=out.versions[:keep], finish_reason="stop")  # fmt: skip
+        stop_ids = self.renderer.stop_ids
+        ended = bool(out.output_ids) and out.output_ids[-1] in stop_ids
+        if chat:
+            parse = with_tools and body.get("tool_choice") != "none"
+            reply = parse_reply(self.tokenizer, out.output_ids, stop_ids, parse, prefill=prefill, stops=stops)
+        else:
+            text = self.tokenizer.decode(out.output_ids, skip_special_tokens=True)
+            reply = {"text": text[: min(text.find(x) for x in stops if x in text)] if stopped else text}
+        choice = Choice(prefill, out, reply, ended)
+        choice.finish = "stop" if out.finish_reason == "stop" or stopped else "length"
+        if chat and reply.get("tool_calls"):
+            choice.finish = "tool_calls"
+        return choice
+
+    def _record(self, session: Session, body: dict[str, Any], chat: bool, prompt_ids: list[int],
+                choices: list[Choice]) -> None:  # fmt: skip
+        """Record the replies: one continues the segment, the others of an n > 1 request are sequences of
+        their own (for chat, the one the harness sends back next continues; see Session.offer_choices)."""
+        for c in choices:
+            session.resumes += c.out.num_resumes
+            self.counters["resumes"] += c.out.num_resumes
+            if c.out.versions:
+                self.latest_version = max(self.latest_version, c.out.versions[-1])
+        if not choices:
+            return
+        if chat and len(choices) > 1:
+            session.offer_choices(prompt_ids, choices)
+            return
+        first = choices[0]
+        record(session.current, first.prefill, first.out)
+        for other in choices[1:]:
+            session.aside(prompt_ids, other)
+        if chat:
+            session.replied_chat(first.reply, first.ended)
+        else:
+            session.replied_completion(first.reply["text"], isinstance(body["prompt"], str))
 
     async def _prompt(self, session: Session, body: dict[str, Any], chat: bool):
         tok = self.tokenizer
@@ -342,60 +385,74 @@ class Gateway:
         return ids, tools
 
     async def _generate(self, session: Session, prompt_ids: list[int], body: dict[str, Any]):
+        """``n`` replies (sampled concurrently from the same prompt), or none when no turn or token is left."""
         if session.turns >= self.max_turns:
-            return None
+            return []
         budget = min(self.sampling.max_new_tokens, self.max_total_tokens - len(prompt_ids))
         asked = body.get("max_completion_tokens") or body.get("max_tokens")
         if asked is not None:
             budget = min(budget, int(asked))
         if budget <= 0:
-            return None
+            return []
         params = request_params(self.sampling, budget, self.renderer.stop_ids)
-        rid = f"{session.uid}-r{session.requests}-{secrets.token_hex(3)}"
-        session.active_rid = rid
+        n = body.get("n") or 1
+        rids = [f"{session.uid}-r{session.requests}-{secrets.token_hex(3)}" for _ in range(n)]
+        session.active_rids = rids
         try:
-            out = await self.client.generate(prompt_ids, params, rid=rid, session_id=session.uid)
+            outs = await asyncio.gather(
+                *(self.client.generate(prompt_ids, params, rid=rid, session_id=session.uid) for rid in rids)
+            )
         except Exception as err:  # noqa: BLE001 - the harness gets the reason; the run goes on
             raise GatewayError(
                 503, f"generation failed: {type(err).__name__}: {err}", "server_error"
             ) from err
         finally:
-            session.active_rid = None
-        if out.finish_reason == "abort":
+            session.active_rids = []
+        if any(out.finish_reason == "abort" for out in outs):
             session.aborted = True
             raise GatewayError(503, "the episode was stopped (the run is ending or the episode timed out)",
                                "server_error")  # fmt: skip
-        return out
+        return list(outs)
 
     # ------------------------------------------------------------------ responses
     def _respond(self, body: dict[str, Any], result: dict[str, Any], chat: bool) -> Response:
-        out: GenerateOutput = result["out"]
-        reply, finish = result["reply"], result["finish"]
+        choices: list[Choice] = result["choices"]
         prompt_len = len(result["prompt_ids"])
+        generated = sum(len(c.prefill) + len(c.out.output_ids) for c in choices)
         usage = {
             "prompt_tokens": prompt_len,
-            "completion_tokens": len(out.output_ids),
-            "total_tokens": prompt_len + len(out.output_ids),
+            "completion_tokens": generated,
+            "total_tokens": prompt_len + generated,
         }
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
-        if chat:
-            choice["message"] = reply
-            choice["logprobs"] = self._chat_logprobs(out) if body.get("logprobs") else None
-        else:
-            choice["text"] = reply["text"]
-            choice["logprobs"] = self._completion_logprobs(out) if body.get("logprobs") is not None else None
-        if body.get("return_token_ids"):
-            choice["token_ids"] = list(out.output_ids)
-            choice["prompt_token_ids"] = list(result["prompt_ids"])
-            choice["weight_versions"] = list(out.versions)
+        out_choices = [self._choice_body(body, result, c, j, chat) for j, c in enumerate(choices)]
         created = int(time.time())
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
         kind = "chat.completion" if chat else "text_completion"
         envelope = {"id": rid, "object": kind, "created": created, "model": self.model_name}
         if not body.get("stream"):
-            return _json({**envelope, "choices": [choice], "usage": usage})
-        chunks = _stream_chunks(envelope, choice, usage, chat, body)
+            return _json({**envelope, "choices": out_choices, "usage": usage})
+        chunks = [b for c in out_choices for b in _stream_chunks(envelope, c, chat)]
+        if (body.get("stream_options") or {}).get("include_usage"):
+            chunks.append(_sse({**envelope, "object": _chunk_kind(chat), "choices": [], "usage": usage}))
+        chunks.append(b"data: [DONE]\n\n")
         return StreamingResponse(iter(chunks), media_type="text/event-stream")
+
+    def _choice_body(self, body: dict[str, Any], result: dict[str, Any], c: Choice, index: int, chat: bool):
+        out = c.out
+        choice: dict[str, Any] = {"index": index, "finish_reason": c.finish}
+        if chat:
+            choice["message"] = c.reply
+            choice["logprobs"] = self._chat_logprobs(out) if body.get("logprobs") else None
+        else:
+            choice["text"] = c.reply["text"]
+            choice["logprobs"] = self._completion_logprobs(out) if body.get("logprobs") is not None else None
+        if body.get("return_token_ids"):
+            choice["token_ids"] = list(c.prefill) + list(out.output_ids)
+            choice["prompt_token_ids"] = list(result["prompt_ids"])
+            choice["weight_versions"] = [out.versions[0] if out.versions else 0] * len(c.prefill) + list(
+                out.versions
+            )
+        return choice
 
     def _chat_logprobs(self, out: GenerateOutput) -> dict:
         content = []
@@ -420,31 +477,43 @@ def _sse(payload: Any) -> bytes:
     return b"data: " + msgspec.json.encode(payload) + b"\n\n"
 
 
-def _stream_chunks(envelope, choice, usage, chat: bool, body) -> list[bytes]:
-    """The SSE chunks of a finished turn: role, content, tool calls, finish (and usage when asked)."""
-    env = {**envelope, "object": "chat.completion.chunk" if chat else "text_completion"}
+def _chunk_kind(chat: bool) -> str:
+    return "chat.completion.chunk" if chat else "text_completion"
+
+
+def _stream_chunks(envelope, choice, chat: bool) -> list[bytes]:
+    """The SSE chunks of one finished choice: role and content, tool calls, finish."""
+    env = {**envelope, "object": _chunk_kind(chat)}
     extra = {k: choice[k] for k in ("token_ids", "prompt_token_ids", "weight_versions") if k in choice}
+    index = choice["index"]
     chunks = []
     if chat:
         message = choice["message"]
-        first = {"index": 0, "delta": {"role": "assistant", "content": message.get("content") or ""},
+        first = {"index": index, "delta": {"role": "assistant", "content": message.get("content") or ""},
                  "logprobs": choice["logprobs"], "finish_reason": None, **extra}  # fmt: skip
         chunks.append(_sse({**env, "choices": [first]}))
         calls = [{**c, "index": i} for i, c in enumerate(message.get("tool_calls") or [])]
         if calls:
-            chunks.append(_sse({**env, "choices": [{"index": 0, "delta": {"tool_calls": calls},
+            chunks.append(_sse({**env, "choices": [{"index": index, "delta": {"tool_calls": calls},
                                                     "finish_reason": None}]}))  # fmt: skip
-        last = {"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}
+        last = {"index": index, "delta": {}, "finish_reason": choice["finish_reason"]}
     else:
-        first = {"index": 0, "text": choice["text"], "logprobs": choice["logprobs"], "finish_reason": None,
+        first = {"index": index, "text": choice["text"], "logprobs": choice["logprobs"], "finish_reason": None,
                  **extra}  # fmt: skip
         chunks.append(_sse({**env, "choices": [first]}))
-        last = {"index": 0, "text": "", "logprobs": None, "finish_reason": choice["finish_reason"]}
+        last = {"index": index, "text": "", "logprobs": None, "finish_reason": choice["finish_reason"]}
     chunks.append(_sse({**env, "choices": [last]}))
-    if (body.get("stream_options") or {}).get("include_usage"):
-        chunks.append(_sse({**env, "choices": [], "usage": usage}))
-    chunks.append(b"data: [DONE]\n\n")
     return chunks
+
+
+def _stops(body: dict[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    return [stop] if isinstance(stop, str) else list(stop or [])
+
+
+def _has_stop(tokenizer: Any, ids: list[int], stops: list[str]) -> bool:
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    return any(s in text for s in stops)
 
 
 # ---------------------------------------------------------------------- request checks
@@ -453,10 +522,15 @@ def _is_ids(value: Any) -> bool:
 
 
 def check_common(body: dict[str, Any]) -> None:
-    if body.get("n") not in (None, 1):
-        raise GatewayError(400, "n must be 1: an episode is one conversation")
-    if body.get("stop"):
-        raise GatewayError(400, "stop strings are not supported: the model's end-of-turn token ends a reply")
+    n = body.get("n")
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N):
+        raise GatewayError(400, f"n must be an integer from 1 to {MAX_N}, got {n!r}")
+    stop = body.get("stop")
+    if stop is not None and not (
+        (isinstance(stop, str) and stop)
+        or (isinstance(stop, list) and len(stop) <= MAX_STOPS and all(isinstance(x, str) and x for x in stop))
+    ):
+        raise GatewayError(400, f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them")
     for name in ("max_tokens", "max_completion_tokens"):
         value = body.get(name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -488,3 +562,24 @@ def check_chat(body: dict[str, Any]) -> None:
         and all(isinstance(t, dict) and isinstance((t.get("function") or {}).get("name"), str) for t in tools)
     ):
         raise GatewayError(400, 'tools must be a list of {"type": "function", "function": {"name", ...}}')
+    check_tool_choice(body.get("tool_choice"), tools or [])
+
+
+def check_tool_choice(choice: Any, tools: list[dict[str, Any]]) -> None:
+    if choice is None or choice in ("none", "auto"):
+        return
+    names = [t["function"]["name"] for t in tools]
+    if choice == "required":
+        if not names:
+            raise GatewayError(400, 'tool_choice "required" needs tools')
+        return
+    name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
+    if not (
+        isinstance(choice, dict) and choice.get("type", "function") == "function" and isinstance(name, str)
+    ):
+        raise GatewayError(
+            400,
+            'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name"}}',
+        )
+    if name not in names:
+        raise GatewayError(400, f"tool_choice names {name!r}, which is not among the tools {names}")

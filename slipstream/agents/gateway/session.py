@@ -11,7 +11,8 @@ joined, tool-call arguments parsed) and its tools are the same. Anything else (a
 message, a rewritten assistant reply, other tools) means the harness's history no longer renders to the
 recorded tokens; training on a re-rendering would train on tokens the model never saw, so the gateway
 starts a new segment from a fresh rendering and counts a divergence. The episode's trajectory is its last
-segment (the one that produced the final answer); earlier ones stay available on :class:`Session`.
+segment (the one that produced the final answer), and every earlier segment is trained too, as its own
+sequence with the episode's reward (``AgentLoopOutput.earlier_segments``, filled by the external loop).
 
 Worked example (a tool round-trip extends one segment)::
 
@@ -30,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from slipstream.agents.base import AgentLoopOutput
+from slipstream.agents.protocol import GenerateOutput
 
 
 def _text(content: Any) -> str:
@@ -63,6 +65,25 @@ def canonical(message: dict[str, Any]) -> tuple:
     return (message.get("role"), _text(message.get("content")).strip(), calls, name)
 
 
+class Choice:
+    """One sampled reply: the tokens forced before it (``tool_choice``), the server's output, the message."""
+
+    def __init__(self, prefill: list[int], out: GenerateOutput, reply: dict[str, Any], ended: bool) -> None:
+        self.prefill = prefill
+        self.out = out
+        self.reply = reply
+        self.ended = ended
+        self.finish = "stop"  # the OpenAI finish_reason: stop | length | tool_calls
+
+
+def record(seg: AgentLoopOutput, prefill: list[int], out: GenerateOutput) -> None:
+    """Append one reply to ``seg``: forced tokens (loss_mask 0), then the generated ones."""
+    if prefill:
+        seg.add_inserted(prefill)
+    seg.add_generated(out)
+    seg.num_turns += 1
+
+
 class Session:
     """An episode's record: its segments, the messages the current one stands for, and its counters.
 
@@ -89,7 +110,12 @@ class Session:
         self.closed = False
         self.aborted = False
         self.lock = asyncio.Lock()
-        self.active_rid: str | None = None
+        self.active_rids: list[str] = []  # requests on the server now (n of them for an n > 1 request)
+        # Sampled choices of an n > 1 chat request not continued in the segment (each its own sequence).
+        self.asides: list[AgentLoopOutput] = []
+        # The choices of the last n > 1 chat request, until the next request shows which one the harness kept.
+        self._choices: list[Choice] = []
+        self._choices_context: list[int] = []
 
     @property
     def turns(self) -> int:
@@ -114,9 +140,11 @@ class Session:
         """The prompt ids for a chat request: the segment extended by the new messages' delta, or a new
         segment rendered from scratch (a divergence when a segment existed)."""
         canon = [canonical(m) for m in messages]
+        kept = self._settle_choices(canon)
         k = len(self.history)
         extends = (
-            self.kind == "chat"
+            kept
+            and self.kind == "chat"
             and tools_key == self.tools_key
             and len(canon) > k
             and canon[:k] == self.history
@@ -133,6 +161,7 @@ class Session:
     def begin_completion(self, prompt: str | list[int], encode: Callable[[str], list[int]]) -> list[int]:
         """The prompt ids for a completions request (text extends when it starts with the recorded text;
         token ids when they start with the recorded ids)."""
+        self._settle_choices(None)
         if isinstance(prompt, list):
             ctx = self.context_ids()
             if self.kind == "completion" and ctx and len(prompt) > len(ctx) and prompt[: len(ctx)] == ctx:
@@ -152,24 +181,61 @@ class Session:
         self.history.append(canonical(reply))
         self.ended_turn = ended_turn
 
+    def offer_choices(self, context: list[int], choices: list[Choice]) -> None:
+        """The replies of an n > 1 chat request: the one the harness sends back in its next request
+        continues the segment, the others become sequences of their own (:attr:`asides`)."""
+        self._choices, self._choices_context = choices, list(context)
+
+    def aside(self, context: list[int], choice: Choice) -> None:
+        seg = AgentLoopOutput(prompt_ids=list(context))
+        record(seg, choice.prefill, choice.out)
+        self.asides.append(seg)
+
+    def _settle_choices(self, canon: list[tuple] | None) -> bool:
+        """Resolve pending choices against the next request's canonical messages (None: the episode ended,
+        the first choice is kept); False when the harness kept none of them (the segment cannot go on)."""
+        if not self._choices:
+            return True
+        k = len(self.history)
+        nxt = canon[k] if canon is not None and len(canon) > k and canon[:k] == self.history else None
+        keep = 0 if canon is None else next(
+            (j for j, c in enumerate(self._choices) if canonical(c.reply) == nxt), -1
+        )  # fmt: skip
+        for j, choice in enumerate(self._choices):
+            if j == keep:
+                record(self.current, choice.prefill, choice.out)
+                self.replied_chat(choice.reply, choice.ended)
+            else:
+                self.aside(self._choices_context, choice)
+        self._choices, self._choices_context = [], []
+        return keep >= 0
+
+    def settle(self) -> None:
+        """At the episode's end: pending choices resolved (the first continues the segment)."""
+        self._settle_choices(None)
+
     def replied_completion(self, text: str, prompt_was_text: bool) -> None:
         self.text = self.text + text if prompt_was_text else ""
 
     def checkpoint(self) -> tuple:
         """What :meth:`rollback` restores when a request fails after it began (nothing is recorded)."""
         seg = self.current
-        size = len(seg.response_ids) if seg is not None else 0
-        fields = (self.kind, list(self.history), self.text, self.tools_key, self.ended_turn, self.divergences)
-        return len(self.segments), size, fields
+        size = (len(seg.response_ids), seg.num_turns) if seg is not None else (0, 0)
+        fields = (self.kind, list(self.history), self.text, self.tools_key, self.ended_turn, self.divergences,
+                  list(self._choices), list(self._choices_context))  # fmt: skip
+        return len(self.segments), size, len(self.asides), fields
 
     def rollback(self, state: tuple) -> None:
-        count, size, fields = state
+        count, (size, turns), asides, fields = state
         del self.segments[count:]
+        del self.asides[asides:]
         seg = self.current
         if seg is not None:
+            seg.num_turns = turns
             for name in ("response_ids", "loss_mask", "logprobs", "versions"):
                 del getattr(seg, name)[size:]
-        self.kind, self.history, self.text, self.tools_key, self.ended_turn, self.divergences = fields
+        (self.kind, self.history, self.text, self.tools_key, self.ended_turn, self.divergences,
+         self._choices, self._choices_context) = fields  # fmt: skip
 
     def _new_segment(self, prompt_ids: list[int], kind: str) -> None:
         if self.segments:
