@@ -86,9 +86,11 @@ class Cluster(ABC):
         ``options`` are per-actor settings (``max_concurrency``)."""
 
     @abstractmethod
-    def call(self, actor: Any, method: Callable[Concatenate[Any, P], R], *args: P.args) -> Pending[R]:
+    def call(
+        self, actor: Any, method: Callable[Concatenate[Any, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> Pending[R]:
         """Start ``method`` (a method of the actor's class, e.g. ``TrainerRank.step``) on ``actor`` with
-        ``args``; return the pending call for :meth:`get` / :meth:`wait`."""
+        ``args`` and ``kwargs``; return the pending call for :meth:`get` / :meth:`wait`."""
 
     @overload
     def get(self, calls: Pending[R], timeout_s: float) -> R: ...
@@ -185,9 +187,11 @@ class RayCluster(Cluster):
         opts = self.placement.options(part, **options) if self.placement is not None else options
         return ray.remote(cls).options(**opts).remote(*args)
 
-    def call(self, actor: Any, method: Callable[Concatenate[Any, P], R], *args: P.args) -> Pending[R]:
+    def call(
+        self, actor: Any, method: Callable[Concatenate[Any, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> Pending[R]:
         # Ray's actor handles expose methods by name only: the one name lookup (module docstring).
-        return Pending(getattr(actor, method.__name__).remote(*args))
+        return Pending(getattr(actor, method.__name__).remote(*args, **kwargs))
 
     def get(self, calls: Any, timeout_s: float) -> Any:
         import ray

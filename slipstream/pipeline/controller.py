@@ -129,15 +129,15 @@ class Pipeline:
 
     @property
     def ranks(self) -> list[Any]:
-        return list(self.parts.trainer.ranks) if self.parts.trainer is not None else []
+        return list(self.parts.trainer.ranks) if self.parts.trainer else []
 
     @property
     def rollouter(self) -> Any:
-        return self.parts.rollouter.actor if self.parts.rollouter is not None else None
+        return self.parts.rollouter.actor if self.parts.rollouter else None
 
     @property
     def queue_actor(self) -> Any:
-        return self.parts.queue.actor if self.parts.queue is not None else None
+        return self.parts.queue.actor if self.parts.queue else None
 
     @property
     def placement(self) -> Any:

@@ -186,7 +186,7 @@ class RolloutHandle:
     def set_judge_urls(self, urls: list[str]) -> None:
         self._ask(self.cluster.call(self.actor, RolloutWorker.set_judge_urls, urls))
 
-    def stop(self) -> list[Pending[None]]:
+    def stop(self) -> list[Pending[Any]]:
         return [self.cluster.call(self.actor, RolloutWorker.stop)]
 
     def _ask(self, call: Pending[Any], timeout_s: float = CALL_TIMEOUT_S, what: str = "rollouter") -> Any:

@@ -41,21 +41,40 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 
+class NotStarted:
+    """Stands for a part's handle until the launcher starts the part: falsy (``if parts.trainer:``), and any
+    use names the part, so a call made too early says what is missing instead of failing on None."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(f"{self.what} has not been started (.{name} used before Launcher.start_parts)")
+
+
+def _not_started(what: str) -> Any:
+    return field(default_factory=lambda: NotStarted(what))
+
+
 @dataclass
 class Parts:
     """The run's actors, as typed handles, and where they are. ``urls[i]`` is server ``i``'s current URL (it
     changes when the server restarts); ``version`` is the trainer's weight version and ``published`` the
-    newest version the servers serve (a restarted trainer may be behind it)."""
+    newest version the servers serve (a restarted trainer may be behind it). A handle is a
+    :class:`NotStarted` until the launcher starts its part."""
 
-    queue: QueueHandle | None = None
-    queue_client: QueueClient | None = None
+    queue: QueueHandle = _not_started("the queue server")
+    queue_client: QueueClient = _not_started("the controller's queue client")
     queue_address: str = ""
     servers: list[ServerHandle] = field(default_factory=list)
     urls: list[str] = field(default_factory=list)
     judges: list[ServerHandle] = field(default_factory=list)  # reward.service.launch: never pushed to
     judge_urls: list[str] = field(default_factory=list)
-    trainer: TrainerGroup | None = None
-    rollouter: RolloutHandle | None = None
+    trainer: TrainerGroup = _not_started("the trainer ranks")
+    rollouter: RolloutHandle = _not_started("the rollouter")
     rollouter_started: bool = False
     version: int = 0
     published: int = 0
@@ -68,10 +87,21 @@ class Launcher:
         self.cfg = cfg
         self.run_dir = run_dir
         self.server_token = server_token
-        self.cluster: Cluster | None = None
+        self._cluster: Cluster | None = None
         self.ray_started = False
         # The judge servers' own token: the reward service holds it, and it controls no rollout server.
         self.judge_token = new_token()
+
+    @property
+    def cluster(self) -> Cluster:
+        """The cluster the parts run on (after :meth:`connect`; tests set a fake one)."""
+        if self._cluster is None:
+            raise RuntimeError("Launcher.connect() first: no cluster yet")
+        return self._cluster
+
+    @cluster.setter
+    def cluster(self, cluster: Cluster) -> None:
+        self._cluster = cluster
 
     # ------------------------------------------------------------------ Ray and placement
     def connect(self, *, reap_if_killed: bool = False) -> Cluster:
@@ -216,11 +246,13 @@ class Launcher:
         parts.rollouter_started = True
 
     # ------------------------------------------------------------------ shutdown
-    def stop_all(self, parts: Parts, restarting: set[int], judges_restarting: set[int] = frozenset()) -> None:
+    def stop_all(
+        self, parts: Parts, restarting: set[int], judges_restarting: set[int] | frozenset[int] = frozenset()
+    ) -> None:
         """Stop every part (each stop has ``cluster.shutdown_timeout_s``, then the actor is killed). Hosts in
         ``restarting`` (servers) and ``judges_restarting`` cannot answer ``stop`` while they start (or wait
         for room): they are killed."""
-        cluster, judges, servers = self.cluster, parts.judges, parts.servers
+        cluster, judges, servers = self._cluster, parts.judges, parts.servers
         if cluster is None:
             return
 
@@ -250,7 +282,7 @@ class Launcher:
                 log.warning("stopping the %s: %s; killing it", name, first_line(err))
             for actor in actors:
                 cluster.kill(actor)
-        if parts.queue_client is not None:
+        if parts.queue_client:
             parts.queue_client.close()
         cluster.release()
 
@@ -344,4 +376,12 @@ def install_sigterm(handler: Any) -> Any:
     return signal.signal(signal.SIGTERM, lambda signum, frame: handler())
 
 
-__all__ = ["Launcher", "Parts", "check_hosts", "check_pools", "connect_ray", "send_ray_token_if_any"]
+__all__ = [
+    "Launcher",
+    "NotStarted",
+    "Parts",
+    "check_hosts",
+    "check_pools",
+    "connect_ray",
+    "send_ray_token_if_any",
+]

@@ -158,7 +158,7 @@ class FakeCluster(Cluster):
         self.actors.append(actor)
         return actor
 
-    def call(self, actor: FakeActor, method: Callable[..., Any], *args: Any) -> FakeCall:
+    def call(self, actor: FakeActor, method: Callable[..., Any], *args: Any, **kwargs: Any) -> FakeCall:
         name = method.__name__
         self.log.append((actor.part, name, args))
         call = FakeCall(actor, name, args)
