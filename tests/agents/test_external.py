@@ -46,10 +46,10 @@ def server(tiny_model_path, tmp_path_factory):
         proc.stop()
 
 
-def run_episodes(server, tok, external: ExternalAgentConfig, n: int = 1):
+def run_episodes(server, tok, external: ExternalAgentConfig, n: int = 1, max_turns: int = 4):
     async def main():
         raw = SGLangClient(server.url)
-        cfg = AgentConfig(name="external", max_total_tokens=2000, external=external)
+        cfg = AgentConfig(name="external", max_total_tokens=2000, max_turns=max_turns, external=external)
         loop = make_agent_loop(cfg, PartialRolloutClient(raw, max_in_flight=4), tok)
         try:
             return await asyncio.gather(*(loop.run(SAMPLE, SAMPLING, uid=f"x-{i}") for i in range(n)))
@@ -148,6 +148,7 @@ def _through_rollouter(server, tok, harness: str, n: int):
         "agent.name": "external",
         "agent.external.callable": harness,
         "agent.max_total_tokens": 512,
+        "agent.max_turns": 8,
         "rollout.n": n,
         "rollout.sampling.max_new_tokens": 4,
         "trainer.batch_groups": 1,
@@ -185,7 +186,7 @@ def test_rollouter_trains_on_the_harness_reward_and_keeps_a_failure_reason(serve
 def test_a_harness_that_compacts_its_history_twice_trains_all_three_segments(server, tok):
     """Each compaction starts a new segment (the summary is not what the model saw before); every segment is
     trained as its own sequence of the episode's group, with the episode's reward."""
-    (out,) = run_episodes(server, tok, ExternalAgentConfig(callable="harness_plugins:compacts_twice"))
+    (out,) = run_episodes(server, tok, ExternalAgentConfig(callable="harness_plugins:compacts_twice"), max_turns=8)
     assert out.reward_error == "" and out.metrics["gateway_divergences"] == 2.0
     segments = [*out.earlier_segments, out]
     assert len(segments) == 3 and [s.num_turns for s in segments] == [2, 2, 2]
