@@ -173,7 +173,11 @@ class ServerLink:
 async def _join_group(transport: Transport, adapters: Sequence[ServerAdapter], group_name: str) -> None:
     """Rank 0 joins here while every server joins through its adapter; a server counts its worker ranks."""
     sender = await asyncio.to_thread(transport.prepare)
-    ranks = await asyncio.gather(*(a.ranks() for a in adapters))
+    try:
+        ranks = await asyncio.gather(*(a.ranks() for a in adapters))
+    except BaseException:
+        transport.close()  # the store's listening socket, reserved by prepare
+        raise
     receivers = [Rendezvous(backend=sender.backend, ranks=n) for n in ranks]
     info, infos = build_topology(sender, receivers, group_name)
     uid = base64.b64encode(sender.nccl_unique_id).decode() if sender.nccl_unique_id else ""
