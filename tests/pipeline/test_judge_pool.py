@@ -1,10 +1,12 @@
-"""Judge servers the pipeline starts (``reward.service.launch``), across real processes on the tiny model.
+"""Judge servers the pipeline starts (``reward.service.launch``), across real processes on tiny models.
 
-The tiny model is the judge too: its replies hold no ``Score: <number>``, so every sample scores
-``reward.service.failure_score`` with the reason as its reward error. That the judge generated tokens
-proves the reward service's calls reached it; that it still serves weight version 0 while the rollout
-server serves the trainer's proves no push reached it. The judge is killed after step 1: it comes back on
-a new port, and the tokens the new process generates prove the reward service was handed its new URL.
+The judge is the tiny model's architecture with hand-set weights (:func:`make_grading_judge`): every layer's
+output projections are zero, so each next token depends on the last one only, and its output layer maps
+that chain to ``Score: 1`` then end-of-turn, after any chat prompt. Every sample therefore gets a valid score
+of 1.0 from the launched judge, end to end: the trainer's mean reward is 1.0 and no reward error is
+recorded. That the judge still serves weight version 0 while the rollout server serves the trainer's proves
+no push reached it. The judge is killed after step 1: it comes back on a new port, and the scores of later
+steps (and the tokens the new process generates) prove the reward service was handed its new URL.
 """
 
 from __future__ import annotations
@@ -26,20 +28,72 @@ from slipstream.pipeline.placement import format_layout, plan
 from tests.pipeline.conftest import pipeline_config
 
 FAILURE_SCORE = -0.5
+VERDICT = "Score: 1"
+
+
+def make_grading_judge(tiny_model_path, out_dir):
+    """A checkpoint of the tiny model's shape whose reply to any chat prompt is ``Score: 1`` (greedy or not):
+    attention and MLP outputs are zeroed, so the last layer's state is the current token's embedding, and the
+    output layer scores the token that follows it in the chain ``\\n S c o r e : ' ' 1 <|im_end|>`` (the
+    chat template's generation prompt ends with a newline)."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    chain = [tok.encode(c, add_special_tokens=False) for c in ["\n", *VERDICT]]
+    assert all(len(ids) == 1 for ids in chain), chain  # the byte-level tokenizer: a token per character
+    chain = [ids[0] for ids in chain] + [tok.convert_tokens_to_ids("<|im_end|>")]
+    assert len(set(chain)) == len(chain)  # each token has one successor
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.norm.weight.fill_(1.0)
+        emb = model.model.embed_tokens.weight
+        unit = emb / emb.norm(dim=-1, keepdim=True)
+        head = torch.zeros_like(model.lm_head.weight)
+        for prev, nxt in zip(chain, [*chain[1:], chain[-1]], strict=True):
+            head[nxt] += 60.0 * unit[prev] * emb.shape[1] ** 0.5
+        model.lm_head.weight.copy_(head)
+    model.save_pretrained(out_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if (tiny_model_path / name).exists():
+            shutil.copy(tiny_model_path / name, out_dir / name)
+    return out_dir
 
 
 def model_info(url: str) -> dict:
     return httpx.get(f"{url}/model_info", timeout=10).json()
 
 
+def test_the_grading_judge_says_score_1_after_any_chat_prompt(tiny_model_path, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    judge = make_grading_judge(tiny_model_path, tmp_path / "judge")
+    tok = AutoTokenizer.from_pretrained(judge)
+    model = AutoModelForCausalLM.from_pretrained(judge, dtype=torch.float32)
+    for question in ("What is 2 + 3?", "Grade this.\n\nResponse:\n7"):
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+        )
+        ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
+        out = model.generate(ids, max_new_tokens=12, do_sample=True, temperature=1.0)
+        assert tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True) == VERDICT
+
+
 def test_a_judge_pool_started_by_the_pipeline_scores_and_never_takes_a_push(
     ray_pools, tiny_model_path, tmp_path
 ):
+    judge = make_grading_judge(tiny_model_path, tmp_path / "judge")
     cfg = pipeline_config(
         tmp_path, tiny_model_path, "async.mode=sync", "run.total_steps=3",
         "reward.sources={arithmetic: service}",
-        f"reward.service.launch.model_path={tiny_model_path}",
-        "reward.service.judge_max_tokens=4",
+        f"reward.service.launch.model_path={judge}",
+        "reward.service.judge_max_tokens=12",
         "reward.service.retries=1",
         "reward.service.backoff_s=0.05",
         "reward.service.timeout_s=30",
@@ -53,6 +107,9 @@ def test_a_judge_pool_started_by_the_pipeline_scores_and_never_takes_a_push(
     judge_urls: list[str] = []
 
     def on_step(pipeline, version, metrics):
+        # every sample of the step scored by the launched judge's verdict, none failed
+        assert metrics["trainer/reward_mean"] == 1.0, metrics
+        assert metrics.get("rollouter/reward_errors", 0.0) == 0.0, metrics
         parts = pipeline.parts
         assert len(parts.judge_urls) == 1 and parts.judge_urls[0] not in parts.urls
         seen.append((version, model_info(parts.urls[0]), model_info(parts.judge_urls[0])))
@@ -81,14 +138,13 @@ def test_a_judge_pool_started_by_the_pipeline_scores_and_never_takes_a_push(
     assert judge_urls[0] != judge_urls[1] == judge_urls[2]  # restarted on a new port
     assert seen[2][2]["generated_tokens"] > 0  # ... and the reward service calls it there
     records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
-    for rec in records:
-        assert rec["trainer/reward_mean"] == FAILURE_SCORE  # malformed verdicts: failure_score each
-    assert sum(rec.get("rollouter/reward_errors", 0.0) for rec in records) >= 3 * 2 * 4
+    assert len(records) == 3
+    for rec in records:  # every sample of every step scored by the judge's verdict, none failed
+        assert rec["trainer/reward_mean"] == 1.0, rec
+        assert rec.get("rollouter/reward_errors", 0.0) == 0.0, rec
     logs = result.run_dir / "logs"
     assert (logs / "judge-embedded-0.log").is_file() and (logs / "judge-0.log").is_file()
-    # The first failure's reason is in the rollouter's log: the judge answered, with no score.
-    assert "reward service: " in (text := (logs / "rollouter.log").read_text()), text[-2000:]
-    assert "malformed judge reply: no `Score: <number>`" in text, text[-2000:]
+    assert "malformed judge reply" not in (logs / "rollouter.log").read_text()
 
 
 @pytest.mark.parametrize(
