@@ -222,3 +222,97 @@ def test_abort_pause_update_and_continue(live):
     aborted, held = run(main())
     assert aborted.finish_reason in ("abort", "stop") and len(aborted.output_ids) < 900
     assert held.versions == [new_version] * len(held.output_ids)
+
+
+class _RecordingStream:
+    """Stands in for the generation loop's stream: records what had happened when it was synchronised."""
+
+    def __init__(self, engine: EmbeddedEngine) -> None:
+        self.engine = engine
+        self.seen: list[tuple[int, torch.Tensor]] = []
+
+    def synchronize(self) -> None:
+        self.seen.append((self.engine.weight_version, _lm_head(self.engine).detach().clone()))
+
+
+def test_weight_switch_synchronises_the_generation_stream_before_the_new_version(live, monkeypatch):
+    engine = live.engine
+    original = _lm_head(engine).detach().clone()
+    before = engine.weight_version
+    stream = _RecordingStream(engine)
+    monkeypatch.setattr(engine, "_generation_stream", lambda: stream)
+    engine.apply_weights([("lm_head.weight", original + 1.0)], version=before + 1)
+    # Synchronised once, after every copy was queued and before the version (and its stamp) moved.
+    assert len(stream.seen) == 1
+    version, head = stream.seen[0]
+    assert version == before and torch.equal(head, original + 1.0)
+    assert engine.weight_version == before + 1
+    engine.apply_weights([("lm_head.weight", original)], version=before + 2)
+    assert torch.equal(_lm_head(engine), original)
+
+
+def test_decode_steps_attend_per_request(live, monkeypatch):
+    """transformers must route continuous batching to attention.py (5.24 stopped passing ``cache=``)."""
+    from slipstream.rollouter.embedded import attention
+
+    calls = []
+    looped = attention.looped_varlen_sdpa
+    monkeypatch.setattr(
+        attention, "looped_varlen_sdpa", lambda *a, **k: calls.append(a[3].numel() - 1) or looped(*a, **k)
+    )
+    engine = live.engine
+
+    async def main():
+        params = SamplingParams(max_new_tokens=6, temperature=0.0)
+        states = [await engine.submit([9, 8, 7 + i], params, rid=f"route-{i}") for i in range(3)]
+        return [await engine.wait(s) for s in states]
+
+    live.call(main())
+    assert calls and max(calls) >= 2  # steps that held several requests went through the per-request kernel
+
+
+def test_batched_attention_gives_the_loops_tokens_and_faithful_logprobs(live, monkeypatch):
+    """The accelerator path (one masked call, no host reads) forced on CPU: same greedy tokens, same logprobs."""
+    from slipstream.rollouter.embedded import attention
+
+    engine = live.engine
+    prompts = [[31, 32, 33], [40, 41, 42, 43, 44, 45, 46], [50]]
+
+    async def main(tag: str, temperature: float):
+        params = SamplingParams(max_new_tokens=16, temperature=temperature)
+        states = [
+            await engine.submit(p, params, rid=f"{tag}-{i}", ignore_eos=True) for i, p in enumerate(prompts)
+        ]
+        return [await engine.wait(s) for s in states]
+
+    looped_greedy = live.call(main("loop", 0.0))
+    batched_calls = []
+    batched = attention.batched_varlen_sdpa
+    monkeypatch.setattr(attention, "LOOP_DEVICES", frozenset())
+    monkeypatch.setattr(
+        attention, "batched_varlen_sdpa", lambda *a, **k: batched_calls.append(1) or batched(*a, **k)
+    )
+    batched_greedy = live.call(main("batched", 0.0))
+    sampled = live.call(main("batched-t", 0.8))
+    assert batched_calls
+    assert [s.output_ids for s in batched_greedy] == [s.output_ids for s in looped_greedy]
+    for state in sampled:
+        expected = teacher_logprobs(engine, state.input_ids, state.output_ids, 0.8)
+        assert torch.allclose(torch.tensor(state.logprobs), expected, atol=1e-4)
+
+
+def test_filter_counts_follow_requests_in_flight(live):
+    engine = live.engine
+
+    async def main():
+        params = SamplingParams(max_new_tokens=200, temperature=1.0, top_k=5)
+        state = await engine.submit([3, 4, 5], params, rid="filters-1", ignore_eos=True)
+        during = (engine._filters.top_k, engine._filters.top_p)
+        engine.abort("filters-1")
+        await engine.wait(state)
+        plain = await engine.submit([3, 4], SamplingParams(max_new_tokens=3), rid="filters-2")
+        await engine.wait(plain)
+        return during, (engine._filters.top_k, engine._filters.top_p)
+
+    during, after = live.call(main())
+    assert during == (1, 0) and after == (0, 0)

@@ -41,6 +41,7 @@ Lifecycle::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import math
 import threading
@@ -59,6 +60,8 @@ from slipstream.rollouter.embedded.sampling import (
     PLACEHOLDER_TEMPERATURE,
     PLACEHOLDER_TOP_K,
     PLACEHOLDER_TOP_P,
+    FilterUse,
+    filters_used,
     install_fast_warpers,
     request_sampling_kwargs,
 )
@@ -116,6 +119,8 @@ class RequestState:
     finish: Finish | None = None
     # True once handed to the generation loop (False while held at the pause gate).
     submitted: bool = False
+    # Whether it counts in the engine's FilterUse as (top-k, top-p) while submitted.
+    filters: tuple[bool, bool] = (False, False)
     created: float = field(default_factory=time.perf_counter)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -181,6 +186,11 @@ class EmbeddedEngine:
         self.cfg = cfg or EmbeddedServerConfig()
         if self.cfg.attn_implementation == "sdpa":
             attention.install()
+            if not attention.is_routed("sdpa"):
+                log.warning(
+                    "this transformers version does not route continuous batching to the per-request SDPA"
+                    " (slipstream/rollouter/embedded/attention.py): requests attend across each other"
+                )
         self.model_path = str(model_path)
         self.tokenizer = _load_tokenizer(self.model_path)
         dtype = parse_dtype(self.cfg.dtype, key="rollout.embedded.dtype")
@@ -201,6 +211,7 @@ class EmbeddedEngine:
         self._gate: asyncio.Event | None = None
         self._pause_mode: PauseMode | None = None
         self._holder: _PauseHolder | None = None
+        self._filters = FilterUse()
         # Tokens generated since start, all requests together (a progress counter for /model_info).
         self.generated_tokens = 0
         # Watchdog state: requests handed to the generation loop and not finished, and when the loop last
@@ -245,7 +256,7 @@ class EmbeddedEngine:
         manager = self.model.init_continuous_batching(
             generation_config=gen_cfg, continuous_batching_config=cb_cfg
         )
-        install_fast_warpers(manager)
+        install_fast_warpers(manager, self._filters)
         manager.start()
         self._manager = manager
 
@@ -366,6 +377,8 @@ class EmbeddedEngine:
         )
         mgr = self._manager
         mgr.register_result_handler(state.cb_id, lambda out, s=state: self._on_output(s, out))
+        # Counted in before the generation loop can see the request (the warpers read the count).
+        filters = self._filters.acquire(*filters_used(kwargs, self.vocab_size))
         added = mgr.add_request(
             state.input_ids,
             request_id=state.cb_id,
@@ -375,8 +388,10 @@ class EmbeddedEngine:
             **kwargs,
         )
         if added is None:
+            self._filters.release(filters)
             self._finish(state, Finish("abort", message="the generation loop is not accepting requests"))
             raise EngineUnavailable("the generation loop is not accepting requests")
+        state.filters = filters
         if self._in_flight == 0:  # the stall clock starts with the first request after an idle spell
             self._progress_at = self._clock()
         self._in_flight += 1
@@ -442,6 +457,7 @@ class EmbeddedEngine:
         self._by_rid.pop(state.rid, None)
         if state.submitted:
             self._in_flight -= 1
+            self._filters.release(state.filters)
         mgr = self._manager
         if finish.type == "abort" and state.submitted and mgr is not None:
             mgr.cancel_request(state.cb_id)
@@ -527,8 +543,23 @@ class EmbeddedEngine:
 
     @torch.no_grad()
     def _copy_weights(self, staged: list[tuple[str, torch.Tensor]], version: int) -> None:
-        for name, tensor in staged:
-            self._params[name].data.copy_(tensor)
+        """Copy on the generation loop's stream and wait for it, so no step reads half-copied weights.
+
+        The loop computes on a stream of its own (transformers' ``compute_stream`` on an accelerator), and a
+        copy queued on the caller's stream would still be running when the loop resumes: its first step,
+        stamped with the new version, could read a mix of old and new weights. So the copies go on the loop's
+        stream after everything already queued there (its last step, which read the old weights) and after
+        the caller's pending work (which may still be producing the tensors), and the stream is synchronised
+        before the version changes and the pause ends. On CPU there is no stream and copies are synchronous.
+        """
+        stream = self._generation_stream()
+        if stream is not None and isinstance(stream, torch.Stream):
+            stream.wait_stream(torch.get_device_module(stream.device).current_stream(stream.device))
+        with _stream_context(stream):
+            for name, tensor in staged:
+                self._params[name].data.copy_(tensor)
+        if stream is not None:
+            stream.synchronize()
         self._version = int(version)
         if self._loop is not None and not self._loop.is_closed():
             # Queued behind every token the generation loop delivered before it parked (see module doc).
@@ -538,6 +569,23 @@ class EmbeddedEngine:
 
     def _set_stamp(self, version: int) -> None:
         self._stamp = version
+
+    def _generation_stream(self):  # noqa: ANN202 - a torch.Stream or None
+        """The stream the generation loop computes on; None on CPU (no streams: every op is synchronous)."""
+        if self.model.device.type == "cpu":
+            return None
+        processor = getattr(self._manager, "batch_processor", None)
+        stream = getattr(getattr(processor, "inputs_and_outputs", None), "compute_stream", None)
+        if stream is None:  # the loop has not built its processor yet, or runs on the default stream
+            stream = torch.get_device_module(self.model.device).current_stream(self.model.device)
+        return stream
+
+
+def _stream_context(stream):  # noqa: ANN001, ANN202
+    """Make ``stream`` current for the block (a no-op for None and for stand-ins that are not torch streams)."""
+    if not isinstance(stream, torch.Stream):
+        return contextlib.nullcontext()
+    return torch.get_device_module(stream.device).stream(stream)
 
 
 def _load_tokenizer(path: str):

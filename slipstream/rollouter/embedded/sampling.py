@@ -10,8 +10,10 @@ So the engine starts the manager with placeholder values (which makes transforme
 warpers) and :func:`install_fast_warpers` swaps them for the subclasses below. They keep transformers'
 arithmetic and tensor layout and add two things:
 
-* a fast path that returns the scores untouched when no row of the batch needs the filter (skipped while
-  a CUDA graph is being captured, where a data-dependent branch is not allowed);
+* a fast path that returns the scores untouched when no request in flight needs the filter (skipped while
+  a CUDA graph is being captured, so that the graph holds the filter). Whether one does is counted on the
+  host (:class:`FilterUse`, kept by the engine as requests start and end), not read from the batch's
+  tensors: reading them would make every step wait for the device twice;
 * greedy decoding for ``temperature < GREEDY_BELOW`` (1e-4; 0 is the usual way to ask): every token but the
   arg-max gets ``-inf``, so the sampler picks the arg-max and the returned log-probability is 0. Dividing by
   a temperature that small would overflow to ``inf`` and turn the sampling distribution into NaNs, which
@@ -45,6 +47,29 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+class FilterUse:
+    """How many requests in flight ask for top-k and for top-p; the warpers skip a filter nobody uses.
+
+    The engine counts a request in (:meth:`acquire`) before handing it to the generation loop and out
+    (:meth:`release`) when it ends, both on its event loop; the generation thread only reads the counts
+    (an int read is atomic). A request counted out while still in a batch is one that was aborted, whose
+    tokens are dropped, so skipping its filter for that last step changes nothing anyone reads.
+    """
+
+    def __init__(self) -> None:
+        self.top_k = 0
+        self.top_p = 0
+
+    def acquire(self, top_k: bool, top_p: bool) -> tuple[bool, bool]:
+        self.top_k += top_k
+        self.top_p += top_p
+        return top_k, top_p
+
+    def release(self, used: tuple[bool, bool]) -> None:
+        self.top_k -= used[0]
+        self.top_p -= used[1]
+
+
 class FastTemperatureWarper(ContinuousBatchingTemperatureLogitsWarper):
     """Divides by each row's temperature; a temperature below ``GREEDY_BELOW`` means greedy."""
 
@@ -57,20 +82,23 @@ class FastTemperatureWarper(ContinuousBatchingTemperatureLogitsWarper):
 
 
 class FastTopKWarper(ContinuousBatchingTopKLogitsWarper):
-    """transformers' per-row top-k, skipped when every row keeps the whole vocabulary."""
+    """transformers' per-row top-k, skipped when no request in flight asked for one (``use.top_k == 0``)."""
+
+    use: FilterUse
 
     def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
-        if not _capturing() and bool((tensor_arg[: scores.size(0)] >= scores.size(-1)).all()):
+        if self.use.top_k == 0 and not _capturing():
             return scores
         return super().__call__(scores, tensor_arg)
 
 
 class FastTopPWarper(ContinuousBatchingTopPLogitsWarper):
-    """transformers' per-row top-p, skipped when every row has ``top_p >= 1``."""
+    """transformers' per-row top-p, skipped when no request in flight asked for one (``use.top_p == 0``)."""
+
+    use: FilterUse
 
     def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
-        top_p = tensor_arg[: scores.size(0)].view(dtype=torch.float32)
-        if not _capturing() and bool((top_p >= 1.0).all()):
+        if self.use.top_p == 0 and not _capturing():
             return scores
         return super().__call__(scores, tensor_arg)
 
@@ -82,9 +110,10 @@ _FAST = {
 }
 
 
-def install_fast_warpers(manager) -> None:
+def install_fast_warpers(manager, use: FilterUse) -> None:
     """Swap the manager's three per-request warpers for the fast subclasses (before ``manager.start()``).
 
+    ``use`` is the engine's count of requests asking for top-k / top-p, which the fast paths read.
     Raises when one of them is missing: the engine relies on all three to honour per-request values.
     """
     processors = manager.logit_processor.logits_processor
@@ -95,11 +124,17 @@ def install_fast_warpers(manager) -> None:
             continue
         fast = fast_cls.__new__(fast_cls)
         fast.__dict__.update(proc.__dict__)
+        fast.use = use
         processors[i] = fast
         found.add(type(proc))
     missing = [cls.__name__ for cls in _FAST if cls not in found]
     if missing:
         raise RuntimeError(f"continuous batching did not create the per-request warpers {missing}")
+
+
+def filters_used(kwargs: dict, vocab_size: int) -> tuple[bool, bool]:
+    """Whether request kwargs from :func:`request_sampling_kwargs` ask for (top-k, top-p) filtering."""
+    return kwargs["top_k"] < vocab_size, kwargs["top_p"] < 1.0
 
 
 def request_sampling_kwargs(temperature: float, top_k: int, top_p: float, vocab_size: int) -> dict:
