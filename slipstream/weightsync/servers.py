@@ -40,7 +40,7 @@ from slipstream.weightsync.buckets import BufferPool
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.errors import TransferError
 from slipstream.weightsync.groups import backend_for_device
-from slipstream.weightsync.types import BucketMeta, Rendezvous
+from slipstream.weightsync.types import BucketMeta, Rendezvous, VersionInfo
 
 log = get_logger(__name__)
 
@@ -122,17 +122,24 @@ class ServerLink:
         return cls(transport, adapters, group_name, streamed=False)
 
     async def push(
-        self, adapters: Sequence[ServerAdapter], named_tensors: Iterable, version: int
+        self,
+        adapters: Sequence[ServerAdapter],
+        named_tensors: Iterable,
+        version: int,
+        info: VersionInfo | None = None,
     ) -> SendStats:
-        """Send one version to ``adapters`` (the link's servers), between their ``before`` and ``after``."""
+        """Send one version to ``adapters`` (the link's servers), between their ``before`` and ``after``;
+        ``info``: the send-less fields of its buckets (``send_less.py``)."""
         if self.streamed:
-            return await self.transport.send_weights(named_tensors, version)
+            return await self.transport.send_weights(named_tensors, version, info=info)
 
         async def announce(meta: BucketMeta) -> None:
             await _all(adapters, lambda a: a.update(meta))
 
         layout = adapters[0].layout()  # None: one tensor per bucket (``naive``)
-        return await self.transport.send_weights(named_tensors, version, layout=layout, announce=announce)
+        return await self.transport.send_weights(
+            named_tensors, version, layout=layout, announce=announce, info=info
+        )
 
     def fail(self) -> None:
         """Tear the transport down at once (peers blocked in a receive then fail instead of waiting)."""

@@ -218,6 +218,7 @@ def test_vllm_gets_init_pause_start_packed_updates_finish_resume(pause_mode, vll
         http = HTTPClient(timeout_s=10)
         try:
             adapter = VLLMAdapter(f"http://127.0.0.1:{fake.port}", cfg, http)
+            adapter.engine = "nccl"  # a server running vLLM's own engine (our plug-in: tests/vllm)
             ranks = await adapter.ranks()
             spec = GroupSpec(master_address="", master_port=0, rank_offset=1, world_size=1 + ranks,
                              group_name="g", backend="nccl", nccl_unique_id_b64="QUJD")  # fmt: skip
@@ -260,6 +261,7 @@ def test_vllm_recovery_closes_the_update_session_and_resumes_only_whole_weights(
         http = HTTPClient(timeout_s=10)
         try:
             adapter = VLLMAdapter(f"http://127.0.0.1:{fake.port}", cfg, http)
+            adapter.engine = "nccl"  # a server running vLLM's own engine (our plug-in: tests/vllm)
             await adapter.before(3)
             await adapter.recover(3)  # failed before any byte: the weights are whole
             await adapter.before(3)

@@ -1,0 +1,175 @@
+"""Weights pushed into a real vLLM server by Slipstream's publisher, through the ``slipstream`` weight-transfer
+engine the package registers in vLLM (gloo on a CPU), and tokens stamped with the version that made them."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+import torch
+
+from slipstream.agents.protocol import SamplingParams
+from slipstream.rollouter.clients import VLLMClient
+from slipstream.rollouter.partial import PartialRolloutClient
+from slipstream.weightsync.config import WeightSyncConfig
+from slipstream.weightsync.publisher import WeightPublisher
+from tests.vllm.conftest import metric, run, wait_for_tokens
+
+PROMPT = [5, 17, 99, 3, 250, 42, 7, 8]
+
+
+def config(**kw) -> WeightSyncConfig:
+    return WeightSyncConfig(backend="torch_dist", bucket_mb=1, timeout_s=60, device="cpu", **kw)
+
+
+class Policy:
+    """The trainer's model: the served checkpoint, moved a little for each version."""
+
+    def __init__(self, path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    def step(self, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 0.02)
+
+    def tensors(self):
+        return ((n, p.detach().clone()) for n, p in self.model.named_parameters())
+
+    def logprobs(self, output_ids: list[int]) -> torch.Tensor:
+        ids = torch.tensor([PROMPT + output_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(self.model(ids).logits[0, len(PROMPT) - 1 : -1].float(), -1)
+        return logp.gather(1, torch.tensor(output_ids)[:, None])[:, 0]
+
+
+@pytest.fixture(scope="module")
+def policy(vllm_model):
+    return Policy(vllm_model)
+
+
+def served_version(url: str) -> str:
+    return httpx.get(f"{url}/weight_info", timeout=10).json()["weight_version"]
+
+
+def generate(url: str, n: int = 16):
+    async def go():
+        c = VLLMClient(url, api="generate", timeout_s=300)
+        try:
+            return await c.generate(PROMPT, SamplingParams(max_new_tokens=n, ignore_eos=True))
+        finally:
+            await c.aclose()
+
+    return run(go())
+
+
+def publish(url: str, version: int, tensors, **cfg) -> object:
+    pub = WeightPublisher(config(**cfg), [url], "vllm")
+    try:
+        return pub.publish(version, tensors)
+    finally:
+        pub.close()
+
+
+def test_a_pushed_version_serves_with_the_trainers_logprobs(vllm_server, policy):
+    policy.step(seed=1)
+    report = publish(vllm_server.url, 1, policy.tensors())
+    assert report.ok == [vllm_server.url], report.failed
+    assert served_version(vllm_server.url) == "1"
+    out = generate(vllm_server.url)
+    assert out.versions == [1] * len(out.output_ids)
+    assert torch.allclose(torch.tensor(out.logprobs), policy.logprobs(out.output_ids), atol=1e-4, rtol=0)
+
+
+def test_a_push_that_fails_part_way_leaves_the_old_version_serving(vllm_server, policy):
+    publish(vllm_server.url, 2, policy.tensors())
+    before = generate(vllm_server.url)
+
+    def dies_part_way():
+        for i, item in enumerate(policy.tensors()):
+            if i == 5:
+                raise RuntimeError("the trainer failed mid-version")
+            yield item[0], item[1] + 1.0
+
+    with pytest.raises(RuntimeError, match="mid-version"):  # the trainer's own error reaches it
+        publish(vllm_server.url, 3, dies_part_way(), keep_last=False)
+    assert served_version(vllm_server.url) == "2"
+    after = generate(vllm_server.url)
+    assert after.versions == [2] * len(after.output_ids)
+    assert torch.allclose(torch.tensor(after.logprobs), policy.logprobs(after.output_ids), atol=1e-4, rtol=0)
+    assert before.versions == after.versions
+    policy.step(seed=4)  # and the next version goes through
+    assert publish(vllm_server.url, 4, policy.tensors()).ok == [vllm_server.url]
+    assert served_version(vllm_server.url) == "4"
+
+
+def test_a_tensor_of_the_wrong_shape_is_refused_by_name(vllm_server, policy):
+    serving = served_version(vllm_server.url)
+
+    def bad():
+        for name, t in policy.tensors():
+            yield name, (t[:-1] if name.endswith("down_proj.weight") else t)
+
+    report = publish(vllm_server.url, 50, bad(), keep_last=False)
+    assert vllm_server.url in report.failed and "down_proj" in report.failed[vllm_server.url]
+    assert served_version(vllm_server.url) == serving
+
+
+def test_tokens_carry_the_version_that_made_them_when_a_push_lands_mid_request(vllm_server, policy):
+    """In place: the request keeps running across the push; its tokens are stamped old then new."""
+    old = int(served_version(vllm_server.url))
+
+    async def go():
+        c = VLLMClient(vllm_server.url, api="generate", timeout_s=300)
+        try:
+            before = metric(vllm_server.url, "vllm:generation_tokens_total")
+            sampling = SamplingParams(max_new_tokens=300, ignore_eos=True)
+            task = asyncio.create_task(c.generate(PROMPT, sampling, rid="mid-push"))
+            await wait_for_tokens(vllm_server.url, before)
+            policy.step(seed=old + 1)
+            report = await asyncio.to_thread(
+                publish, vllm_server.url, old + 1, policy.tensors(), pause_mode="in_place"
+            )
+            return report, await task
+        finally:
+            await c.aclose()
+
+    report, out = run(go())
+    assert report.ok == [vllm_server.url], report.failed
+    assert len(out.output_ids) == 300 and out.finish_reason == "length"
+    switch = out.versions.index(old + 1)
+    assert 0 < switch < 300
+    assert out.versions == [old] * switch + [old + 1] * (300 - switch)
+
+
+def test_an_aborted_request_resumes_on_the_new_version(vllm_server, policy):
+    """Abort mode (partial rollouts): the push aborts the request, the rollouter's wrapper re-submits
+    prompt + partial output, and the pieces join with each token's version."""
+    old = int(served_version(vllm_server.url))
+
+    async def go():
+        c = VLLMClient(vllm_server.url, api="generate", timeout_s=300)
+        partial = PartialRolloutClient(c, max_in_flight=4)
+        try:
+            before = metric(vllm_server.url, "vllm:generation_tokens_total")
+            sampling = SamplingParams(max_new_tokens=300, ignore_eos=True)
+            task = asyncio.create_task(partial.generate(PROMPT, sampling, rid="resumed"))
+            await wait_for_tokens(vllm_server.url, before)
+            policy.step(seed=old + 1)
+            report = await asyncio.to_thread(
+                publish, vllm_server.url, old + 1, policy.tensors(), pause_mode="abort"
+            )
+            return report, await task
+        finally:
+            await c.aclose()
+
+    report, out = run(go())
+    assert report.ok == [vllm_server.url], report.failed
+    assert len(out.output_ids) == 300 and out.finish_reason == "length"
+    assert out.num_resumes >= 1
+    switch = out.versions.index(old + 1)
+    assert out.versions == [old] * switch + [old + 1] * (300 - switch)
