@@ -7,11 +7,18 @@ transformers forwards from the model call to every attention layer), so attentio
 never looks at a mask. Calls without boundaries (the padded baseline, generation) fall through to
 transformers' regular sdpa with its regular mask, so one loaded model serves both layouts.
 
+The sample boundaries are read to the host once per forward, not once per layer: every layer receives the
+same ``cu_seq_lens_q`` tensor, so the lengths read by the first layer are kept (keyed by that tensor and
+its version counter) for the others. On a GPU each read waits for the device; per layer that was one wait
+per layer and micro-batch, in the forward and again in a recomputed (checkpointed) forward.
+
 Registered under the name ``sdpa_varlen`` in transformers' ``AttentionInterface`` (and its mask builder
 under the same name) on import; pass ``attn_implementation="sdpa_varlen"`` when loading a model.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +27,26 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "sdpa_varlen"
+
+# The last boundaries read: (the cu_seq_lens tensor, its version counter, per-sample lengths).
+_last_read: tuple[weakref.ref, int, list[int]] | None = None
+
+
+def sample_lengths(cu: torch.Tensor) -> list[int]:
+    """Per-sample lengths from ``cu_seq_lens``; read to the host once per tensor (i.e. once per forward)."""
+    global _last_read
+    last = _last_read
+    if last is not None and last[0]() is cu and last[1] == cu._version:
+        return last[2]
+    bounds = read_bounds(cu)
+    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
+    _last_read = (weakref.ref(cu), cu._version, lengths)
+    return lengths
+
+
+def read_bounds(cu: torch.Tensor) -> list[int]:
+    """The host read (a device synchronisation on a GPU); a function of its own so tests can count it."""
+    return cu.tolist()
 
 
 def sdpa_varlen_forward(
@@ -45,8 +72,7 @@ def sdpa_varlen_forward(
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None or query.shape[0] != 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    bounds = cu.tolist()
-    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
+    lengths = sample_lengths(cu)
     gqa = query.shape[1] != key.shape[1]
     # split/cat rather than slicing into a preallocated output: their backward is one concatenation, where
     # per-slice backward would allocate a full-size zero gradient for every sample
