@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -128,14 +129,15 @@ def test_a_check_past_its_limit_is_killed_with_everything_it_started(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", _TREE, str(started)], start_new_session=True,
                             env={**os.environ, runner.TAG_ENV: tag})  # fmt: skip
     try:
-        while not started.exists():
+        while not started.exists():  # polls for a state, yielding the core
             assert proc.poll() is None
+            time.sleep(0.05)
         assert len(runner.tagged_pids(tag)) == 2
         assert runner.kill_tagged(tag, proc.pid) == 1  # the grandchild; the leader is no stray
         proc.wait(timeout=60)
         assert proc.returncode == -signal.SIGKILL
         while runner.tagged_pids(tag):  # the grandchild dies asynchronously after SIGKILL
-            pass
+            time.sleep(0.05)
     finally:
         runner.kill_tagged(tag)
 
