@@ -100,17 +100,22 @@ def gpu_tests(ctx: Context) -> dict:
     report = ctx.out / "gpu_tests.xml"
     report.unlink(missing_ok=True)
     files = gpu_test_files()
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-o", "addopts=-ra",
-         f"--timeout={max(20, int(ctx.limit_s) - 15)}", f"--junitxml={report}", *files],
-        capture_output=True, text=True, timeout=max(10, ctx.limit_s - 5),
-    )  # fmt: skip
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-v", "-m", "gpu", "-p", "no:cacheprovider", "-o", "addopts=-ra",
+             f"--timeout={max(20, int(ctx.limit_s) - 15)}", f"--junitxml={report}", *files],
+            capture_output=True, text=True, timeout=max(10, ctx.limit_s - 5),
+        )  # fmt: skip
+        stdout = proc.stdout
+    except subprocess.TimeoutExpired as err:  # no junit then: the verbose lines say how far it got
+        out = err.stdout.decode(errors="replace") if isinstance(err.stdout, bytes) else err.stdout or ""
+        return {"ok": False, "detail": f"pytest ran past {ctx.limit_s - 5:.0f} s; its output:\n{out[-2500:]}"}
     outcomes, unimportable = junit(report) if report.exists() else ({}, [])
     failed = sorted(n for n, o in outcomes.items() if o == "failed") + unimportable
     counts = {f"gpu_tests_{o}": sum(v == o for v in outcomes.values()) for o in ("passed", "failed", "skipped")}
     ok = report.exists() and not failed and (ctx.device != "cuda" or counts["gpu_tests_passed"] > 0)
     return {"ok": ok, "figures": counts, "tests": outcomes, "unimportable": unimportable,
-            "detail": proc.stdout[-2500:] if not ok else ""}  # fmt: skip
+            "detail": stdout[-2500:] if not ok else ""}  # fmt: skip
 
 
 def junit(path: Path) -> tuple[dict[str, str], list[str]]:

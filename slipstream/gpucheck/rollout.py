@@ -21,6 +21,11 @@ import time
 from slipstream.gpucheck.models import SHAPES, model_dir
 from slipstream.gpucheck.runner import Context, check, partial
 
+# Largest |logprob error| of a bf16 server against a bf16 teacher-forced forward (different kernels, peaked
+# distributions). What tells a working server from a broken one is the second condition of each check: the same
+# comparison against wrong weights, or read one token off, must be at least 5x larger.
+BF16_BOUND = 0.5
+
 
 def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
@@ -137,10 +142,13 @@ def rollout(ctx: Context) -> dict:
                     "embedded_logprob_ref_std": round(spread, 3)})  # fmt: skip
     partial(ctx, "rollout", figures)
     n = counts[0]
-    tokens, seconds = generate_wave(model, prompts[:n], new, static=True)  # last: its compilation is the longest
-    figures[f"generate_static_tok_s_{n}"] = round(tokens / seconds, 1)
-    figures[f"embedded_vs_generate_static_{n}"] = round(figures[f"embedded_tok_s_{n}"] * seconds / tokens, 3)
-    bound = 0.25 if dtype == "bfloat16" else 1e-3
+    try:  # last: its compilation is the longest, and a baseline that cannot compile fails no check of ours
+        tokens, seconds = generate_wave(model, prompts[:n], new, static=True)
+        figures[f"generate_static_tok_s_{n}"] = round(tokens / seconds, 1)
+        figures[f"embedded_vs_generate_static_{n}"] = round(figures[f"embedded_tok_s_{n}"] * seconds / tokens, 3)
+    except Exception as err:
+        figures["generate_static_error"] = f"{type(err).__name__}: {err}"[:500]
+    bound = BF16_BOUND if dtype == "bfloat16" else 1e-3
     ok = err <= bound and off >= 5 * max(err, 1e-6)
     return {"ok": ok, "figures": figures, "logprob_bound": bound,
             "detail": "" if ok else f"logprob error {err:.4g} (bound {bound}); one token off: {off:.4g}"}  # fmt: skip
@@ -212,7 +220,7 @@ def push(ctx: Context) -> dict:
         del ref
     figures.update(push_logprob_err_new=round(errs["new"], 4), push_logprob_err_old=round(errs["old"], 3))
     ok = (report.ok == [server.url] and served_version == 1 and figures["push_bytes_per_param"] == 2.0
-          and seen["dtensors"] > 0 and errs["new"] <= 0.25 and errs["old"] >= 5 * max(errs["new"], 1e-6))  # fmt: skip
+          and seen["dtensors"] > 0 and errs["new"] <= BF16_BOUND and errs["old"] >= 5 * max(errs["new"], 1e-6))  # fmt: skip
     return {"ok": ok, "figures": figures, "report": {"ok": report.ok, "failed": report.failed},
             "served_version": served_version, "dtypes_pushed": sorted(seen["dtypes"])}  # fmt: skip
 
