@@ -308,10 +308,12 @@ class Gateway:
             stops = _stops(body)
             choices = [self._choice(o, prefill, body, chat, bool(tools), stops) for o in outs]
             self._record(session, body, chat, prompt_ids, choices)
-            if not choices:  # no budget or turns left: an empty reply
+            if not choices:  # no budget or turns left: an empty reply (nothing recorded)
                 empty = GenerateOutput(output_ids=[], logprobs=[], versions=[], finish_reason="length")
                 choices = [self._choice(empty, [], body, chat, False, stops)]
                 choices[0].finish = "length"
+                if chat:
+                    session.replied_chat(choices[0].reply, False)
             session.final_text = (choices[0].reply.get("content") if chat else choices[0].reply["text"]) or ""
             return {"choices": choices, "prompt_ids": prompt_ids}
 
