@@ -8,8 +8,8 @@
 #   ... --only CHECK,CHECK                      # some checks
 #
 # On the GPU machine results go to $OUT/results.json (what comes back), rewritten after every check, with the
-# GPU tests' junit beside it (OUT/gpu_tests.xml). Stage 1 needs no Ray and no NIXL and fits one call of <= 420 s:
-#   run(carry=[".whl"], timeout_s=420, command="bash scripts/gpu_check.sh")
+# GPU tests' junit beside it (OUT/gpu_tests.xml). Stage 1 needs no Ray and no NIXL and fits one call of <= 420 s
+# (send .whl/ with the checkout). docs/gpu/README.md has the calls of both stages.
 # Wheels are installed once per machine into $SLIPSTREAM_GPU_SITE (default /tmp/site): a later call on the same
 # warm machine skips what is there. Ray's wheel is larger than one call carries: its parts (.whl_ray_*/*.part.*,
 # listed in PARTS) come over two calls (scripts/gpu_wheels.sh gives the three stage-2 calls); they are kept in

@@ -11,7 +11,7 @@
 # with the 5 MiB working tree, so stage 2 takes three calls, each within the 30 s the machine stays warm:
 #   1. carry .whl_ray_1        bash scripts/gpu_check.sh --install-only
 #   2. carry .whl_ray_2 .whl   bash scripts/gpu_check.sh --stage2 --only one_gpu_train
-#   3. carry .whl_nixl .whl    bash scripts/gpu_check.sh --stage2 --only nixl_weightsync
+#   3. carry .whl_nixl         bash scripts/gpu_check.sh --stage2 --only nixl_weightsync  (.whl still there)
 # Whatever a machine has installed is kept for its later calls (gpu_check.sh stamps each wheel set).
 set -euo pipefail
 cd "$(dirname "$0")/.."
