@@ -90,3 +90,10 @@ def test_filters_apply_while_a_request_uses_them():
     assert int(torch.isfinite(top_p(scores, ps)[0]).sum()) < 16
     use.release(used)
     assert (use.top_k, use.top_p) == (0, 0) and top_k(scores, ks) is scores
+
+
+def test_this_transformers_routes_continuous_batching_to_the_per_request_kernel():
+    from slipstream.rollouter.embedded import attention
+
+    attention.install()
+    assert attention.is_routed("sdpa")

@@ -60,6 +60,8 @@ def install() -> None:
 
 def is_routed(attn_implementation: str) -> bool:
     """True when continuous batching with ``attn_implementation`` reaches :func:`paged_varlen_sdpa`."""
+    if f"paged|{attn_implementation}" in ALL_ATTENTION_FUNCTIONS:  # 5.16-5.18: continuous batching calls that
+        return False
     return ALL_ATTENTION_FUNCTIONS.get(attn_implementation) is paged_varlen_sdpa
 
 
