@@ -43,7 +43,7 @@ def _gb(nbytes: float) -> float:
 
 
 # ------------------------------------------------------------------------------------------ preflight
-@check("preflight", 20)
+@check("preflight", 25)
 def preflight(ctx: Context) -> dict:
     """Every Slipstream module imports (those needing Ray/NIXL/servers noted, not failed), versions, device."""
     import torch
