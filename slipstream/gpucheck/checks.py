@@ -339,7 +339,7 @@ def _train_case(ctx: Context, name: str, tokens: int, *, packed: bool, checkpoin
     return {"figures": figures, "ok": exercised and finite, "chunked_logprobs": exercised, "finite": finite}
 
 
-@check("train_16k", 40)
+@check("train_16k", 45)
 def train_16k(ctx: Context) -> dict:
     """A packed long-tail batch of 16K tokens in one micro-batch, no activation checkpointing: MFU."""
     result = _train_case(ctx, "train_16k", 512 if ctx.small else 16384, packed=True, checkpointing=False)
@@ -349,7 +349,7 @@ def train_16k(ctx: Context) -> dict:
     return result
 
 
-@check("train_32k", 35)
+@check("train_32k", 30)
 def train_32k(ctx: Context) -> dict:
     """One 32K-token response with activation checkpointing: peak memory (the target is <= 60 GB)."""
     result = _train_case(ctx, "train_32k", 1024 if ctx.small else 32768, packed=False, checkpointing=True)
