@@ -75,7 +75,7 @@ from slipstream.weightsync.buckets import (
 )
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.errors import SourceFailed, TransferError
-from slipstream.weightsync.types import BucketMeta, InitInfo, Rendezvous
+from slipstream.weightsync.types import BucketMeta, InitInfo, Rendezvous, VersionInfo
 
 log = get_logger(__name__)
 
@@ -116,6 +116,9 @@ class WeightStream:
         self.tensors = 0
         self.started: float | None = None
         self.finished: float | None = None
+        # The receiving end's staging area, where a source has one: entries that are not dense (and the
+        # version's send-less fields) are staged there, not yielded (``StagingArea.parts``/``info``).
+        self.staging: StagingArea | None = None
         # The source fills in version/nbytes as buckets arrive, so it is built around this stream.
         self._source = source(self)
 
@@ -214,6 +217,7 @@ class Transport(ABC):
         *,
         layout: Layout | None | str = "default",
         announce: Announce | None = None,
+        info: VersionInfo | None = None,
     ) -> SendStats:
         """Send one version, streaming from ``named_tensors``; returns once every receiver holds it.
 
@@ -222,16 +226,20 @@ class Transport(ABC):
         metadata (module docstring); one bucket is then in flight at a time, since each announcement
         returns only once its bucket landed. Raises :class:`TransferError` (:class:`SourceFailed` when
         ``named_tensors`` or packing failed, the cause chained); receivers then drop the version.
+        Items may name their entry kind, ``(name, tensor, kind)``; ``info`` (the send-less fields) is
+        stamped on every bucket (``send_less.py``).
         """
         if not self.is_sender:
             raise TransferError(f"`{self.name}`: send_weights on a receiving end")
         self._before_send(version)
         chosen = self.layout() if layout == "default" else layout
         if chosen is None:
-            buckets: Iterator[PackedBucket] = per_tensor_buckets(named_tensors, version, self.device)
+            buckets: Iterator[PackedBucket] = per_tensor_buckets(named_tensors, version, self.device, info)
         else:
             assert isinstance(chosen, Layout) and self.pool is not None
-            buckets = BucketPacker(named_tensors, version, chosen, self.pool, timeout_s=self.cfg.timeout_s)
+            buckets = BucketPacker(
+                named_tensors, version, chosen, self.pool, timeout_s=self.cfg.timeout_s, info=info
+            )
         if announce is None:
             start, depth = self.start_bucket, (1 if chosen is None else self.depth)
         else:

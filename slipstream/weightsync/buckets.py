@@ -43,7 +43,7 @@ import torch
 
 from slipstream.utils import tensors as tensor_utils
 from slipstream.utils.tensors import dtype_name
-from slipstream.weightsync.types import ENTRY_KINDS, BucketMeta, TensorEntry
+from slipstream.weightsync.types import DENSE, ENTRY_KINDS, BucketMeta, TensorEntry, VersionInfo
 
 
 class BucketError(ValueError):
@@ -209,6 +209,7 @@ class _Pending:
     data: torch.Tensor  # flat uint8 bytes of the whole tensor
     dtype: torch.dtype
     shape: list[int]
+    kind: str = DENSE
 
 
 @dataclass
@@ -221,6 +222,19 @@ class _Open:
     segments: list[tuple[int, int, torch.Tensor | None]] = field(default_factory=list)
 
 
+def split_item(item: tuple) -> tuple[str, torch.Tensor, str]:
+    """``(name, tensor)`` or ``(name, tensor, kind)`` -> ``(name, tensor, kind)``, checked."""
+    if len(item) == 2:
+        (name, tensor), kind = item, DENSE
+    else:
+        name, tensor, kind = item
+    if not isinstance(tensor, torch.Tensor):
+        raise BucketError(f"`{name}`: expected a tensor, got {type(tensor).__name__}")
+    if kind not in ENTRY_KINDS:
+        raise BucketError(f"`{name}`: unknown entry kind `{kind}`")
+    return name, tensor, kind
+
+
 class BucketPacker:
     """Iterator of :class:`PackedBucket` for one version, pulled lazily from ``named_tensors``.
 
@@ -228,17 +242,22 @@ class BucketPacker:
     has left); every tensor appears in exactly one bucket, or, when larger than the capacity in the
     ``slipstream`` layout, in consecutive single-entry chunk buckets; the last bucket has ``last=True``
     (a version with no tensors is one empty bucket, so receivers still see it complete).
+
+    Items are ``(name, tensor)`` (a dense entry) or ``(name, tensor, kind)`` (any of ``ENTRY_KINDS``);
+    ``info`` is stamped on every bucket (the send-less fields of :class:`BucketMeta`).
     """
 
     def __init__(
         self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        named_tensors: Iterable[tuple],
         version: int,
         layout: Layout,
         pool: BufferPool,
         timeout_s: float = 300.0,
+        info: VersionInfo | None = None,
     ) -> None:
-        self._source: Iterator[tuple[str, torch.Tensor]] = iter(named_tensors)
+        self._source: Iterator[tuple] = iter(named_tensors)
+        self.info = info or VersionInfo()
         self.version = version
         self.layout = layout
         self.pool = pool
@@ -295,13 +314,12 @@ class BucketPacker:
             item, self._carry = self._carry, None
             return item
         try:
-            name, tensor = next(self._source)
+            item = next(self._source)
         except StopIteration:
             return None
-        if not isinstance(tensor, torch.Tensor):
-            raise BucketError(f"`{name}`: expected a tensor, got {type(tensor).__name__}")
+        name, tensor, kind = split_item(item)
         self.tensors += 1
-        return _Pending(name, as_bytes(tensor), tensor.dtype, list(tensor.shape))
+        return _Pending(name, as_bytes(tensor), tensor.dtype, list(tensor.shape), kind)
 
     def _peek_end(self) -> bool:
         """True when the source is exhausted (one item is pulled ahead and carried)."""
@@ -332,7 +350,8 @@ class BucketPacker:
         start = _round_up(bucket.cursor, self.layout.align)
         end = start + item.data.numel()
         self._put(bucket, start, item.data)
-        bucket.entries.append(TensorEntry(item.name, dtype_name(item.dtype), item.shape, start, end - start))
+        entry = TensorEntry(item.name, dtype_name(item.dtype), item.shape, start, end - start, 0, item.kind)
+        bucket.entries.append(entry)
         bucket.cursor = end
         bucket.dtype = item.dtype
         return bucket
@@ -357,7 +376,7 @@ class BucketPacker:
         size = min(self.layout.capacity, item.data.numel() - offset)
         bucket = self._open(size)
         self._put(bucket, 0, item.data[offset : offset + size])
-        entry = TensorEntry(item.name, dtype_name(item.dtype), item.shape, 0, size, offset)
+        entry = TensorEntry(item.name, dtype_name(item.dtype), item.shape, 0, size, offset, item.kind)
         bucket.entries.append(entry)
         bucket.cursor = size
         offset += size
@@ -381,6 +400,9 @@ class BucketPacker:
             entries=bucket.entries,
             last=last,
             segments=segments,
+            base=self.info.base,
+            keep=self.info.keep,
+            lora_scale=self.info.lora_scale,
         )
         self._index += 1
         self.bytes += bucket.cursor
@@ -441,6 +463,10 @@ class StagingArea:
 
     Staged tensors are views of this area's buffers: they stay valid until the next :meth:`begin`, so a
     target must copy them in (``apply_weights``) before the next version is received.
+
+    Dense entries are staged in :attr:`staged` by name (and returned by :meth:`commit`); entries of any
+    other kind in :attr:`parts` by ``(kind, name)``, with the version's send-less fields in :attr:`info`
+    (``weightsync/send_less.py`` rebuilds full tensors from them).
     """
 
     def __init__(
@@ -453,6 +479,8 @@ class StagingArea:
         self._direct: set[int] = set()
         self._partial: dict[str, int] = {}
         self.staged: dict[str, torch.Tensor] = {}
+        self.parts: dict[tuple[str, str], torch.Tensor] = {}
+        self.info: VersionInfo | None = None
         self.version: int | None = None
         self.nbytes = 0
         self.saw_last = False
@@ -460,6 +488,8 @@ class StagingArea:
     def begin(self, version: int) -> None:
         self.version = version
         self.staged = {}
+        self.parts = {}
+        self.info = None
         self._partial = {}
         self._direct = set()
         self.nbytes = 0
@@ -481,6 +511,12 @@ class StagingArea:
             raise BucketError(
                 f"bucket of version {meta.version} arrived while staging version {self.version}"
             )
+        info = VersionInfo.of(meta)
+        if self.info is not None and info != self.info:
+            raise BucketError(
+                f"bucket {meta.index} of version {meta.version}: {info}, earlier buckets {self.info}"
+            )
+        self.info = info
         if len(meta.entries) == 1 and self._is_chunk(meta.entries[0]):
             entry = meta.entries[0]
             self._direct.add(meta.index)
@@ -502,8 +538,7 @@ class StagingArea:
             if not self._is_chunk(entry):
                 assert buf is not None
                 tensor = _typed_view(buf[entry.offset : entry.offset + entry.nbytes], dtype, entry.shape)
-                self.staged[entry.name] = tensor
-                done.append((entry.name, tensor))
+                self._stage(entry, tensor, done)
                 continue
             full = self._full_tensor(entry)
             if not direct:
@@ -512,18 +547,25 @@ class StagingArea:
                 dst[entry.chunk_offset : entry.chunk_offset + entry.nbytes].copy_(
                     buf[entry.offset : entry.offset + entry.nbytes]
                 )
-            got = self._partial.get(entry.name, 0) + entry.nbytes
+            key = _key(entry)
+            got = self._partial.get(key, 0) + entry.nbytes
             if got >= tensor_nbytes(entry.shape, dtype):
-                self._partial.pop(entry.name, None)
-                self.staged[entry.name] = full
-                done.append((entry.name, full))
+                self._partial.pop(key, None)
+                self._stage(entry, full, done)
             else:
-                self._partial[entry.name] = got
+                self._partial[key] = got
         self.nbytes += meta.nbytes
         self.saw_last = self.saw_last or meta.last
         return done
 
     # -- helpers
+
+    def _stage(self, entry: TensorEntry, tensor: torch.Tensor, done: list) -> None:
+        if entry.kind == DENSE:
+            self.staged[entry.name] = tensor
+            done.append((entry.name, tensor))
+        else:
+            self.parts[(entry.kind, entry.name)] = tensor
 
     @staticmethod
     def _is_chunk(entry: TensorEntry) -> bool:
@@ -531,12 +573,12 @@ class StagingArea:
 
     def _full_tensor(self, entry: TensorEntry) -> torch.Tensor:
         dtype = parse_dtype(entry.dtype)
-        full = self._full.get(entry.name)
+        full = self._full.get(_key(entry))
         if full is None or full.dtype != dtype or list(full.shape) != list(entry.shape):
             full = torch.empty(entry.shape, dtype=dtype, device=self.device)
             if self._on_alloc is not None:
                 self._on_alloc(full)
-            self._full[entry.name] = full
+            self._full[_key(entry)] = full
         return full
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
@@ -544,6 +586,11 @@ class StagingArea:
         if self._on_alloc is not None:
             self._on_alloc(buf)
         return buf
+
+
+def _key(entry: TensorEntry) -> str:
+    """Where a chunked entry is assembled: by name for dense tensors, by kind and name otherwise."""
+    return entry.name if entry.kind == DENSE else f"{entry.kind}:{entry.name}"
 
 
 def _typed_view(raw: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
@@ -562,22 +609,30 @@ def segments_of(meta: BucketMeta) -> list[tuple[int, int]]:
 
 
 def per_tensor_buckets(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, device: torch.device
+    named_tensors: Iterable[tuple], version: int, device: torch.device, info: VersionInfo | None = None
 ) -> Iterator[PackedBucket]:
     """One bucket per tensor, without packing (the ``naive`` baseline); ``slot`` is -1 (no pool)."""
+    info = info or VersionInfo()
+    stamp = {"base": info.base, "keep": info.keep, "lora_scale": info.lora_scale}
     source = iter(named_tensors)
     item = next(source, None)
     if item is None:
-        yield PackedBucket(BucketMeta(version=version, index=0, nbytes=0, entries=[], last=True), _EMPTY, -1)
+        empty = BucketMeta(version=version, index=0, nbytes=0, entries=[], last=True, **stamp)
+        yield PackedBucket(empty, _EMPTY, -1)
         return
     index = 0
     while item is not None:
         following = next(source, None)
-        name, tensor = item
+        name, tensor, kind = split_item(item)
         data = as_bytes(tensor).to(device)
-        entry = TensorEntry(name, dtype_name(tensor.dtype), list(tensor.shape), 0, data.numel())
+        entry = TensorEntry(name, dtype_name(tensor.dtype), list(tensor.shape), 0, data.numel(), 0, kind)
         meta = BucketMeta(
-            version=version, index=index, nbytes=data.numel(), entries=[entry], last=following is None
+            version=version,
+            index=index,
+            nbytes=data.numel(),
+            entries=[entry],
+            last=following is None,
+            **stamp,
         )
         yield PackedBucket(meta, data, -1)
         index, item = index + 1, following

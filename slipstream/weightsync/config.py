@@ -71,6 +71,18 @@ class WeightSyncConfig(ConfigStruct):
             "server is retried for the others. Costs one model's worth of trainer CPU memory.",
         ),
     ] = True
+    delta: Annotated[
+        bool,
+        Meta(
+            description="Delta pushes: a version carries only the elements whose pushed-dtype value changed "
+            "since the version every server holds (indices or a bitmap, and the new values, per tensor; "
+            "a tensor whose delta would not be smaller goes whole), and a whole version when a server is "
+            "not on the previous one. Servers serve exactly what a whole push gives. Costs one model's "
+            "worth of memory in the pushed dtype on each server (the version deltas apply to) and on the "
+            "trainer (the version deltas are computed against; the keep_last copy). Not used with "
+            "trainer.lora, whose pushes carry the adapters alone.",
+        ),
+    ] = False
     require_all_weights: Annotated[
         bool,
         Meta(

@@ -50,6 +50,11 @@ _INT_VIEW = {
     torch.float32: torch.int32,
     torch.bfloat16: torch.int16,
     torch.float16: torch.int16,
+    **{
+        getattr(torch, n): torch.int8
+        for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+        if hasattr(torch, n)
+    },
 }
 _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 _INT32_MAX = 2**31 - 1
@@ -173,7 +178,7 @@ def compute_delta(prev: torch.Tensor, new: torch.Tensor, allowed: Iterable[Encod
     shape = tuple(new.shape)
     if encoding == "dense":
         return Delta("dense", shape, new.dtype, flat_new.clone())
-    values = flat_new[changed]
+    values = bits_view(flat_new)[changed].view(new.dtype)  # through bits: fp8 has no boolean indexing
     if encoding == "mask":
         return Delta("mask", shape, new.dtype, values, mask=pack_bits(changed))
     indices = changed.nonzero()[:, 0].to(index_dtype(flat_new.numel()))

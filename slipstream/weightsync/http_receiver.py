@@ -66,8 +66,11 @@ from slipstream.weightsync.base import Transport, make_transport
 from slipstream.weightsync.buckets import BucketError, StagingArea, flattened_meta
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.errors import TransferError
+from slipstream.weightsync.send_less import Rebuilder, Rebuilt, SendLessError
 from slipstream.weightsync.torch_dist import TorchDistTransport
 from slipstream.weightsync.types import (
+    DENSE,
+    LORA_BASE,
     BeginWeightUpdateReq,
     BucketMeta,
     DestroyWeightsUpdateGroupReq,
@@ -79,6 +82,7 @@ from slipstream.weightsync.types import (
     Rendezvous,
     StreamConnectReq,
     UpdateWeightsFromDistributedReq,
+    VersionInfo,
     WeightTarget,
     WeightUpdateResp,
 )
@@ -140,6 +144,8 @@ class WeightReceiver:
         self.last_receive_s = 0.0
         # How long any wait lasts: the trainer's limit once it has said so (init_weights_update_group).
         self.wait_s = self.cfg.timeout_s
+        # What delta and LoRA versions are rebuilt from, before the target sees them (send_less.py).
+        self.rebuilder = Rebuilder()
 
     # -- groups
 
@@ -277,13 +283,23 @@ class WeightReceiver:
             self._fail(session, problem)
             raise RequestError(problem)
         assert version is not None and session.staging is not None
-        staged = list(session.staging.staged.items())
         start = time.perf_counter()
+        try:  # delta and LoRA entries become full tensors here, so every target gets them (send_less.py)
+            rebuilt = await asyncio.to_thread(self._rebuild, session.staging, version)
+        except SendLessError as err:
+            self._fail(session, str(err))
+            raise RequestError(self.last_error) from err
+        problem = self._check_all_weights(rebuilt, version)
+        if problem:
+            self._fail(session, problem)
+            raise RequestError(problem)
+        staged = rebuilt.tensors
         try:
             await asyncio.to_thread(self.target.apply_weights, staged, version)
         except Exception as err:
             self._fail(session, f"apply_weights refused version {version}: {err}")
             raise RequestError(self.last_error) from err
+        await asyncio.to_thread(self.rebuilder.applied, rebuilt, version)
         self.last_apply_s = time.perf_counter() - start
         self.last_receive_s = session.receive_s
         self.applied_versions += 1
@@ -303,6 +319,9 @@ class WeightReceiver:
             last_error=self.last_error,
             last_apply_s=self.last_apply_s,
             last_receive_s=self.last_receive_s,
+            delta_base=self.rebuilder.base_version,
+            lora_base=len(self.rebuilder.lora_base),
+            kept_bytes=self.rebuilder.kept_bytes,
         )
 
     def router(self) -> APIRouter:
@@ -342,7 +361,9 @@ class WeightReceiver:
         if session.version is not None and stream.version != session.version:
             raise TransferError(f"received version {stream.version}, expected {session.version}")
         session.version = stream.version
-        session.staging = _Collected(staged, stream.nbytes)
+        area = stream.staging
+        parts, info = (dict(area.parts), area.info) if area is not None else ({}, None)
+        session.staging = _Collected(staged, stream.nbytes, parts, info)
         session.receive_s = time.perf_counter() - start
 
     # -- helpers
@@ -367,6 +388,10 @@ class WeightReceiver:
         if bucket is not None:
             if bucket.version != version:
                 raise RequestError(f"slipstream_bucket is for version {bucket.version}, not {version}")
+            try:  # a delta against a version this receiver does not hold: refused before it is staged
+                self.rebuilder.check_base(VersionInfo.of(bucket), version)
+            except SendLessError as err:
+                raise RequestError(str(err)) from None
             return [bucket]
         if req.load_format == "flattened_bucket":
             return [flattened_meta(req.names, req.dtypes, req.shapes, version, session.next_index)]
@@ -390,6 +415,8 @@ class WeightReceiver:
         specs = self.target.weight_specs()
         for meta in metas:
             for entry in meta.entries:
+                if entry.kind not in (DENSE, LORA_BASE):  # a delta's or an adapter's own shape
+                    continue
                 spec = specs.get(entry.name)
                 if spec is not None and list(spec[0]) != list(entry.shape):
                     return f"`{entry.name}`: sent shape {list(entry.shape)}, serving {list(spec[0])}"
@@ -402,11 +429,19 @@ class WeightReceiver:
             return f"version {version}: nothing was received"
         if isinstance(session.staging, StagingArea) and session.staging.partial_names:
             return f"version {version}: tensors only partly received: {session.staging.partial_names}"
-        if self.cfg.require_all_weights:
-            missing = set(self.target.weight_specs()) - set(session.staging.staged)
-            if missing:
-                shown = ", ".join(sorted(missing)[:5])
-                return f"version {version} misses {len(missing)} parameters (e.g. {shown})"
+        return ""
+
+    def _rebuild(self, staging: StagingArea | _Collected, version: int) -> Rebuilt:
+        return self.rebuilder.rebuild(staging.staged, staging.parts, staging.info, version)
+
+    def _check_all_weights(self, rebuilt: Rebuilt, version: int) -> str:
+        """A version that must cover every served parameter (all but adapter-only LoRA versions) does."""
+        if not self.cfg.require_all_weights or not rebuilt.complete:
+            return ""
+        missing = set(self.target.weight_specs()) - {name for name, _ in rebuilt.tensors}
+        if missing:
+            shown = ", ".join(sorted(missing)[:5])
+            return f"version {version} misses {len(missing)} parameters (e.g. {shown})"
         return ""
 
     def _watch(self, session: _Session) -> None:
@@ -472,6 +507,8 @@ class _Collected:
 
     staged: dict[str, torch.Tensor]
     nbytes: int
+    parts: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
+    info: VersionInfo | None = None
 
 
 # ------------------------------------------------------------------------------------------------ router

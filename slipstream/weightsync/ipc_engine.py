@@ -640,6 +640,7 @@ class IpcTransport(Transport):
         conn, settled = self._conns[0], self._push
         self._staged = []
         staging = StagingArea(self.device, on_alloc=lambda t: self._staged.append(weakref.ref(t)))
+        stream.staging = staging
         conn.purge(lambda m: m.push <= settled)  # what is left of pushes already finished or dropped
         push, index, meta = None, 0, None
         try:

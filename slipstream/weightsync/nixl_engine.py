@@ -238,6 +238,7 @@ class NixlTransport(Transport):
         if self.staging is None or not self._peers:
             raise TransferError("nixl: call prepare() and connect() before receive_weights()")
         sender = self._peers[0]
+        stream.staging = self.staging
         index = 0
         while True:
             _, notice = await asyncio.to_thread(

@@ -45,7 +45,9 @@ from slipstream.weightsync.base import resolve_device
 from slipstream.weightsync.buckets import BufferPool
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.errors import SourceFailed, TransferError
+from slipstream.weightsync.send_less import DeltaStats, delta_entries, lora_items
 from slipstream.weightsync.servers import ServerLink, choose_transport
+from slipstream.weightsync.types import DENSE, VersionInfo
 
 log = get_logger(__name__)
 
@@ -62,34 +64,62 @@ class PublishReport(msgspec.Struct, kw_only=True):
     buckets: int = 0
     seconds: float = 0.0
     retried: bool = False
+    # What travelled: ``full``, ``delta`` (against version ``base``), ``lora`` (base weights and adapters)
+    # or ``adapters`` (adapters only); for a delta, the fraction of elements that changed and the dense
+    # bytes the version would have taken.
+    sent: str = "full"
+    base: int = -1
+    changed_fraction: float = 0.0
+    dense_bytes: int = 0
 
 
 class Snapshot:
     """A CPU copy of the last published version, recorded while the trainer's tensors stream past.
 
     ``version`` is None while a recording is under way or after one was cut short (its tensors then mix
-    two versions and must not be sent). Buffers are reused from one version to the next.
+    two versions and must not be sent). Buffers are reused from one version to the next. Each tensor keeps
+    its entry kind (``dense``, or for LoRA ``lora_base``/``lora_A``/``lora_B``), so :meth:`items` is always
+    a whole version: an adapter-only recording (``partial``) replaces the adapters and keeps the base.
+
+    ``encode(name, tensor, previous)`` (a delta push) turns each tensor into the entries that go on the
+    wire, computed before ``previous`` (this tensor's buffer, the last version) is overwritten.
     """
 
     def __init__(self) -> None:
         self.version: int | None = None
         self.tensors: dict[str, torch.Tensor] = {}
+        self.kinds: dict[str, str] = {}
+        self.lora_scale = 0.0
 
-    def record(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> Iterator:
+    def record(
+        self,
+        items: Iterable[tuple],
+        version: int,
+        *,
+        encode: Callable[[str, torch.Tensor, torch.Tensor | None], list[tuple]] | None = None,
+        partial: bool = False,
+        lora_scale: float = 0.0,
+    ) -> Iterator:
+        complete = self.version is not None
         self.version = None
-        fresh: dict[str, torch.Tensor] = {}
-        for name, tensor in named_tensors:
+        fresh: dict[str, torch.Tensor] = dict(self.tensors) if partial else {}
+        kinds: dict[str, str] = dict(self.kinds) if partial else {}
+        for item in items:
+            name, tensor = item[0], item[1]
+            kind = item[2] if len(item) > 2 else DENSE
             buf = self.tensors.get(name)
+            out = encode(name, tensor, buf) if encode is not None else [item]
             if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
                 buf = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
             buf.copy_(tensor.detach())
-            fresh[name] = buf
-            yield name, tensor
-        self.tensors = fresh
-        self.version = version
+            fresh[name], kinds[name] = buf, kind
+            yield from out
+        self.tensors, self.kinds, self.lora_scale = fresh, kinds, lora_scale
+        if complete or not partial:  # an adapter-only recording over no base is no whole version
+            self.version = version
 
-    def items(self) -> list[tuple[str, torch.Tensor]]:
-        return list(self.tensors.items())
+    def items(self) -> list[tuple[str, torch.Tensor, str]]:
+        return [(name, t, self.kinds.get(name, DENSE)) for name, t in self.tensors.items()]
 
 
 class WeightPublisher:
@@ -112,8 +142,13 @@ class WeightPublisher:
             )
         self.device = resolve_device(cfg)
         self.pool = BufferPool(self.device)
-        self.snapshot = Snapshot() if cfg.keep_last else None
+        # A delta is computed against the last version sent, so delta pushes keep it whatever keep_last says.
+        self.snapshot = Snapshot() if cfg.keep_last or cfg.delta else None
         self.servers: dict[str, ServerAdapter] = {}
+        # The version each server applied last, when this publisher saw it do so (dropped at any failure,
+        # join or revival): a delta goes only to servers all on the previous version, an adapter-only
+        # LoRA version only to servers that hold a LoRA version's base weights.
+        self.held: dict[str, int] = {}
         self.down: dict[str, str] = {}
         self._link: ServerLink | None = None
         self._link_members: list[str] = []
@@ -132,9 +167,38 @@ class WeightPublisher:
     # -- public API
 
     def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> PublishReport:
-        """Push ``version`` to every live server; returns once each has applied it or failed."""
+        """Push ``version`` to every live server; returns once each has applied it or failed.
+
+        With ``weightsync.delta`` it travels as a delta against the previous version when every server
+        holds that version (``send_less.py``), else whole; either way each server then serves exactly
+        ``named_tensors``."""
         with self._lock:
             return self._run(self._publish(version, named_tensors))
+
+    def needs_full(self) -> bool:
+        """Whether the next LoRA version must carry the base weights: a live server has not applied a LoRA
+        version from this publisher (it is new, restarted, or failed its last push). Rank 0 asks this
+        before the trainer gathers anything, and every rank follows its answer."""
+        with self._lock:
+            return any(u not in self.held for u in self._live())
+
+    def publish_lora(
+        self,
+        version: int,
+        adapters: Iterable[tuple[str, torch.Tensor]],
+        base: Iterable[tuple[str, torch.Tensor]] | None,
+        lora_scale: float,
+    ) -> PublishReport:
+        """Push a LoRA version: the adapters (``<module>.lora_A.weight``/``lora_B.weight``) and, when
+        ``base`` is given, every base weight (``needs_full``); servers serve ``W + lora_scale B A``."""
+        if base is None and self.needs_full():
+            _drain(iter(adapters))
+            raise TransferError(
+                f"version {version}: adapter-only push, but servers {[u for u in self._live() if u not in self.held]}"
+                " hold no LoRA base weights from this publisher: push the base weights (needs_full())"
+            )
+        with self._lock:
+            return self._run(self._publish_lora(version, adapters, base, lora_scale))
 
     def add_server(self, url: str) -> PublishReport | None:
         """Add a server (or a restarted one); it gets the last published version now, if there is one."""
@@ -142,6 +206,7 @@ class WeightPublisher:
         with self._lock:
             self.servers[url] = self._adapter(url)
             self.down.pop(url, None)
+            self.held.pop(url, None)
             return self._run(self._catch_up([url]))
 
     def remove_server(self, url: str) -> None:
@@ -149,6 +214,7 @@ class WeightPublisher:
         with self._lock:
             self.servers.pop(url, None)
             self.down.pop(url, None)
+            self.held.pop(url, None)
             client = self._http.pop(url, None)
             if client is not None:
                 self._run(client.aclose())
@@ -176,14 +242,62 @@ class WeightPublisher:
         return self._adapter_cls(url, self.cfg, self._http[url])
 
     async def _publish(self, version: int, named_tensors: Iterable) -> PublishReport:
-        source: Iterable = self.snapshot.record(named_tensors, version) if self.snapshot else named_tensors
-        source = iter(source)
-        report = PublishReport(version=version)
+        previous = self.snapshot.version if self.snapshot is not None else None
+        stats, base = DeltaStats(), [-1]  # the base is chosen once the link's members are known
+
+        def encode(name: str, tensor: torch.Tensor, prev: torch.Tensor | None) -> list[tuple]:
+            return delta_entries(name, tensor, prev, stats) if base[0] >= 0 else [(name, tensor)]
+
+        source: Iterable = named_tensors
+        if self.snapshot is not None:
+            source = self.snapshot.record(named_tensors, version, encode=encode if self.cfg.delta else None)
+        return await self._publish_source(version, iter(source), base, previous, stats)
+
+    async def _publish_lora(
+        self, version: int, adapters: Iterable, base: Iterable | None, scale: float
+    ) -> PublishReport:
+        items = lora_items(adapters, base)
+        source: Iterable = items
+        if self.snapshot is not None:
+            source = self.snapshot.record(items, version, partial=base is None, lora_scale=scale)
+        report = await self._publish_source(
+            version,
+            iter(source),
+            [-1],
+            None,
+            None,
+            VersionInfo(lora_scale=scale),
+            "lora" if base else "adapters",
+        )
+        return report
+
+    async def _publish_source(
+        self,
+        version: int,
+        source: Iterator,
+        base: list[int],
+        previous: int | None,
+        stats: DeltaStats | None,
+        info: VersionInfo | None = None,
+        sent: str = "full",
+    ) -> PublishReport:
+        report = PublishReport(version=version, sent=sent)
         await self._revive()
         try:
             members = await self._ensure_link(report)
             if members:
-                await self._push(members, version, source, report)
+                if info is None:
+                    delta = (
+                        self.cfg.delta
+                        and previous is not None
+                        and all(self.held.get(u) == previous for u in members)
+                    )
+                    base[0] = previous if delta and previous is not None else -1
+                    info = VersionInfo(base=base[0], keep=self.cfg.delta)
+                    report.sent, report.base = ("delta", base[0]) if delta else ("full", -1)
+                await self._push(members, version, source, report, info)
+                if stats is not None and base[0] >= 0:
+                    report.changed_fraction, report.dense_bytes = stats.changed_fraction, stats.dense_bytes
                 return report
         except SourceFailed as failed:  # not the wire (a packing error, out of memory): recover, then raise
             err = failed.__cause__ or failed
@@ -207,24 +321,36 @@ class WeightPublisher:
             members = await self._ensure_link(report)
             if members:
                 report.failed = {u: r for u, r in report.failed.items() if u not in members}
-                await self._push(members, version, iter(self.snapshot.items()), report)
+                report.sent, report.base = ("lora" if self.snapshot.lora_scale else "full"), -1
+                await self._push(members, version, iter(self.snapshot.items()), report, self._whole_info())
         except TransferError as err:
             await self._after_failure(version, str(err), report)
             await self._probe(report)
         return report
 
-    async def _push(self, members: list[str], version: int, source: Iterator, report: PublishReport) -> None:
+    def _whole_info(self) -> VersionInfo:
+        """The send-less fields of a whole version sent from the snapshot (a retry, a catch-up)."""
+        assert self.snapshot is not None
+        return VersionInfo(keep=self.cfg.delta, lora_scale=self.snapshot.lora_scale)
+
+    async def _push(
+        self, members: list[str], version: int, source: Iterator, report: PublishReport, info: VersionInfo
+    ) -> None:
         adapters = [self.servers[u] for u in members]
         link = self._link
         start = time.perf_counter()
+        for url in members:  # known again only once it applied this version
+            self.held.pop(url, None)
         try:
             await _all(adapters, lambda a: a.before(version))
-            stats = await link.push(adapters, source, version)
+            stats = await link.push(adapters, source, version, info)
             await _all(adapters, lambda a: a.after(version))
         except BaseException:  # whatever failed, no server is left paused with its update session open
             await asyncio.gather(*(a.recover(version) for a in adapters), return_exceptions=True)
             raise
         report.ok = members
+        for url in members:
+            self.held[url] = version
         report.bytes, report.buckets = stats.bytes, stats.buckets
         report.seconds = time.perf_counter() - start
 
@@ -279,6 +405,7 @@ class WeightPublisher:
         back = [u for u in list(self.down) if u in self.servers and await self.servers[u].healthy()]
         for url in back:
             del self.down[url]
+            self.held.pop(url, None)  # it may have restarted: whole versions until it applies one
 
     def _live(self) -> list[str]:
         return [u for u in self.servers if u not in self.down]
@@ -296,7 +423,8 @@ class WeightPublisher:
         try:
             self._link = await ServerLink.open(transport, adapters, self.cfg, self.device, name, self.pool)
             self._link_members = urls
-            await self._push(urls, version, iter(self.snapshot.items()), report)
+            report.sent = "lora" if self.snapshot.lora_scale else "full"
+            await self._push(urls, version, iter(self.snapshot.items()), report, self._whole_info())
             await self._link.close(adapters)
         except TransferError as err:
             await self._after_failure(version, str(err), report)
@@ -332,6 +460,29 @@ async def _leave(adapters: list[ServerAdapter], group_name: str, timeout_s: floa
 def _drain(source: Iterator) -> None:
     for _ in source:
         pass
+
+
+def publish_lora(
+    publisher: WeightPublisher | None,
+    version: int,
+    adapters: Callable[[], Iterable[tuple[str, torch.Tensor]]],
+    base: Callable[[], Iterable[tuple[str, torch.Tensor]]],
+    lora_scale: float,
+    agree: Callable[[bool], bool] = lambda full: full,
+) -> PublishReport | None:
+    """The trainer's LoRA push, run on every rank: rank 0 (``publisher``) decides whether the version must
+    carry the base weights (:meth:`WeightPublisher.needs_full`), ``agree`` gives every rank rank 0's answer
+    (a broadcast; the identity on one rank), and every rank gathers the same tensors in the same order:
+    the adapters, then the base weights when needed. Ranks other than 0 pass None and only iterate."""
+    full = agree(publisher.needs_full() if publisher is not None else False)
+    base_items = base() if full else None
+    if publisher is None:
+        _drain(lora_items(adapters(), base_items))
+        return None
+    report = publisher.publish_lora(version, adapters(), base_items, lora_scale)
+    if report.failed:
+        log.warning("version %d reached %d of %d servers", version, len(report.ok), len(publisher.servers))
+    return report
 
 
 def make_publish_fn(publisher: WeightPublisher | None) -> Callable[[int, Iterable], None]:

@@ -65,7 +65,15 @@ class PausableTarget(WeightTarget, Protocol):
 
 
 DENSE = "dense"
-ENTRY_KINDS = (DENSE,)
+# Send-less kinds (``weightsync/send_less.py`` writes them, and rebuilds full tensors from them before a
+# version reaches ``WeightTarget.apply_weights``): a delta against the version the receiver holds (the
+# changed elements' flat indices, or a packed bitmap of them, and their new values), and LoRA (the base
+# weight of an adapted module, kept by the receiver, and the two low-rank factors merged onto it).
+DELTA_INDEX, DELTA_MASK, DELTA_VALUES = "delta_index", "delta_mask", "delta_values"
+LORA_BASE, LORA_A, LORA_B = "lora_base", "lora_A", "lora_B"
+DELTA_KINDS = (DELTA_INDEX, DELTA_MASK, DELTA_VALUES)
+LORA_KINDS = (LORA_BASE, LORA_A, LORA_B)
+ENTRY_KINDS = (DENSE, *DELTA_KINDS, *LORA_KINDS)
 
 
 class TensorEntry(msgspec.Struct, array_like=True, gc=False, frozen=True):
@@ -75,12 +83,18 @@ class TensorEntry(msgspec.Struct, array_like=True, gc=False, frozen=True):
     starting at byte ``chunk_offset`` of the tensor, stored at byte ``offset`` of the bucket. A tensor that
     fits a bucket has ``chunk_offset == 0`` and ``nbytes`` equal to its full size.
 
-    ``kind`` says what the bytes are. Only ``dense`` exists (the full tensor's values, ``dtype``/``shape``
-    as named): a receiver refuses any other kind at the bucket (``StagingArea``), so a sender that knows
-    more kinds never has its payload read as dense values. Room for payloads that are not a full dense
-    tensor, each a new kind with its own reading in ``StagingArea.commit``: a delta (element indices and
-    new values against the version the receiver holds), an adapter-only set (low-rank factors applied on
-    the served base weights).
+    ``kind`` says what the bytes are; ``dtype``/``shape`` always describe the bytes this entry carries:
+
+    * ``dense``: the full tensor's values (an entry without a kind, from an older sender, is dense);
+    * ``delta_index`` (int32/int64 [k]) or ``delta_mask`` (uint8 [ceil(n/8)], packed little-endian bits),
+      with ``delta_values`` ([k], the tensor's dtype): the elements of ``name`` that changed since the
+      bucket's ``base`` version, and their new values (``delta.compute_delta``'s ``sparse``/``mask``);
+    * ``lora_base``: the base weight of a LoRA-adapted module, which the receiver keeps (it is not served
+      as such); ``lora_A`` [r, in] / ``lora_B`` [out, r]: the adapter of module ``<name>`` (named
+      ``<module>.lora_A.weight``), served merged as ``W + lora_scale * B A``.
+
+    A receiver refuses a kind it does not know at the bucket (``StagingArea``), so a sender that knows
+    more kinds never has its payload read as dense values.
     """
 
     name: str
@@ -108,6 +122,25 @@ class BucketMeta(msgspec.Struct, kw_only=True, gc=False, omit_defaults=True):
     entries: list[TensorEntry]
     last: bool = False
     segments: list[tuple[int, int]] = []
+    # Send-less (every bucket of a version says the same; ``weightsync/send_less.py``). ``base``: the
+    # version this version's delta entries apply to (-1: none); the receiver must hold it, or refuse.
+    # ``keep``: the receiver keeps this version's full tensors as the base of later deltas
+    # (``weightsync.delta``). ``lora_scale``: alpha / r of the LoRA entries.
+    base: int = -1
+    keep: bool = False
+    lora_scale: float = 0.0
+
+
+class VersionInfo(msgspec.Struct, kw_only=True, frozen=True):
+    """The send-less fields a sender stamps on every bucket of one version (:class:`BucketMeta`)."""
+
+    base: int = -1
+    keep: bool = False
+    lora_scale: float = 0.0
+
+    @classmethod
+    def of(cls, meta: BucketMeta) -> VersionInfo:
+        return cls(base=meta.base, keep=meta.keep, lora_scale=meta.lora_scale)
 
 
 class Rendezvous(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -236,6 +269,11 @@ class ReceiverStatus(msgspec.Struct, kw_only=True):
     # Seconds the last applied version took to apply (generation paused) and to receive (it was not).
     last_apply_s: float = 0.0
     last_receive_s: float = 0.0
+    # Send-less: the version deltas may apply to (None: a delta is refused), how many adapted base
+    # weights are kept for LoRA versions, and the bytes both take (send_less.py).
+    delta_base: int | None = None
+    lora_base: int = 0
+    kept_bytes: int = 0
 
 
 class NixlNotice(msgspec.Struct, kw_only=True, omit_defaults=True):
