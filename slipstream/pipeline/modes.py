@@ -202,6 +202,24 @@ def _check_pairing(cfg: Config) -> None:
         raise ConfigError(
             f"weightsync.backend: `nixl` works with embedded servers only, not rollout.backend `{backend}`"
         )
+    # LoRA pushes carry the adapters alone and delta pushes the changed elements only; the servers rebuild
+    # the weights in our receiver (weightsync/send_less.py): the embedded server, and vLLM through the
+    # slipstream weight-transfer engine. Any other server would keep sampling the old policy.
+    takes = backend == "embedded" or (backend == "vllm" and cfg.rollout.vllm.weight_transfer == "slipstream")
+    for key, on, what in (
+        ("trainer.lora.rank", cfg.trainer.lora.enabled, "LoRA adapter-only pushes"),
+        ("weightsync.delta", cfg.weightsync.delta, "delta pushes"),
+    ):
+        if on and not takes:
+            server = f"`{backend}`" + (
+                f" with rollout.vllm.weight_transfer `{cfg.rollout.vllm.weight_transfer}`"
+                if backend == "vllm"
+                else ""
+            )
+            raise ConfigError(
+                f"{key}: {what} need servers that rebuild the weights from them (embedded, or vllm with "
+                f"rollout.vllm.weight_transfer `slipstream`); rollout.backend {server} cannot take them"
+            )
     if backend != "embedded" and cfg.cluster.gpus_per_server == 0 and not cfg.rollout.server_urls:
         from slipstream.rollouter.launch import vllm_build
 

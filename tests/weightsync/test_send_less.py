@@ -249,3 +249,43 @@ def test_a_receiver_without_lora_base_weights_refuses_adapters_alone_by_name():
     parts = {(LORA_A if ".lora_A" in n else LORA_B, n): t for n, t in adapters(1)}
     with pytest.raises(SendLessError, match="holds no LoRA base weights .* it needs a full push"):
         Rebuilder().rebuild({}, parts, VersionInfo(lora_scale=SCALE), 7)
+
+
+# ------------------------------------------------------------------------------------------ config guards
+
+CONFIGS = __import__("pathlib").Path(__file__).parents[2] / "configs"
+
+
+@pytest.mark.parametrize(
+    ("path", "overrides", "key"),
+    [
+        (
+            "quickstart_lora.yaml",
+            ["rollout.backend=sglang", "cluster.gpus_per_server=1"],
+            "trainer.lora.rank",
+        ),
+        (
+            "quickstart.yaml",
+            ["weightsync.delta=true", "rollout.backend=sglang", "cluster.gpus_per_server=1"],
+            "weightsync.delta",
+        ),
+        (
+            "quickstart_lora.yaml",
+            ["rollout.backend=vllm", "rollout.vllm.weight_transfer=nccl", "cluster.gpus_per_server=1"],
+            "trainer.lora.rank",
+        ),
+    ],
+)
+def test_send_less_pushes_to_servers_that_cannot_rebuild_them_are_refused_at_config_check(
+    path, overrides, key
+):
+    from slipstream.config import ConfigError, load_config
+    from slipstream.pipeline.modes import check_config, prepare_config
+
+    cfg, _ = prepare_config(load_config(CONFIGS / path, overrides))
+    with pytest.raises(ConfigError, match=rf"{key}: .* cannot take them"):
+        check_config(cfg, environment=False)
+    fine, _ = prepare_config(
+        load_config(CONFIGS / path, [o for o in overrides if "backend" not in o and "gpus" not in o])
+    )
+    check_config(fine, environment=False)  # the same with embedded servers passes
