@@ -5,26 +5,40 @@ of the configured length fits the model's positions, made before anything launch
 the shapes come from the checkpoint's ``config.json`` or, for the models the shipped recipes name, from a
 table). It fails naming the key to change.
 
-Trainer GPU (FSDP2 over ``trainer.num_ranks``, fp32 master weights, bf16 compute with mixed precision):
+Trainer GPU, FSDP2 over ``trainer.num_ranks`` (fp32 master weights, bf16 compute with mixed precision):
 
-* sharded state: parameters, gradients and AdamW's two moments, ``P * 16 / ranks`` bytes;
+* sharded state: parameters and AdamW's two moments, ``P * 12 / ranks`` bytes, and fp32 gradients,
+  ``P * 4 / ranks``, which exist from the end of backward to the optimizer step (with the root module's
+  gradients, while the activations and logits are gone: the larger of the two phases counts);
 * gathered layers: the layer being computed and the next one prefetched, in the compute dtype, plus that
   layer's unsharded fp32 gradient before it is reduced;
+* the root module (embeddings, output layer, final norm), which FSDP2 keeps unsharded from its forward to
+  the end of backward, and its unsharded gradients (compute dtype, plus the fp32 copy the reduce-scatter
+  takes under mixed precision);
 * activations of one micro-batch of ``trainer.micro_batch_tokens`` tokens (divided by
   ``trainer.sequence_parallel_size`` when set): every layer's saved tensors, or with
-  ``trainer.activation_checkpointing`` one hidden state per layer plus one layer recomputed;
-* logits: three fp32 copies (logits, softmax, gradient) of ``chunk x vocab``, where ``chunk`` is
-  ``trainer.logits_chunk_tokens`` when the trainer computes logprobs by chunks, else the micro-batch;
+  ``trainer.activation_checkpointing`` one hidden state per layer plus one layer recomputed and its
+  backward's MLP-wide gradients;
+* logits: fp32 logits and softmax of ``chunk x vocab`` (and the compute-dtype matmul output), where ``chunk`` is ``trainer.logits_chunk_tokens`` when the
+  trainer computes logprobs by chunks, else the micro-batch, the scored hidden states and the output
+  weight's fp32 gradient accumulator;
 * with ``trainer.algorithm.kl_reference: reference``, the frozen reference's sharded fp32 weights;
 * a fixed reserve for the CUDA context, kernels' workspaces and allocator fragmentation.
 
-Inference GPU (``--tensor-parallel-size`` from ``rollout.server_args``): the weights in the serving dtype
-over TP ranks, then what ``--gpu-memory-utilization`` leaves for the KV cache, counted in full-length
-sequences (prompt + response); fewer than one and vLLM/SGLang refuse to start.
+Trainer GPU, Megatron (``trainer.engine: megatron``): its own formulas (:func:`megatron_trainer_gpu`):
+the largest pipeline stage's ``tp``-shard of parameters, fp32 gradient buffers, the distributed
+optimizer's state over the data-parallel ranks, activations split over TP and held for ``pp`` micro-batches.
+
+Inference GPU: vLLM/SGLang take ``--gpu-memory-utilization`` of the GPU (weights over
+``--tensor-parallel-size``, then KV cache), counted in full-length sequences (prompt + response); fewer than
+one and they refuse to start. The embedded server takes its weights, ``rollout.embedded.kv_cache_tokens``
+of KV cache and the reserve. With ``cluster.colocate`` a trainer rank and a server share one GPU: the
+trainer is planned against what the server leaves, not the whole GPU.
 
 Per-token activation bytes are the tensors a Llama/Qwen decoder layer saves for backward with an attention
-kernel that keeps no score matrix (flash / SDPA varlen); MoE layers count the experts a token is routed to.
-``--calibrate`` checks the estimate against a measured step on this machine (tiny model, CPU).
+kernel that keeps no score matrix (flash / SDPA varlen), as autograd's saved-tensor hooks list them;
+MoE layers count the experts a token is routed to. ``tests/planning`` checks the per-layer count against
+those hooks and the whole estimate against a measured CPU step (within 1.2x).
 """
 
 from __future__ import annotations
@@ -77,15 +91,23 @@ class ModelShape:
         return embeddings + self.layers * self.layer_params + self.hidden
 
     @property
-    def activation_elems_per_token_layer(self) -> int:
-        """Elements one token saves for backward in one decoder layer (norm inputs and outputs, q/k/v, the
-        attention output, the MLP's gate, up, activation and product)."""
-        attn = 4 * self.hidden + self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+    def root_params(self) -> int:
+        """Parameters outside the decoder layers: embeddings, output layer (unless tied) and final norm."""
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    def activation_bytes_per_token_layer(self, compute: int) -> int:
+        """Bytes one token saves for backward in one decoder layer, as listed by autograd's saved-tensor
+        hooks on a Llama/Qwen layer (``tests/planning``): per RMSNorm its input in fp32 (HF norms upcast),
+        the normalised product cast back to the compute dtype and its output; q, k, v and the attention output, which is
+        also the output projection's input (a view, with flash / SDPA kernels); the MLP's gate, up, activation and product (MoE: per routed expert, plus
+        the router's logits)."""
+        norms = 2 * (4 + 2 * compute) * self.hidden
+        attn = self.head_dim * (2 * self.heads + 2 * self.kv_heads) + self.heads
         if self.experts:
             mlp = 4 * self.experts_per_token * self.expert_intermediate + self.experts
         else:
             mlp = 4 * self.intermediate
-        return attn + mlp
+        return norms + compute * (attn + mlp)
 
 
 # Shapes of the models the shipped recipes name (their config.json), so a plan needs no checkpoint.
@@ -141,43 +163,119 @@ def model_shape(path: str) -> ModelShape:
 
 @dataclass
 class Part:
+    """A device's (or process's) memory: named items, of which those in ``phases`` never coexist.
+
+    ``phases`` lists groups of items that peak at different times of a step (a trainer's activations and
+    logits during forward and the head's backward; its gradients at the end of backward, when the
+    activations are gone): the total counts the largest group, plus every item outside the groups."""
+
     name: str
     items: dict[str, int]
     limit: int
+    phases: tuple[tuple[str, ...], ...] = ()
 
     @property
     def total(self) -> int:
-        return sum(self.items.values())
+        grouped = {k for group in self.phases for k in group}
+        steady = sum(v for k, v in self.items.items() if k not in grouped)
+        return steady + max((sum(self.items[k] for k in group) for group in self.phases), default=0)
 
     @property
     def fits(self) -> bool:
         return self.total <= self.limit
 
 
+def _compute_bytes(cfg, on_cpu: bool) -> int:
+    t = cfg.trainer
+    return 4 if on_cpu else 2 if t.mixed_precision or cfg.model.dtype != "float32" else 4
+
+
+def _on_cpu(cfg) -> bool:
+    t = cfg.trainer
+    return t.device == "cpu" or (t.device == "auto" and cfg.cluster.gpus_per_trainer_rank == 0)
+
+
+def _activations(shape: ModelShape, tokens: int, layers: int, compute: int, checkpointing: bool) -> int:
+    per_layer = tokens * shape.activation_bytes_per_token_layer(compute)
+    if checkpointing:
+        # one hidden state per layer kept; one layer recomputed at a time, and while its backward runs two
+        # MLP-wide gradients (of the product and of one projection) are alive beside its saved tensors
+        width = shape.experts_per_token * shape.expert_intermediate if shape.experts else shape.intermediate
+        return layers * tokens * shape.hidden * compute + per_layer + 2 * tokens * width * compute
+    return layers * per_layer
+
+
+def _logits(chunk: int, vocab: int, hidden: int, tokens: int, compute: int) -> int:
+    """The logprob head (trainer/logprobs.py): per chunk of rows, fp32 logits and softmax (the gradient
+    reuses the logits' buffer) and, in a lower compute dtype, the matmul's output before the upcast; the
+    scored rows' hidden states; the output weight's fp32 gradient accumulator."""
+    block = 8 + (compute if compute != 4 else 0)
+    return min(chunk, tokens) * vocab * block + tokens * hidden * compute + vocab * hidden * 4
+
+
 def trainer_gpu(shape: ModelShape, cfg, gpu_bytes: int) -> Part:
     """One trainer rank's device (a CPU trainer is planned against this machine's memory, no reserve)."""
+    if cfg.trainer.engine == "megatron":
+        return megatron_trainer_gpu(shape, cfg, gpu_bytes)
     t = cfg.trainer
-    on_cpu = t.device == "cpu" or (t.device == "auto" and cfg.cluster.gpus_per_trainer_rank == 0)
+    on_cpu = _on_cpu(cfg)
     ranks = t.num_ranks
-    compute = 4 if on_cpu else 2 if t.mixed_precision or cfg.model.dtype != "float32" else 4
+    compute = _compute_bytes(cfg, on_cpu)
     sp = max(1, getattr(t, "sequence_parallel_size", 1))
     tokens = -(-t.micro_batch_tokens // sp)
-    per_layer = tokens * shape.activation_elems_per_token_layer * compute
-    if t.activation_checkpointing:
-        activations = shape.layers * tokens * shape.hidden * compute + per_layer
-    else:
-        activations = shape.layers * per_layer
     chunk = getattr(t, "logits_chunk_tokens", 0) or tokens
+    root = shape.root_params
+    # FSDP2 keeps the root module (embeddings, output layer, final norm) unsharded from its forward to the
+    # end of backward; its gradients exist unsharded in the compute dtype and, under mixed precision, in
+    # the fp32 reduce dtype before the reduce-scatter
     return Part(
         "trainer process (CPU)" if on_cpu else "trainer GPU",
         {
-            "sharded parameters, gradients, AdamW": shape.params * 16 // ranks,
+            "sharded parameters, AdamW moments": shape.params * 12 // ranks,
+            "sharded gradients": shape.params * 4 // ranks,
             "gathered layers": shape.layer_params * (2 * compute + 4),
-            "activations": activations,
-            "logits": 3 * min(chunk, tokens) * shape.vocab * 4,
+            "unsharded root module (embeddings, output layer)": root * compute,
+            "root module gradients": root * (compute + (4 if compute != 4 else 0)),
+            "activations": _activations(shape, tokens, shape.layers, compute, t.activation_checkpointing),
+            "logits": _logits(chunk, shape.vocab, shape.hidden, tokens, compute),
             "frozen reference model": shape.params * 4 // ranks
             if t.algorithm.kl_reference == "reference"
             else 0,
+            "reserve": 0 if on_cpu else RESERVE_BYTES,
+        },
+        _machine_memory() if on_cpu else gpu_bytes,
+        phases=(("activations", "logits"), ("root module gradients", "sharded gradients")),
+    )
+
+
+def megatron_trainer_gpu(shape: ModelShape, cfg, gpu_bytes: int) -> Part:
+    """One Megatron rank (trainer/engine/megatron.py): the model split over ``tp x pp``, parameters in the
+    compute dtype, fp32 gradient buffers (``grad_reduce_in_fp32``), the distributed optimizer's fp32 master
+    weights and Adam moments sharded over the data-parallel ranks. Activations are split over TP (sequence
+    parallelism); the first pipeline stage holds up to ``pp`` micro-batches in flight under 1F1B. The
+    largest stage is planned: ``layers / pp`` layers plus one vocabulary matrix (the embedding, or the output
+    layer; both when ``pp = 1`` and untied)."""
+    t = cfg.trainer
+    on_cpu = _on_cpu(cfg)
+    compute = _compute_bytes(cfg, on_cpu)
+    tp, pp = t.tensor_parallel, t.pipeline_parallel
+    dp = max(1, t.num_ranks // (tp * pp))
+    layers = -(-shape.layers // pp)
+    vocab_mats = 2 if pp == 1 and not shape.tied else 1
+    stage = (layers * shape.layer_params + vocab_mats * shape.vocab * shape.hidden) // tp
+    tokens = -(-t.micro_batch_tokens // tp)
+    in_flight = pp  # 1F1B: the first stage holds pp micro-batches' activations at its peak
+    chunk = getattr(t, "logits_chunk_tokens", 0) or t.micro_batch_tokens
+    master = 0 if compute == 4 else 4
+    acts = _activations(shape, t.micro_batch_tokens, layers, compute, t.activation_checkpointing) // tp
+    return Part(
+        "trainer process (CPU)" if on_cpu else "trainer GPU",
+        {
+            "parameters (tp x pp shard)": stage * compute,
+            "fp32 gradient buffer": stage * 4,
+            "distributed optimizer (fp32 master, Adam moments)": stage * (master + 8) // dp,
+            "activations": acts * in_flight,
+            "logits": _logits(chunk, -(-shape.vocab // tp), shape.hidden, tokens * tp, compute),
             "reserve": 0 if on_cpu else RESERVE_BYTES,
         },
         _machine_memory() if on_cpu else gpu_bytes,
@@ -199,22 +297,31 @@ def server_args(cfg) -> dict[str, str]:
 
 
 def inference_gpu(shape: ModelShape, cfg, gpu_bytes: int, served: str) -> tuple[Part, float]:
-    """The server GPU's weights and KV budget, and how many full-length sequences that budget holds."""
+    """The server GPU's weights and KV budget, and how many full-length sequences that budget holds.
+
+    vLLM and SGLang take ``--gpu-memory-utilization`` (``--mem-fraction-static``) of the whole GPU and fill
+    what their weights leave with KV cache; the embedded server takes its weights, a KV cache of
+    ``rollout.embedded.kv_cache_tokens`` tokens and the reserve."""
     args = server_args(cfg)
-    tp = int(args.get("--tensor-parallel-size") or args.get("--tp-size") or 1)
-    util = float(args.get("--gpu-memory-utilization") or args.get("--mem-fraction-static") or 0.9)
+    embedded = cfg.rollout.backend == "embedded"
+    tp = 1 if embedded else int(args.get("--tensor-parallel-size") or args.get("--tp-size") or 1)
     bytes_per_value = dtype_bytes(served)
     weights = shape.params * bytes_per_value // tp
-    budget = int(gpu_bytes * util)
-    kv_budget = budget - weights - RESERVE_BYTES
     kv_heads_per_gpu = max(1, shape.kv_heads // tp)
     per_token = 2 * shape.layers * kv_heads_per_gpu * shape.head_dim * bytes_per_value
     length = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens
+    if embedded:
+        kv_budget = cfg.rollout.embedded.kv_cache_tokens * per_token
+        budget = weights + RESERVE_BYTES + kv_budget
+    else:
+        util = float(args.get("--gpu-memory-utilization") or args.get("--mem-fraction-static") or 0.9)
+        budget = int(gpu_bytes * util)
+        kv_budget = budget - weights - RESERVE_BYTES
     sequences = kv_budget / (per_token * length) if kv_budget > 0 else 0.0
     part = Part(
         "inference GPU",
         {"weights": weights, "reserve": RESERVE_BYTES, "KV cache": max(kv_budget, 0)},
-        budget,
+        budget if not embedded else gpu_bytes,
     )
     return part, sequences
 
@@ -239,9 +346,15 @@ class Plan:
             )
         if not self.trainer.fits:
             out.append(
-                f"{self.trainer.name} needs {self.trainer.total / GIB:.1f} GiB of {self.trainer.limit / GIB:.0f}: "
+                f"{self.trainer.name} needs {self.trainer.total / GIB:.1f} GiB of {self.trainer.limit / GIB:.1f}: "
                 f"lower trainer.micro_batch_tokens, turn on trainer.activation_checkpointing, or raise "
                 f"trainer.num_ranks (largest item: {max(self.trainer.items, key=self.trainer.items.get)})"
+            )
+        if self.inference is not None and not self.inference.fits:
+            out.append(
+                f"{self.inference.name} needs {self.inference.total / GIB:.1f} GiB of "
+                f"{self.inference.limit / GIB:.1f} left to it: lower rollout.embedded.kv_cache_tokens or "
+                f"--gpu-memory-utilization in rollout.server_args, or turn cluster.colocate off"
             )
         if self.full_length_sequences_per_server is not None and self.full_length_sequences_per_server < 1:
             out.append(
@@ -282,12 +395,20 @@ def plan(cfg, gpu_gib: float = 80.0) -> Plan:
     if cfg.rollout.backend != "embedded" or cfg.rollout.embedded.device == "cuda":
         inference, sequences = inference_gpu(shape, cfg, gpu_bytes, served_dtype(cfg))
     limit = cfg.rollout.max_position_embeddings or shape.max_positions
+    trainer = trainer_gpu(shape, cfg, gpu_bytes)
+    if cfg.cluster.colocate and inference is not None:
+        # one GPU, two processes: the trainer gets what the server leaves, the server what it asks for
+        server = inference.total if cfg.rollout.backend == "embedded" else inference.limit
+        trainer.name = "trainer (sharing the GPU with a server)"
+        trainer.limit = max(0, gpu_bytes - server)
+        inference.name = "inference (sharing the GPU with a trainer rank)"
+        inference.limit = min(inference.limit, gpu_bytes - trainer.total)
     return Plan(
         model=cfg.model.path,
         params=shape.params,
         positions_needed=cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens,
         max_positions=limit,
-        trainer=trainer_gpu(shape, cfg, gpu_bytes),
+        trainer=trainer,
         inference=inference,
         full_length_sequences_per_server=sequences,
     )
@@ -301,7 +422,9 @@ def render(p: Plan) -> str:
             continue
         lines.append(f"{part.name}: {part.total / GIB:.1f} GiB of {part.limit / GIB:.1f} "
                      f"({'fits' if part.fits else 'does NOT fit'})")  # fmt: skip
-        lines += [f"  {name:40s} {value / GIB:8.2f} GiB" for name, value in part.items.items() if value]
+        lines += [f"  {name:50s} {value / GIB:8.2f} GiB" for name, value in part.items.items() if value]
+        for group in part.phases:
+            lines.append(f"  (phase, the larger one counts: {' + '.join(group)})")
     if p.full_length_sequences_per_server is not None:
         lines.append(f"  full-length sequences the KV cache holds: {p.full_length_sequences_per_server:.1f}")
     lines += [f"problem: {text}" for text in p.problems]

@@ -199,3 +199,39 @@ def test_megatron_logits_path_is_chunked(engine_on_cpu):
         torch.testing.assert_close(chunked[name], grad, atol=1e-6, rtol=1e-5, msg=name)
     logp = engine.forward_backward_batch(batch, None, forward_only=True).tokens["logprobs"]
     torch.testing.assert_close(logp, _hf_logprobs(hf_model, batch), atol=1e-5, rtol=1e-5)
+
+
+def test_memory_plan_of_megatron_is_its_own_state(engine_on_cpu):
+    """`plan memory` plans a Megatron rank with Megatron's formulas: its parameters, fp32 gradient buffer
+    and distributed optimizer state come within 20% of the bytes the engine really holds after a step."""
+    from slipstream.config import load_config
+    from slipstream.planning.memory import model_shape, trainer_gpu
+    from slipstream.trainer.synthetic import make_packed_batch
+
+    engine, _ = engine_on_cpu
+    engine.forward_backward_batch(make_packed_batch([3], [4], vocab_size=VOCAB, seed=0), _nll)
+    engine.optimizer_step()  # Adam's moments exist from the first step
+    storages: dict[int, int] = {}
+
+    def hold(t):
+        if isinstance(t, torch.Tensor) and t.numel():
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+
+    for p in engine.model.module.parameters():
+        hold(p)
+        hold(getattr(p, "main_grad", None))
+    inner = engine.optimizer.optimizer
+    for group in inner.param_groups:
+        for p in group["params"]:
+            hold(p)
+            for value in inner.state.get(p, {}).values():
+                hold(value)
+    measured = sum(storages.values())
+
+    path = engine.settings.model.path
+    cfg = load_config(None, [f"model.path={path}", "trainer.engine=megatron", "trainer.device=cpu",
+                             "trainer.num_ranks=1"])  # fmt: skip
+    part = trainer_gpu(model_shape(path), cfg, 0)
+    assert "fp32 gradient buffer" in part.items and "sharded gradients" not in part.items
+    planned = sum(v for k, v in part.items.items() if k not in ("activations", "logits", "reserve"))
+    assert 1 / 1.2 <= measured / planned <= 1.2, (measured, part.items)
