@@ -63,9 +63,10 @@ def count_restart(
 
 class HostPool:
     """The servers of one kind (``label``: "inference server", "judge server"; ``key``: ``server``,
-    ``judge``, as in the ``restarts`` counts ``<key>-<i>``) and their restarts. ``hosts`` and ``urls`` are the
-    run's own lists (``Parts.servers``/``urls`` or ``Parts.judges``/``judge_urls``), updated in place;
-    ``new_host(i)`` makes a fresh host actor for server ``i`` when the old one died.
+    ``judge``, as in the ``restarts`` counts ``<key>-<i>``) and their restarts. ``hosts()`` and ``urls()`` give
+    the run's current lists (``Parts.servers``/``urls`` or ``Parts.judges``/``judge_urls``: read at every use,
+    since the launcher fills them after the pool is built), updated in place; ``new_host(i)`` makes a fresh
+    host actor for server ``i`` when the old one died.
 
     Lifecycle of one server: ``deaths()`` names it dead -> the caller detaches it -> ``restart(i, ...)``
     (counts, or raises PartFailed) -> ``finished()`` hands back ``(i, url)`` once it serves again."""
@@ -76,14 +77,14 @@ class HostPool:
         cluster: Cluster,
         label: str,
         key: str,
-        hosts: list[ServerHandle],
-        urls: list[str],
+        hosts: Callable[[], list[ServerHandle]],
+        urls: Callable[[], list[str]],
         new_host: Callable[[int], ServerHandle],
         restarts: dict[str, int],
     ) -> None:
         self.c, self.cluster = c, cluster
         self.label, self.key = label, key
-        self.hosts, self.urls = hosts, urls
+        self._hosts, self._urls = hosts, urls
         self.new_host = new_host
         self.restarts = restarts
         self.starting: dict[int, Pending[str] | None] = {}  # index -> the call of its start()
@@ -96,10 +97,11 @@ class HostPool:
     def deaths(self) -> list[tuple[int, str, bool]]:
         """One health check of every server not restarting: ``(index, reason, host actor died)`` for the dead."""
         found = []
-        for index in range(len(self.hosts)):
+        hosts = self._hosts()
+        for index in range(len(hosts)):
             if index in self.starting:
                 continue
-            death = death_of(self.hosts[index], self._unhealthy, index, self.c.unhealthy_checks)
+            death = death_of(hosts[index], self._unhealthy, index, self.c.unhealthy_checks)
             if death is not None:
                 found.append((index, *death))
         return found
@@ -107,10 +109,10 @@ class HostPool:
     def count(self, index: int, reason: str, replace_host: bool) -> None:
         """Count a restart of server ``index``, or raise PartFailed with its last output when none is allowed;
         it counts as restarting from now on."""
-        url, key = self.urls[index], f"{self.key}-{index}"
+        url, key = self._urls()[index], f"{self.key}-{index}"
 
         def last_output() -> str:
-            return "" if replace_host else self.hosts[index].log_tail()
+            return "" if replace_host else self._hosts()[index].log_tail()
 
         what = f"{self.label} {index} ({url})"
         n = count_restart(self.c, self.restarts, key, what, reason, last_output)
@@ -120,10 +122,11 @@ class HostPool:
 
     def restart(self, index: int, replace_host: bool) -> None:
         """Start server ``index`` again (on a new host actor when the old one died)."""
+        hosts = self._hosts()
         if replace_host:
-            self.cluster.kill(self.hosts[index].actor)
-            self.hosts[index] = self.new_host(index)
-        self.starting[index] = self.hosts[index].start()
+            self.cluster.kill(hosts[index].actor)
+            hosts[index] = self.new_host(index)
+        self.starting[index] = hosts[index].start()
 
     def finished(self) -> list[tuple[int, str]]:
         """Servers whose restart finished, with their new URLs (written into ``urls`` too)."""
@@ -136,6 +139,6 @@ class HostPool:
                 url = self.cluster.get(call, CALL_TIMEOUT_S)
             except Exception as err:
                 raise PartFailed(f"{self.label} {index} could not be restarted: {err}") from err
-            self.urls[index] = url
+            self._urls()[index] = url
             done.append((index, url))
         return done

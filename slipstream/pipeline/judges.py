@@ -34,8 +34,10 @@ class JudgeWatch:
         self, cfg: Config, cluster: Cluster, parts: Parts, launcher: Launcher, restarts: dict[str, int]
     ) -> None:
         self.parts = parts
-        self.pool = HostPool(cfg.cluster, cluster, "judge server", "judge", parts.judges, parts.judge_urls,
-                             launcher.new_judge_host, restarts)  # fmt: skip
+        self.pool = HostPool(
+            cfg.cluster, cluster, "judge server", "judge", lambda: parts.judges, lambda: parts.judge_urls,
+            launcher.new_judge_host, restarts,
+        )  # fmt: skip
 
     @property
     def restarting(self) -> set[int]:

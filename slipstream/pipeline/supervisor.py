@@ -69,8 +69,10 @@ class Supervisor:
         self.restarts: dict[str, int] = {}
         # The restart flow shared with the judge servers (health.HostPool); what is particular to a rollout
         # server (the balancer, the publisher, the weights, room on a lost node) is here.
-        self.servers = HostPool(cfg.cluster, cluster, "inference server", "server", parts.servers, parts.urls,
-                                launcher.new_host, self.restarts)  # fmt: skip
+        self.servers = HostPool(
+            cfg.cluster, cluster, "inference server", "server", lambda: parts.servers, lambda: parts.urls,
+            launcher.new_host, self.restarts,
+        )  # fmt: skip
         self._restart_began: dict[int, float] = {}
         self._no_room: set[int] = set()  # restarting servers whose node is gone and that have no room yet
         self._joining: list[str] = []  # restarted servers waiting for a push before they take requests

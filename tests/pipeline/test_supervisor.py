@@ -315,3 +315,27 @@ def test_a_save_that_died_after_its_queue_snapshot_is_completed_and_resumed_from
     resumed = cluster.calls_of("rank0", "setup")[-1][0].resume_path
     assert resumed == str(checkpoints.step_dir(checkpoints.checkpoint_root(tmp_path), 4))
     assert checkpoints.read_version(resumed) == 4
+
+
+def test_servers_the_launcher_starts_after_the_supervisor_is_built_are_watched(tmp_path):
+    # The controller builds the supervisor before start-up; the launcher then fills Parts with new lists.
+    cfg = fake_config("cluster.restart_servers=true")
+    cluster = FakeCluster()
+    launcher = Launcher(cfg, tmp_path, "token")
+    launcher.cluster = cluster
+    parts = Parts(
+        queue=QueueHandle(cluster, cluster.spawn("queue", object)),
+        trainer=TrainerGroup(cluster, [cluster.spawn("rank0", object)]),
+        rollouter=RolloutHandle(cluster, cluster.spawn("rollouter", object)),
+    )
+    supervisor = Supervisor(cfg, cluster, parts, launcher, run_dir=tmp_path, clock=Clock())
+    parts.servers = [launcher.new_host(0)]
+    parts.urls = ["http://server0:8000"]
+    parts.judges = [launcher.new_judge_host(0)]
+    parts.judge_urls = ["http://judge0:8000"]
+    set_health(cluster, 0, DEAD)
+    cluster.actor("judge0").obj.health_now = DEAD
+    supervisor.poll()
+    assert supervisor.restarts == {"server-0": 1, "judge-0": 1}
+    supervisor.watch()  # the restarts finished: both serve at their new URLs
+    assert parts.urls == ["http://server0:8001"] and parts.judge_urls == ["http://judge0:8001"]
