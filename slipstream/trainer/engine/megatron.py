@@ -550,4 +550,3 @@ def _broadcast_from_stage(
     buf = full.contiguous() if full is not None else torch.empty(shape, dtype=dtype, device=device)
     dist.broadcast(buf, src, group=group)
     return buf
-
