@@ -57,3 +57,15 @@ def test_the_queue_journal_is_on_exactly_when_the_trainer_may_be_restarted():
     assert plain.queue.journal is False
     restarting, notes = prepare_config(load_config(None, ["cluster.restart_trainer=true"]))
     assert restarting.queue.journal is True and any(n.startswith("queue.journal") for n in notes)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_a_preset_with_validation_files_evaluates_on_them_within_a_small_share_of_the_servers(path):
+    cfg = load_config(path)
+    if not cfg.data.val_files:
+        return
+    assert cfg.eval_.every > 0, f"{path.name}: data.val_files is set and eval.every is 0"
+    slots = (len(cfg.rollout.server_urls) or cfg.rollout.num_servers) * cfg.rollout.max_concurrent_per_server
+    if path.parent.name == "recipes":  # the quickstarts run one server on a laptop
+        assert cfg.eval_.max_concurrent <= 0.1 * slots
+    assert "does not run yet" not in path.read_text()
