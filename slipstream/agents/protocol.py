@@ -20,6 +20,8 @@ Worked example::
 
 from __future__ import annotations
 
+import contextvars
+from collections.abc import Callable
 from typing import Literal, Protocol, runtime_checkable
 
 import msgspec
@@ -53,6 +55,17 @@ class GenerateOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     server: str = ""
     # How many times the request was interrupted by a weight update and resumed.
     num_resumes: int = 0
+
+
+# Streaming, where a client can: while a caller's task has set this to a callable, a client that can stream
+# asks its server to, and calls it with the ids each chunk adds, as the server makes them (every piece of a
+# request resumed after an abort included, so the pieces arrive in order). ``generate`` still returns the
+# whole output. A client that cannot stream ignores it; the caller then has the tokens at the end only. The
+# gateway sets it for a streamed request (a ContextVar, so it follows the request down through the
+# partial-rollout wrapper and the load balancer without either knowing, and never leaks to another request).
+TOKEN_SINK: contextvars.ContextVar[Callable[[list[int]], None] | None] = contextvars.ContextVar(
+    "slipstream_token_sink", default=None
+)
 
 
 @runtime_checkable

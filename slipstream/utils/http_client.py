@@ -28,6 +28,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,6 +119,34 @@ class HTTPClient:
                 method, url, json=json, params=params, timeout=limit, headers=self.headers
             ) as resp:
                 return Reply(resp.status, await resp.read(), resp.reason or "")
+        except (aiohttp.ClientError, TimeoutError) as err:
+            raise HTTPClientError(f"{type(err).__name__}: {err or 'timed out'}") from err
+
+    async def stream_lines(
+        self, method: str, url: str, *, json: Any = None, timeout: float | None = None
+    ) -> AsyncIterator[tuple[int, bytes]]:
+        """``(status, line)`` for each line of the response body as it arrives (an SSE stream); a status of 400
+        or more comes with the whole body as its one line."""
+        if url.startswith("/"):
+            url = self.base_url + url
+        limit = aiohttp.ClientTimeout(
+            total=self.timeout_s if timeout is None else timeout, sock_connect=self.connect_timeout_s
+        )
+        try:
+            async with self._open().request(
+                method, url, json=json, timeout=limit, headers=self.headers
+            ) as resp:
+                if resp.status >= 400:
+                    yield resp.status, await resp.read()
+                    return
+                buffer = b""  # split by hand: aiohttp's line reader refuses lines over 64 KiB
+                async for data in resp.content.iter_any():
+                    buffer += data
+                    *lines, buffer = buffer.split(b"\n")
+                    for line in lines:
+                        yield resp.status, line
+                if buffer:
+                    yield resp.status, buffer
         except (aiohttp.ClientError, TimeoutError) as err:
             raise HTTPClientError(f"{type(err).__name__}: {err or 'timed out'}") from err
 

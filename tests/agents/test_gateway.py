@@ -465,3 +465,43 @@ def test_n_samples_concurrently_and_the_reply_sent_back_continues_the_segment(se
     assert sorted(a.response_ids for a in episode.asides) == sorted([ids[0], ids[2]])
     for aside in episode.asides:
         assert aside.prompt_ids == seg.prompt_ids and aside.loss_mask == [1] * len(aside.response_ids)
+
+
+def test_streaming_sends_tokens_as_they_are_made_and_hides_an_abort(server, tok):
+    """A streamed reply arrives in many chunks while the server generates; a weight push's abort in the
+    middle (pause in abort mode) is resumed below the gateway, and the harness's text is the recorded
+    segment's, pieces and all."""
+
+    async def main():
+        gw, rec, raw = await _gateway(server.url, tok, SamplingParams(max_new_tokens=200, temperature=1.0))
+        try:
+            for attempt in range(5):
+                session = gw.open_session(f"ep-stream-{attempt}")
+                rec.calls.clear()
+                stream = await _openai(session).chat.completions.create(
+                    model="p", messages=[{"role": "user", "content": "Count to ten."}], stream=True
+                )
+                parts, finish, pushed = [], None, False
+                async for chunk in stream:
+                    for c in chunk.choices:
+                        finish = c.finish_reason or finish
+                        if c.delta.content:
+                            parts.append(c.delta.content)
+                            if not pushed:  # the first tokens are out: a weight push aborts the request
+                                pushed = True
+                                await raw.pause("abort")
+                                await raw.resume()
+                episode = await gw.close_session(session)
+                if episode.resumes:
+                    return parts, finish, episode, list(rec.calls)
+            raise AssertionError("the request finished before the push in every attempt")
+        finally:
+            await gw.stop()
+            await raw.aclose()
+
+    parts, finish, episode, calls = asyncio.run(asyncio.wait_for(main(), 180))
+    assert finish in ("stop", "length") and len(parts) >= 3  # streamed, not one chunk at the end
+    assert len(calls) == 2 and calls[0][1].finish_reason == "abort"
+    seg = episode.segments[0]
+    assert seg.response_ids == calls[0][1].output_ids + calls[1][1].output_ids
+    assert "".join(parts) == tok.decode(seg.response_ids, skip_special_tokens=True)

@@ -43,12 +43,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import hashlib
 import hmac
 import json
 import secrets
 import socket
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -60,7 +62,7 @@ from starlette.routing import Route
 from slipstream.agents.base import request_params
 from slipstream.agents.gateway.render import GatewayRenderer, cut_at_stop, parse_reply, tool_prefill
 from slipstream.agents.gateway.session import Choice, Session, record
-from slipstream.agents.protocol import GenerateOutput, InferenceClient, SamplingParams
+from slipstream.agents.protocol import TOKEN_SINK, GenerateOutput, InferenceClient, SamplingParams
 from slipstream.utils.logging import get_logger
 from slipstream.utils.net import LOOPBACK, is_loopback
 
@@ -276,6 +278,9 @@ class Gateway:
                 raise GatewayError(400, "prompt must be a string or a list of token ids (one prompt)")
             session.requests += 1
             self.counters["requests"] += 1
+            if body.get("stream") and (body.get("n") or 1) == 1 and not _stops(body):
+                stream = self._stream_turn(session, body, chat)
+                return StreamingResponse(stream, media_type="text/event-stream")
             result = await self._turn(session, body, chat)
         except GatewayError as err:
             if session is not None:
@@ -316,6 +321,97 @@ class Gateway:
                     session.replied_chat(choices[0].reply, False)
             session.final_text = (choices[0].reply.get("content") if chat else choices[0].reply["text"]) or ""
             return {"choices": choices, "prompt_ids": prompt_ids}
+
+    # ------------------------------------------------------------------ a streamed turn
+    async def _stream_turn(self, session: Session, body: dict[str, Any], chat: bool) -> AsyncIterator[bytes]:
+        """The turn as SSE, its text sent as the server makes the tokens (:data:`TOKEN_SINK`; a client that
+        cannot stream gives them at the end). An abort at a weight push is resumed below and its pieces
+        arrive in order, so the harness sees one reply. Text that may open a tool call is held back until the
+        turn ends, when its parsed ``tool_calls`` follow. An error after the headers went out is an SSE
+        ``error`` event (what OpenAI clients raise from)."""
+        envelope = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
+                    "object": _chunk_kind(chat), "created": int(time.time()), "model": self.model_name}  # fmt: skip
+        pieces: asyncio.Queue[list[int]] = asyncio.Queue()
+        context = contextvars.copy_context()
+        context.run(TOKEN_SINK.set, pieces.put_nowait)
+        task = asyncio.create_task(self._turn(session, body, chat), context=context)
+        hold = chat and bool(body.get("tools")) and body.get("tool_choice") != "none"
+        ids: list[int] = []
+        sent = ""
+        try:
+            if chat:
+                yield _sse({**envelope, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                     "finish_reason": None}]})  # fmt: skip
+            while not task.done() or not pieces.empty():
+                getter = asyncio.ensure_future(pieces.get())
+                await asyncio.wait({task, getter}, return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    getter.cancel()
+                    continue
+                ids += getter.result()
+                text = self._visible(ids, hold)
+                if len(text) > len(sent) and text.startswith(sent):
+                    yield _sse({**envelope, "choices": [_delta(chat, text[len(sent) :])]})
+                    sent = text
+            result = task.result()
+        except GatewayError as err:
+            session.errors += 1
+            self.counters["errors"] += 1
+            yield _sse({"error": {"message": err.message, "type": err.err_type, "code": err.status}})
+            return
+        except Exception as err:  # noqa: BLE001 - a bug here must cost one request, not the rollouter
+            log.exception("gateway request failed")
+            session.errors += 1
+            self.counters["errors"] += 1
+            yield _sse({"error": {"message": f"internal error: {type(err).__name__}: {err}", "type": "server_error",
+                                  "code": 500}})  # fmt: skip
+            return
+        finally:
+            if not task.done():  # the harness went away: the turn is cancelled and records nothing
+                task.cancel()
+        for chunk in self._stream_end(body, result, envelope, chat, sent):
+            yield chunk
+
+    def _visible(self, ids: list[int], hold: bool) -> str:
+        """The text of ``ids`` safe to send now: all of it, or with ``hold``, what comes before the first
+        ``<`` (a tool call may be opening there)."""
+        stop_ids = self.renderer.stop_ids
+        ids = ids[:-1] if ids and ids[-1] in stop_ids else ids
+        if hold:
+            raw = self.tokenizer.decode(ids, skip_special_tokens=False)
+            if "<" in raw:
+                keep = cut_at_stop(self.tokenizer, ids, ["<"]) - 1  # tokens before the one bringing it
+                ids = ids[: max(0, keep)]
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _stream_end(
+        self, body: dict[str, Any], result: dict[str, Any], envelope: dict, chat: bool, sent: str
+    ):
+        """The chunks after the streamed text: what the parsed reply adds, logprobs and token ids, tool calls,
+        the finish reason, usage when asked, ``[DONE]``."""
+        (c,) = result["choices"]
+        choice = self._choice_body(body, result, c, 0, chat)
+        final = (c.reply.get("content") if chat else c.reply["text"]) or ""
+        rest = final[len(sent) :] if final.startswith(sent) else ""
+        extra = {k: choice[k] for k in ("token_ids", "prompt_token_ids", "weight_versions") if k in choice}
+        last = {**_delta(chat, rest), "logprobs": choice["logprobs"], **extra}
+        chunks = [_sse({**envelope, "choices": [last]})]
+        calls = [
+            {**call, "index": i} for i, call in enumerate((c.reply.get("tool_calls") or []) if chat else [])
+        ]
+        if calls:
+            chunks.append(_sse({**envelope, "choices": [{"index": 0, "delta": {"tool_calls": calls},
+                                                         "finish_reason": None}]}))  # fmt: skip
+        done = _delta(chat, "")
+        done["finish_reason"] = c.finish
+        chunks.append(_sse({**envelope, "choices": [done]}))
+        if (body.get("stream_options") or {}).get("include_usage"):
+            n = len(c.prefill) + len(c.out.output_ids)
+            p = len(result["prompt_ids"])
+            usage = {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+            chunks.append(_sse({**envelope, "choices": [], "usage": usage}))
+        chunks.append(b"data: [DONE]\n\n")
+        return chunks
 
     def _prefill(self, body: dict[str, Any]) -> list[int]:
         text = tool_prefill(body.get("tool_choice"))
@@ -506,6 +602,12 @@ def _stream_chunks(envelope, choice, chat: bool) -> list[bytes]:
         last = {"index": index, "text": "", "logprobs": None, "finish_reason": choice["finish_reason"]}
     chunks.append(_sse({**env, "choices": [last]}))
     return chunks
+
+
+def _delta(chat: bool, text: str) -> dict[str, Any]:
+    if chat:
+        return {"index": 0, "delta": {"content": text}, "finish_reason": None}
+    return {"index": 0, "text": text, "logprobs": None, "finish_reason": None}
 
 
 def _stops(body: dict[str, Any]) -> list[str]:

@@ -14,11 +14,19 @@ pause SGLang holds new requests until ``/continue_generation`` (no retry needed 
 
 from __future__ import annotations
 
+import json
 import uuid
 
-from slipstream.agents.protocol import GenerateOutput, SamplingParams
-from slipstream.rollouter.clients.base import ServerClient, ServerError, expand_spans, parse_version
+from slipstream.agents.protocol import TOKEN_SINK, GenerateOutput, SamplingParams
+from slipstream.rollouter.clients.base import (
+    ServerClient,
+    ServerError,
+    ServerUnavailable,
+    expand_spans,
+    parse_version,
+)
 from slipstream.serverapi import SGLANG
+from slipstream.utils.http_client import HTTPClientError
 
 _FINISH_TYPES = ("stop", "length", "abort")
 
@@ -88,13 +96,43 @@ class SGLangClient(ServerClient):
     ) -> GenerateOutput:
         rid = rid or uuid.uuid4().hex
         generate = self.server_api.route(self.route).generate
-        response = await self._request(
-            generate.method, generate.path, json=build_generate_payload(input_ids, sampling, rid)
-        )
+        payload = build_generate_payload(input_ids, sampling, rid)
+        sink = TOKEN_SINK.get()
+        if sink is not None:
+            return await self._generate_streaming(generate.method, generate.path, payload, rid, sink)
+        response = await self._request(generate.method, generate.path, json=payload)
         try:
             return parse_generate_response(response.json(), rid=rid, server=self.base_url)
         except ValueError as err:
             raise ServerError(self.base_url, response.status_code, str(err)) from err
+
+    async def _generate_streaming(
+        self, method: str, path: str, payload: dict, rid: str, sink
+    ) -> GenerateOutput:
+        """``/generate`` with ``stream: true``: each SSE chunk holds the output so far (cumulative, as SGLang
+        sends it by default); the ids it adds go to ``sink`` at once, and the last chunk is the result."""
+        last, seen = None, 0
+        try:
+            async for status, line in self._http.stream_lines(method, path, json={**payload, "stream": True}):
+                if status == 503:
+                    raise ServerUnavailable(self.base_url, line.decode(errors="replace")[:500], status=503)
+                if status >= 400:
+                    raise ServerError(self.base_url, status, line.decode(errors="replace")[:500])
+                if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                    continue
+                last = json.loads(line[5:])
+                ids = [int(t) for t in last.get("output_ids") or []]
+                if len(ids) > seen:
+                    sink(ids[seen:])
+                    seen = len(ids)
+        except HTTPClientError as err:
+            raise ServerUnavailable(self.base_url, f"{method} {path}: {err}") from err
+        if last is None:
+            raise ServerError(self.base_url, 200, "the /generate stream ended without a chunk")
+        try:
+            return parse_generate_response(last, rid=rid, server=self.base_url)
+        except ValueError as err:
+            raise ServerError(self.base_url, 200, str(err)) from err
 
     async def model_info(self) -> dict:
         info = self.server_api.model_info
