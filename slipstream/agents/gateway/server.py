@@ -12,8 +12,9 @@ prompt ids it sent and the ids, logprobs and versions the server returned, never
 
 Routes (under ``/s/<session>`` or bare, with the key): ``POST /v1/chat/completions`` (``tools``, replies
 with OpenAI ``tool_calls``, ``tool_choice`` none / auto / required / a named function, see render.py;
-``stream`` answers in SSE chunks once the turn is generated, since the token-in/token-out interface returns
-whole turns), ``POST /v1/completions`` (a text or token-id prompt), ``GET /v1/models``; and ``GET /health``.
+``stream`` sends the text as the server makes the tokens, through :data:`TOKEN_SINK`, where the client
+can stream, and at the end otherwise; with ``n`` > 1 or ``stop`` strings the chunks follow the whole turn),
+``POST /v1/completions`` (a text or token-id prompt), ``GET /v1/models``; and ``GET /health``.
 ``return_token_ids: true`` (vLLM's extension) adds ``token_ids`` and ``prompt_token_ids`` to a choice;
 ``logprobs`` gives the sampled token's log-probability.
 
