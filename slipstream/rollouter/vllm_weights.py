@@ -204,10 +204,17 @@ class SlipstreamWeightEngine(_Base):  # type: ignore[misc, valid-type]
             self._apply()  # module docstring: the version switches here, not in finish_weight_update
 
     def finish_weight_update(self) -> None:
-        """Nothing left to do after a whole version (applied at its last bucket); a version still being
-        staged is incomplete, so it is discarded and this raises (vLLM then publishes no version)."""
-        if self.receiver.session is not None:
-            self._apply()
+        """Nothing left to do after a whole version (applied at its last bucket) or a version of which
+        nothing arrived; a version partly staged is incomplete, so it is discarded and this raises (vLLM
+        then publishes no version; its worker keeps the session open, which the adapter's next ``before``
+        closes)."""
+        session = self.receiver.session
+        if session is None:
+            return
+        if session.staging is None:  # begun, nothing received (the push failed before its first bucket)
+            self.receiver.session = None
+            return
+        self._apply()
 
     def _apply(self) -> None:
         from slipstream.weightsync.types import EndWeightUpdateReq

@@ -40,6 +40,17 @@ from slipstream.utils.http_auth import bearer_headers
 _decode = msgspec.json.Decoder()
 
 
+def _drop_connection(resp: aiohttp.ClientResponse) -> None:
+    """Close the socket a 5xx reply came on. uvicorn drops the connection after an exception in the app
+    (vLLM's failed ``collective_rpc`` calls end so), but the 500 it sent first hands the connection back
+    to the pool as reusable, and the next request on it is reset. By the time the body is read the pool
+    holds it again (``resp.connection`` is None), so the response's own handler is closed: the pool skips
+    closed connections. ``_protocol`` is aiohttp's (3.9-3.14); without it the next call may be reset."""
+    handler = resp.connection.protocol if resp.connection is not None else getattr(resp, "_protocol", None)
+    if handler is not None:
+        handler.close()
+
+
 class HTTPClientError(Exception):
     """The call got no HTTP answer: connection refused or reset, or no answer within its time-out."""
 
@@ -118,7 +129,10 @@ class HTTPClient:
             async with session.request(
                 method, url, json=json, params=params, timeout=limit, headers=self.headers
             ) as resp:
-                return Reply(resp.status, await resp.read(), resp.reason or "")
+                reply = Reply(resp.status, await resp.read(), resp.reason or "")
+                if resp.status >= 500:
+                    _drop_connection(resp)
+                return reply
         except (aiohttp.ClientError, TimeoutError) as err:
             raise HTTPClientError(f"{type(err).__name__}: {err or 'timed out'}") from err
 
