@@ -23,14 +23,16 @@ Two checks, each a ratio or an error against figures measured elsewhere:
    so that 16 servers generate a sync step in its 150.72 s; the three sync runs drifted differently and no
    one workload gives all three). Reported: the sync step over each asynchronous one, published and
    simulated, and beside it the same with the 128/32-GPU runs' workload unscaled
-   (``rollout_from_128_gpu_sync``), with the trainer's rate from the 128-GPU run
-   (``trainer_from_128_gpu_sync``) and from the published
-   staleness-0.5 run (150.63 s less its 33.14 s of waiting; ``trainer_from_async_s0.5``, compared with
-   that run). ``decode_sensitivity``: the ratios with the fitted decode rate at full concurrency halved
-   and doubled (sigma and the pools' lengths refitted).
+   (``rollout_from_128_gpu_sync``) and with the trainer's rate from the 128-GPU run
+   (``trainer_from_128_gpu_sync``). ``decode_sensitivity``: the ratios with the fitted decode rate at full
+   concurrency halved and doubled (sigma and the pools' lengths refitted). No published asynchronous figure
+   enters any fit: they are only compared with. verl's runs do not filter groups, so every verl simulation
+   runs with ``rollout.dynamic_sampling.enable=false`` (the recipe's filter is the recipe's, not verl's).
+   ``fitted``: one row per fitted constant, its value and the published figure it was fitted to; the shipped
+   profile holds the sync fits (``tests/sim`` checks it reproduces the published sync step).
 
 The last line with ``--json`` is ``{"own_runs_max_rel_err", "verl_ratio_published", "verl_ratio_simulated",
-"seconds", ...}``.
+"verl_fitted", "seconds", ...}``.
 """
 
 from __future__ import annotations
@@ -60,13 +62,18 @@ VERL_SYNC_GEN_S, VERL_OLD_LOGPROB_S, VERL_UPDATE_S = 177.85, 53.92, 113.81
 # The colocated sync run on 64 GPUs (the async runs' trainer size): step and generation seconds.
 VERL_SYNC64_STEP_S, VERL_SYNC64_GEN_S = 365.28, 150.72
 VERL_SYNC32_GEN_S = 357.41  # ... and on 32 GPUs (8 servers), where generation is throughput-bound
-VERL_ASYNC_WAIT_S = 33.14  # the s=0.5 run's "gen" column: the trainer waiting for samples
 # A push between separate pools: verl measured its NCCL weight sync of a 7B model "mostly <300 ms"; with the
 # servers' pause, abort and resume, 1 s. (The sync step's 10.72 s rest is the colocated engines' switch.)
 VERL_ASYNC_PUSH_S = 1.0
 VERL_ASYNC = {"stream": 0.0, "s0.1": 0.1, "s0.3": 0.3, "s0.5": 0.5}
 VERL_SYNC_OVERRIDES = ["async.mode=sync", "rollout.num_servers=32", "trainer.num_ranks=128",
                        "trainer.batch_groups=512"]  # fmt: skip
+VERL_NO_FILTER = "rollout.dynamic_sampling.enable=false"  # verl's fully-async runs keep every group
+
+
+def verl_config(overrides: list[str]):
+    """The 7B recipe as verl ran it: the given overrides, without the recipe's dynamic sampling."""
+    return sim_config(str(VERL_RECIPE), [VERL_NO_FILTER, *overrides])
 
 
 # ---------------------------------------------------------------------------------------------- own runs
@@ -151,7 +158,7 @@ def _merge(base: dict, changes: dict) -> dict:
 
 def _sync_gen_s(profile: Profile, overrides: list[str], steps: int) -> tuple[float, float]:
     """Mean seconds a simulated sync step waits for generation, and tokens trained per step."""
-    res = simulate(sim_config(str(VERL_RECIPE), overrides), profile, steps=steps)
+    res = simulate(verl_config(overrides), profile, steps=steps)
     waits = [i * s for i, s in zip(res.trainer_idle, res.step_s, strict=True)]
     return statistics.fmean(waits), res.tokens_per_s * res.seconds / res.steps
 
@@ -224,22 +231,28 @@ def fit_pool_lengths(cal: Profile, *, steps: int = 4, iters: int = 12) -> Profil
 
 
 def _async_step_s(profile: Profile, threshold: float, steps: int) -> dict[str, float]:
-    cfg = sim_config(str(VERL_RECIPE), [f"async.staleness_threshold={threshold}"])
+    cfg = verl_config([f"async.staleness_threshold={threshold}"])
     res = simulate(cfg, profile, steps=steps)
     return {"s_per_512": round(res.step_s_steady * cfg.async_.sync_every, 2),
             "trainer_idle": round(res.trainer_idle_ratio, 3), "rollouter_idle": round(res.rollouter_idle_ratio, 3),
             "staleness_versions_mean": round(res.staleness_versions_mean, 3)}  # fmt: skip
 
 
-def _async_profiles(cal: Profile, tokens_512: float) -> dict[str, Profile]:
-    """The async runs' profiles: the trainer's rate for 64 ranks three ways (see the module docstring)."""
-    bypass = VERL_UPDATE_S / (VERL_OLD_LOGPROB_S + VERL_UPDATE_S)  # verl's async trains without old logprobs
+def _train64_s() -> float:
+    """Seconds the 64-rank trainer takes per 512 prompts: the 64-GPU sync row less its generation and the
+    128-GPU row's other work, without the old-logprob pass (verl's async recipe skips it)."""
+    bypass = VERL_UPDATE_S / (VERL_OLD_LOGPROB_S + VERL_UPDATE_S)
     other = VERL_STEP_S["sync"] - VERL_SYNC_GEN_S - VERL_OLD_LOGPROB_S - VERL_UPDATE_S
-    train64 = (VERL_SYNC64_STEP_S - VERL_SYNC64_GEN_S - other) * bypass  # the 64-GPU sync row, same split
+    return (VERL_SYNC64_STEP_S - VERL_SYNC64_GEN_S - other) * bypass
+
+
+def _async_profiles(cal: Profile, tokens_512: float) -> dict[str, Profile]:
+    """The async runs' profiles: the trainer's rate for 64 ranks from the 64-GPU sync row, or from the
+    128-GPU one (see the module docstring); never from an asynchronous run."""
+    bypass = VERL_UPDATE_S / (VERL_OLD_LOGPROB_S + VERL_UPDATE_S)  # verl's async trains without old logprobs
     rates = {
-        "sync64": tokens_512 / (train64 * 64),
+        "sync64": tokens_512 / (_train64_s() * 64),
         "sync128": cal.trainer.tokens_per_s_per_rank / bypass,
-        "async05": tokens_512 / ((VERL_STEP_S["s0.5"] - VERL_ASYNC_WAIT_S) * 64),
     }
     return {
         name: _with(cal, trainer={"tokens_per_s_per_rank": round(r, 2)}, push={"fixed_s": VERL_ASYNC_PUSH_S})
@@ -254,13 +267,35 @@ def _ratios(sync_s: float, profile: Profile, steps: int) -> tuple[dict[str, floa
 
 def _tokens_512(profile: Profile, overrides: list[str]) -> float:
     """Tokens trained per 512 prompts in a simulated sync run of ``profile``."""
-    res = simulate(sim_config(str(VERL_RECIPE), overrides), profile, steps=6)
+    res = simulate(verl_config(overrides), profile, steps=6)
     return res.tokens_per_s * res.seconds / res.steps
+
+
+def fitted_table(cal: Profile, pool: Profile, async_rate: float) -> list[dict[str, Any]]:
+    """The fitted constants of the verl comparison, each with its value and the published figure it was
+    fitted to (all colocated sync rows; none asynchronous)."""
+    rows = [
+        ("lengths.sigma", cal.lengths.sigma,
+         f"128-GPU sync: 32 servers generate a step in {VERL_SYNC_GEN_S} s (the tail decides it)"),
+        ("decode.tokens_per_s at 256 (one 4-GPU server)", cal.decode.tokens_per_s[-1],
+         f"32-GPU sync: 8 servers generate a step in {VERL_SYNC32_GEN_S} s (throughput decides it)"),
+        ("trainer.tokens_per_s_per_rank (128 ranks)", cal.trainer.tokens_per_s_per_rank,
+         f"128-GPU sync: old_log_prob + update_actor = {VERL_OLD_LOGPROB_S} + {VERL_UPDATE_S} s"),
+        ("lengths.mean scale on the async pools", round(pool.lengths.mean / cal.lengths.mean, 4),
+         f"64-GPU sync: 16 servers generate a step in {VERL_SYNC64_GEN_S} s"),
+        ("trainer.tokens_per_s_per_rank (64 ranks, async runs)", round(async_rate, 2),
+         f"64-GPU sync: {VERL_SYNC64_STEP_S} - {VERL_SYNC64_GEN_S} s less the 128-GPU row's other work, "
+         f"without old_log_prob: {_train64_s():.1f} s per 512 prompts"),
+        ("push.fixed_s (colocated sync)", cal.push.fixed_s,
+         f"128-GPU sync: the rest of the step, {VERL_STEP_S['sync']} - {VERL_SYNC_GEN_S} - "
+         f"{VERL_OLD_LOGPROB_S + VERL_UPDATE_S:.2f} s (set, not searched)"),
+    ]  # fmt: skip
+    return [{"constant": c, "value": v, "fitted_to": f} for c, v, f in rows]
 
 
 def verl(*, steps: int = 32, sensitivity: bool = True) -> dict[str, Any]:
     base = load_profile(VERL_PROFILE)
-    sync_cfg = sim_config(str(VERL_RECIPE), VERL_SYNC_OVERRIDES)
+    sync_cfg = verl_config(VERL_SYNC_OVERRIDES)
     cal = calibrate_verl(base)
     sync = simulate(sync_cfg, cal, steps=6)
     pool = fit_pool_lengths(cal)
@@ -268,7 +303,6 @@ def verl(*, steps: int = 32, sensitivity: bool = True) -> dict[str, Any]:
     published = {k: round(VERL_STEP_S["sync"] / VERL_STEP_S[k], 3) for k in VERL_ASYNC}
     simulated, runs = _ratios(sync.step_s_steady, profs["sync64"], steps)
     strict, strict_runs = _ratios(sync.step_s_steady, profs["sync128"], steps)
-    _, fast_runs = _ratios(sync.step_s_steady, profs["async05"], steps)
     # the previous calibration: the async pools get the 128/32-GPU rows' workload unchanged
     old = _async_profiles(cal, _tokens_512(cal, VERL_SYNC_OVERRIDES))["sync64"]
     old_ratios, old_runs = _ratios(sync.step_s_steady, old, steps)
@@ -286,13 +320,8 @@ def verl(*, steps: int = 32, sensitivity: bool = True) -> dict[str, Any]:
             "runs": old_runs,
         },
         "trainer_from_128_gpu_sync": {"simulated": strict, "runs": strict_runs},
-        "trainer_from_async_s0.5": {
-            "published_vs_s0.5": {k: round(VERL_STEP_S[k] / VERL_STEP_S["s0.5"], 3) for k in VERL_ASYNC},
-            "simulated_vs_s0.5": {
-                k: round(fast_runs[k]["s_per_512"] / fast_runs["s0.5"]["s_per_512"], 3) for k in VERL_ASYNC
-            },
-            "runs": fast_runs,
-        },
+        "fitted": fitted_table(cal, pool, profs["sync64"].trainer.tokens_per_s_per_rank),
+        "shipped_profile_matches_fit": _same_fit(base, cal),
     }
     out["decode_peak_tokens_per_s"] = cal.decode.tokens_per_s[-1]
     if sensitivity:  # the fitted decode rate at full concurrency halved and doubled (sigma refitted)
@@ -305,6 +334,14 @@ def verl(*, steps: int = 32, sensitivity: bool = True) -> dict[str, Any]:
             p2 = _async_profiles(pool2, _tokens_512(pool2, _sync64_overrides()))["sync64"]
             out["decode_sensitivity"][f"x{factor:g}"] = _ratios(s2.step_s_steady, p2, steps)[0]
     return out
+
+
+def _same_fit(shipped: Profile, cal: Profile) -> bool:
+    """Whether the shipped profile holds the constants this run fitted (to 1%)."""
+    pairs = [(shipped.lengths.sigma, cal.lengths.sigma),
+             (shipped.decode.tokens_per_s[-1], cal.decode.tokens_per_s[-1]),
+             (shipped.trainer.tokens_per_s_per_rank, cal.trainer.tokens_per_s_per_rank)]  # fmt: skip
+    return all(abs(a - b) <= 0.01 * abs(b) for a, b in pairs)
 
 
 def main(argv: list[str]) -> int:
@@ -333,6 +370,7 @@ def main(argv: list[str]) -> int:
         "own_runs_max_rel_err": own["max_rel_err"],
         "verl_ratio_published": ver["published"],
         "verl_ratio_simulated": ver["simulated"],
+        "verl_fitted": ver.get("fitted"),
         "seconds": round(time.monotonic() - t0, 1),
         "own_runs": own["runs"],
         "verl": ver,

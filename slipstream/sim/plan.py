@@ -92,6 +92,7 @@ class Candidate:
             "staleness_versions_mean": round(r.staleness_versions_mean, 3),
             "staleness_versions_max": r.staleness_versions_max,
             "dropped_groups": r.dropped_groups,
+            "filtered_groups": r.filtered_groups,
             "within_cap": self.within_cap,
         }
 

@@ -213,10 +213,17 @@ def profile_from_run(run_dir: str | Path, *, skip_first: int = 1) -> Profile:
                 fixed_s=0.0, s_per_byte=push_s / model_bytes if model_bytes else 0.0, model_bytes=model_bytes
             ),  # fmt: skip
             step_overhead_s=round(statistics.median(overhead), 4),
+            filtered_fraction=round(_filter_ratio(recs), 4),
         )
     )
     waits = [r.get("trainer/idle_ratio", 0.0) * r["perf/step_wall_s"] for r in recs]
     return fit_decode(cfg, prof, statistics.fmean(waits), steps=len(all_records), skip_first=skip_first)
+
+
+def _filter_ratio(recs: list[dict]) -> float:
+    """Share of a run's finished groups dynamic sampling dropped (0 for a run without the filter)."""
+    ratios = [r["rollouter/filter_ratio"] for r in recs if r.get("rollouter/filter_ratio") is not None]
+    return min(0.99, statistics.fmean(ratios)) if ratios else 0.0
 
 
 def fit_decode(cfg: Any, prof: Profile, wait_s: float, *, steps: int, skip_first: int = 1) -> Profile:

@@ -24,8 +24,14 @@ What is modelled, with the profile's rates (slipstream/sim/profile.py):
   the push by prefilling prompt + partial response again (their first tokens keep the old version);
   ``in_place`` continues them; then the controller's per-step overhead.
 
-Not modelled: failures and restarts, queue capacity (the gate bounds the queue in practice), dynamic
-sampling, multi-turn tools, the dropped-group poll interval (1 s), prefill contention (a prefill is a delay
+Dynamic sampling (``rollout.dynamic_sampling.enable``): each finished group is, with the profile's
+``filtered_fraction``, one whose samples all scored the same; it is generated in full and then not put (no
+training), its gate unit is refunded so another group starts, and its prompt is sampled again up to
+``max_attempts`` times, as the rollouter does. Each group is drawn independently (a prompt's difficulty
+does not carry over to its re-sample).
+
+Not modelled: failures and restarts, queue capacity (the gate bounds the queue in practice), multi-turn
+tools, the dropped-group poll interval (1 s), prefill contention (a prefill is a delay
 that does not slow other requests).
 
 Output (``--json``): steps/s, samples/s, tokens/s, trainer and rollouter idle ratios (defined as the run's
@@ -96,6 +102,7 @@ class _Group:
     attempt: int
     keep_stale: bool
     pending: int
+    resamples: int = 0  # groups of this prompt dynamic sampling filtered before this one
     min_version: int | None = None
     tokens: int = 0
 
@@ -145,6 +152,7 @@ class SimResult:
     staleness_versions_max: int
     staleness_versions_hist: dict[str, int]
     dropped_groups: int
+    filtered_groups: int  # generated, then dropped by dynamic sampling (all samples scored the same)
     stale_kept_groups: int
     resumed_requests: int
     generated_tokens: int
@@ -183,7 +191,7 @@ class Simulation:
         self.events: list[tuple[float, int, str, Any]] = []
         self.seq = 0
         self.t = 0.0
-        self.todo: deque[tuple[int, int]] = deque()  # (prompt, attempt) owed before new prompts
+        self.todo: deque[tuple[int, int, int]] = deque()  # (prompt, attempt, resamples) owed first
         self.next_prompt = 0
         self.next_gid = 0
         self.next_req = 0
@@ -214,6 +222,10 @@ class Simulation:
         self.generated = 0
         self.trained_tokens = 0
         self.push_s = profile.push.seconds
+        ds = cfg.rollout.dynamic_sampling
+        self.filter_on, self.max_attempts = bool(ds.enable), int(ds.max_attempts)
+        self.filter_rng = random.Random(seed + 7919)  # its own stream: the lengths drawn stay the same
+        self.filtered = 0
         self._decode = profile.decode.rate
 
     # ------------------------------------------------------------------ driver
@@ -243,20 +255,20 @@ class Simulation:
     def _admit(self) -> None:
         while True:
             if self.todo:
-                prompt, attempt = self.todo[0]
+                prompt, attempt, resamples = self.todo[0]
             else:
-                prompt, attempt = self.next_prompt, 0
+                prompt, attempt, resamples = self.next_prompt, 0, 0
             if not self.gate.try_admit():
                 return
             if self.todo:
                 self.todo.popleft()
             else:
                 self.next_prompt += 1
-            self._start_group(prompt, attempt)
+            self._start_group(prompt, attempt, resamples)
 
-    def _start_group(self, prompt: int, attempt: int) -> None:
+    def _start_group(self, prompt: int, attempt: int, resamples: int = 0) -> None:
         keep = self.acfg.stale_policy == "drop" and attempt >= self.acfg.max_stale_drops
-        group = _Group(self.next_gid, prompt, attempt, keep, pending=self.n)
+        group = _Group(self.next_gid, prompt, attempt, keep, pending=self.n, resamples=resamples)
         self.next_gid += 1
         self.in_flight += 1
         for _ in range(self.n):
@@ -340,6 +352,10 @@ class Simulation:
             self._submit(self.waiting.popleft())
         if group.pending == 0:
             self.in_flight -= 1
+            if self._filtered_out(group):
+                if self.state == "drain" and self.in_flight == 0:
+                    self._push()
+                return
             self.queue.append(group)
             if group.keep_stale:
                 self.kept_stale += 1
@@ -347,6 +363,18 @@ class Simulation:
                 self._lease()
             elif self.state == "drain" and self.in_flight == 0:
                 self._push()
+
+    def _filtered_out(self, group: _Group) -> bool:
+        """Dynamic sampling: drop a group whose samples all scored the same (a draw with the profile's
+        ``filtered_fraction``), refund its unit, sample its prompt again up to ``max_attempts`` times."""
+        if not self.filter_on or self.filter_rng.random() >= self.prof.filtered_fraction:
+            return False
+        self.filtered += 1
+        self.gate.refund(1)
+        if group.resamples + 1 < self.max_attempts:
+            self.todo.append((group.prompt, group.attempt, group.resamples + 1))
+        self._admit()
+        return True
 
     # ------------------------------------------------------------------ trainer
     def _lease(self) -> None:
@@ -362,7 +390,7 @@ class Simulation:
             if too_stale:
                 self.dropped += 1
                 self.gate.refund(1)
-                self.todo.append((group.prompt, group.attempt + 1))
+                self.todo.append((group.prompt, group.attempt + 1, 0))
                 refunded = True
                 continue
             self.batch_groups.append(group)
@@ -470,6 +498,7 @@ class Simulation:
             staleness_versions_max=max(self.staleness, default=0),
             staleness_versions_hist=dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
             dropped_groups=self.dropped,
+            filtered_groups=self.filtered,
             stale_kept_groups=self.kept_stale,
             resumed_requests=self.resumed,
             generated_tokens=self.generated,

@@ -73,6 +73,10 @@ class Profile(_Struct):
     trainer: TrainerRates
     push: PushCost = msgspec.field(default_factory=PushCost)
     step_overhead_s: NonNeg = 0.0
+    # Share of finished groups whose samples all score the same (all solved or all failed): dynamic
+    # sampling (rollout.dynamic_sampling) drops them after generating them. Used only when the config turns
+    # the filter on; a profile made from a run takes its rollouter/filter_ratio.
+    filtered_fraction: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
     source: str = ""
 
 

@@ -86,3 +86,21 @@ def test_requests_spread_over_servers_as_the_balancer_puts_them():
     res = sim.run()
     # two waves of 5.2 s of generation: 3 + 3 requests, then the 2 that waited
     assert res.step_s[0] == pytest.approx(2 * 5.2 + 3)
+
+
+def test_dynamic_sampling_generates_filtered_groups_and_trains_none_of_them():
+    """A sync step of 2 groups with half of all groups filtered: on average 4 groups are generated per
+    step, in waves (a filtered group's unit is refunded only when it ends), so a step takes longer and
+    nothing filtered is trained; with the filter off in the config the profile's fraction is ignored."""
+    prof = flat_profile(filtered_fraction=0.5)
+    on = small_config("async.mode=sync", "rollout.dynamic_sampling.enable=true",
+                      "rollout.dynamic_sampling.max_attempts=3")  # fmt: skip
+    off = small_config("async.mode=sync")
+    filtered = simulate(on, prof, steps=40)
+    plain = simulate(off, prof, steps=40)
+    assert plain.filtered_groups == 0
+    assert plain.step_s[1:] == pytest.approx([0.5 + 5.2 + 3] * 39)
+    trained = 40 * 2
+    assert filtered.filtered_groups == pytest.approx(trained, rel=0.35)  # about as many filtered as kept
+    assert filtered.tokens_per_s * filtered.seconds == pytest.approx(trained * 4 * 70, rel=1e-6)
+    assert filtered.step_s_mean > plain.step_s_mean * 1.3  # extra waves of generation

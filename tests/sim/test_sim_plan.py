@@ -82,3 +82,28 @@ def test_the_recorded_quickstart_runs_of_every_mode_are_reproduced_within_15_per
     for r in rows[0]["own_runs"]:  # idle ratios within 15 points
         assert abs(r["trainer_idle_simulated"] - r["trainer_idle_measured"]) < 0.15
         assert abs(r["rollouter_idle_simulated"] - r["rollouter_idle_measured"]) < 0.15
+
+
+def test_the_shipped_verl_profile_is_the_calibrated_one():
+    """As shipped (no fitting at run time), the profile gives verl's published 128-GPU sync step."""
+    prof = bench.load_profile(bench.VERL_PROFILE)
+    sync = bench.simulate(bench.verl_config(bench.VERL_SYNC_OVERRIDES), prof, steps=6)
+    assert sync.step_s_steady == pytest.approx(bench.VERL_STEP_S["sync"], rel=0.03)
+
+
+def test_the_verl_fits_are_one_table_of_sync_figures_only():
+    prof = bench.load_profile(bench.VERL_PROFILE)
+    pool = bench._with(prof, lengths={"mean": prof.lengths.mean * 0.6})
+    table = bench.fitted_table(prof, pool, 500.0)
+    by_name = {row["constant"]: row for row in table}
+    assert by_name["lengths.sigma"]["value"] == prof.lengths.sigma
+    assert by_name["decode.tokens_per_s at 256 (one 4-GPU server)"]["value"] == prof.decode.tokens_per_s[-1]
+    assert by_name["lengths.mean scale on the async pools"]["value"] == 0.6
+    for row in table:
+        assert "sync" in row["fitted_to"]
+        for name in ("stream", "s0.1", "s0.3", "s0.5"):  # no published asynchronous figure is fitted to
+            assert f"{bench.VERL_STEP_S[name]}" not in row["fitted_to"], row
+    assert bench._same_fit(prof, prof)
+    # verl's runs keep every group: its simulations run without the recipe's dynamic sampling
+    assert bench.sim_config(str(bench.VERL_RECIPE)).rollout.dynamic_sampling.enable
+    assert not bench.verl_config([]).rollout.dynamic_sampling.enable
