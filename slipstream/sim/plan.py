@@ -184,7 +184,11 @@ def draw_frontier(ranked: list[Candidate], path: str) -> None:
         by_split.setdefault(c.rollout_gpus, []).append(c)
     for rollout, cands in sorted(by_split.items()):
         pts = sorted(
-            (c.result.staleness_versions_mean, c.result.samples_per_step / c.result.step_s_steady, c.within_cap)
+            (
+                c.result.staleness_versions_mean,
+                c.result.samples_per_step / c.result.step_s_steady,
+                c.within_cap,
+            )
             for c in cands
             if c.result
         )
