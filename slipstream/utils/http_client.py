@@ -151,7 +151,10 @@ class HTTPClient:
                 method, url, json=json, timeout=limit, headers=self.headers
             ) as resp:
                 if resp.status >= 400:
-                    yield resp.status, await resp.read()
+                    body = await resp.read()
+                    if resp.status >= 500:
+                        _drop_connection(resp)
+                    yield resp.status, body
                     return
                 buffer = b""  # split by hand: aiohttp's line reader refuses lines over 64 KiB
                 async for data in resp.content.iter_any():
