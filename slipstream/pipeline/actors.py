@@ -512,6 +512,21 @@ class TrainerRank:
         self._threads()
         t0 = time.monotonic()
         dtype = push_dtype(self.settings)
+        lora = self.settings.trainer.lora
+        if lora.enabled:  # the adapters alone, or with the base weights when a server lacks them
+            from slipstream.weightsync.delta import lora_scale
+            from slipstream.weightsync.publisher import publish_lora
+
+            trainer = self.trainer
+            lora_report = publish_lora(
+                self.publisher,
+                version,
+                lambda: self.engine.get_adapter_params(dtype),
+                lambda: self.engine.base_reference().get_per_tensor_param(dtype),
+                lora_scale(lora.alpha, lora.rank),
+                agree=lambda full: bool(trainer._bcast_scalar(float(full))),  # rank 0 decides for all
+            )
+            return PushReport(lora_report, time.monotonic() - t0) if lora_report else PushReport()
         if self.publisher is None:
             make_publish_fn(None)(version, self.engine.get_per_tensor_param(dtype))
             return PushReport()
