@@ -47,7 +47,7 @@ def test_the_recipe_fits_with_its_override_and_passes_it_to_vllm(qwen_math_7b, m
     cfg = load_config(RECIPE)
     assert cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens == 2048 + 28672
     assert cfg.rollout.max_position_embeddings == 32768
-    monkeypatch.setattr(launch.shutil, "which", lambda *a, **k: "/usr/bin/vllm")
+    monkeypatch.setattr(launch, "vllm_build", lambda: "gpu")  # whichever vLLM this machine has
     command = launch.LAUNCHERS["vllm"]("/m", "127.0.0.1", 8000, cfg.rollout)
     flag = command.index("--hf-overrides")
     assert json.loads(command[flag + 1]) == {"max_position_embeddings": 32768}
