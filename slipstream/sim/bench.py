@@ -337,11 +337,13 @@ def verl(*, steps: int = 32, sensitivity: bool = True) -> dict[str, Any]:
 
 
 def _same_fit(shipped: Profile, cal: Profile) -> bool:
-    """Whether the shipped profile holds the constants this run fitted (to 1%)."""
+    """Whether the shipped profile holds the constants this run fitted, to 5%: sigma and the decode rate at
+    full concurrency trade against each other and the alternating fit stops after two rounds, a few
+    percent from where it started (the shipped profile's comments)."""
     pairs = [(shipped.lengths.sigma, cal.lengths.sigma),
              (shipped.decode.tokens_per_s[-1], cal.decode.tokens_per_s[-1]),
              (shipped.trainer.tokens_per_s_per_rank, cal.trainer.tokens_per_s_per_rank)]  # fmt: skip
-    return all(abs(a - b) <= 0.01 * abs(b) for a, b in pairs)
+    return all(abs(a - b) <= 0.05 * abs(b) for a, b in pairs)
 
 
 def main(argv: list[str]) -> int:
