@@ -58,9 +58,11 @@ def test_bench_simulate_on_recorded_runs(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_verl_profile_calibrates_to_the_published_sync_steps():
-    cal = bench.calibrate_verl(bench.load_profile(bench.VERL_PROFILE))
-    sync = bench.simulate(bench.sim_config(str(bench.VERL_RECIPE), bench.VERL_SYNC_OVERRIDES), cal, steps=6)
+    shipped = bench.load_profile(bench.VERL_PROFILE)
+    cal = bench.calibrate_verl(shipped)
+    sync = bench.simulate(bench.verl_config(bench.VERL_SYNC_OVERRIDES), cal, steps=6)
     assert sync.step_s_steady == pytest.approx(bench.VERL_STEP_S["sync"], rel=0.03)
+    assert bench._same_fit(shipped, cal)  # the shipped profile is the fitted one
     # the async pools' workload: 16 servers generate a sync step as the 64-GPU run did
     pool = bench.fit_pool_lengths(cal)
     assert 0.3 < pool.lengths.mean / cal.lengths.mean < 1.0  # that run's responses were shorter
