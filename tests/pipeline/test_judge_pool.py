@@ -4,7 +4,7 @@ The judge is the tiny model's architecture with hand-set weights (:func:`make_gr
 output projections are zero, so each next token depends on the last one only, and its output layer maps
 that chain to ``Score: 1`` then end-of-turn, after any chat prompt. Every sample therefore gets a valid score
 of 1.0 from the launched judge, end to end: the trainer's mean reward is 1.0 and no reward error is
-recorded. That the judge still serves weight version 0 while the rollout server serves the trainer's proves
+recorded (at step 1, and at step 3 from the restarted judge; step 2's samples may be scored while it is down). That the judge still serves weight version 0 while the rollout server serves the trainer's proves
 no push reached it. The judge is killed after step 1: it comes back on a new port, and the scores of later
 steps (and the tokens the new process generates) prove the reward service was handed its new URL.
 """
@@ -107,9 +107,9 @@ def test_a_judge_pool_started_by_the_pipeline_scores_and_never_takes_a_push(
     judge_urls: list[str] = []
 
     def on_step(pipeline, version, metrics):
-        # every sample of the step scored by the launched judge's verdict, none failed
-        assert metrics["trainer/reward_mean"] == 1.0, metrics
-        assert metrics.get("rollouter/reward_errors", 0.0) == 0.0, metrics
+        if version != 2:  # step 2's samples may have been scored while the judge was dead (killed below)
+            assert metrics["trainer/reward_mean"] == 1.0, metrics  # every sample: the judge's verdict
+            assert metrics.get("rollouter/reward_errors", 0.0) == 0.0, metrics
         parts = pipeline.parts
         assert len(parts.judge_urls) == 1 and parts.judge_urls[0] not in parts.urls
         seen.append((version, model_info(parts.urls[0]), model_info(parts.judge_urls[0])))
@@ -139,7 +139,7 @@ def test_a_judge_pool_started_by_the_pipeline_scores_and_never_takes_a_push(
     assert seen[2][2]["generated_tokens"] > 0  # ... and the reward service calls it there
     records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 3
-    for rec in records:  # every sample of every step scored by the judge's verdict, none failed
+    for rec in (records[0], records[2]):  # before the kill, and from the restarted judge: all valid verdicts
         assert rec["trainer/reward_mean"] == 1.0, rec
         assert rec.get("rollouter/reward_errors", 0.0) == 0.0, rec
     logs = result.run_dir / "logs"
