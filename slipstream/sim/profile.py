@@ -24,6 +24,7 @@ or by hand from published figures. Every field, with its unit::
       s_per_byte: 1.0e-9          # per pushed byte
       model_bytes: 270000000      # bytes one push sends
     step_overhead_s: 0.1          # the controller's own per-step time (metrics, bookkeeping)
+    filtered_fraction: 0.0        # share of groups dynamic sampling drops (all samples scored the same)
 
 :func:`load_profile` validates a file and names the offending field (``profile field decode.tokens_per_s:
 ...``); :func:`profile_from_run` fits one to a run directory; :func:`save_profile` writes one back.
