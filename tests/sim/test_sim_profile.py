@@ -18,7 +18,7 @@ from slipstream.sim.profile import (
 )
 
 
-def write_run(run_dir, mode="sync", steps=6, wait_s=4.0, cycle_s=10.0):
+def write_run(run_dir, mode="sync", steps=6, wait_s=4.0, cycle_s=10.0, extra=None):
     """A recorded run as the pipeline writes it: config.yaml and one metrics.jsonl record per step."""
     run_dir.mkdir(parents=True)
     overrides = [f"async.mode={mode}", "trainer.batch_groups=2", "rollout.n=4",
@@ -32,6 +32,7 @@ def write_run(run_dir, mode="sync", steps=6, wait_s=4.0, cycle_s=10.0):
             "trainer/samples": 8.0, "trainer/response_len_mean": 50.0,
             "rollouter/generated_tokens_per_s": 40.0, "rollouter/idle_ratio": 0.5,
             "rollouter/finish_length": 0.0, "sync/bytes": 1.0e6, "sync/publish_s": 0.5, "sync/drain_s": 0.0,
+            **(extra or {}),
         }))  # fmt: skip
     (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     return run_dir
@@ -101,3 +102,12 @@ def test_profile_from_a_recorded_run_reproduces_its_wait(tmp_path):
     res = simulate(sim_config(str(run / "config.yaml")), prof, steps=6)
     waits = [i * s for i, s in zip(res.trainer_idle, res.step_s, strict=True)][1:]
     assert sum(waits) / len(waits) == pytest.approx(4.0, rel=0.02)
+
+
+def test_a_profile_from_a_filtering_run_takes_its_filter_ratio(tmp_path):
+    from slipstream.sim.profile import profile_from_run
+
+    plain = profile_from_run(write_run(tmp_path / "plain"))
+    filtering = profile_from_run(write_run(tmp_path / "ds", extra={"rollouter/filter_ratio": 0.25}))
+    assert plain.filtered_fraction == 0.0
+    assert filtering.filtered_fraction == pytest.approx(0.25)
