@@ -229,6 +229,9 @@ class _Stub:
         self.answer = {"backend": "ipc", "host": host, "device": device}
         self.fails, self.calls = fails, 0
 
+    async def data_plane(self) -> str:
+        return self.transport
+
     async def call(self, method: str, path: str, **_kw) -> dict:
         self.calls += 1
         if self.fails:
