@@ -18,6 +18,7 @@ quickstart's arithmetic questions in the model's chat template.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -49,7 +50,17 @@ def make_prompts(tokenizer, n: int) -> list[list[int]]:
 async def _embedded_wave(url: str, prompts: list[list[int]], sampling: SamplingParams):
     from slipstream.rollouter.clients import SGLangClient
 
-    client = SGLangClient(url)
+    return await _wave(SGLangClient(url), prompts, sampling)
+
+
+async def _vllm_wave(url: str, prompts: list[list[int]], sampling: SamplingParams):
+    from slipstream.rollouter.clients import VLLMClient
+
+    return await _wave(VLLMClient(url, api="generate"), prompts, sampling)
+
+
+async def _wave(client, prompts: list[list[int]], sampling: SamplingParams):
+    """N concurrent requests through ``client`` (after one warm-up request); (outputs, seconds)."""
     try:
         await client.generate(prompts[0], SamplingParams(max_new_tokens=4))  # warm-up
         start = time.perf_counter()
@@ -111,6 +122,7 @@ def run_bench(
     repeats: int = 1,
     device: str = "cpu",
     dtype: str = "float32",
+    backend: str = "embedded",
 ) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -134,15 +146,17 @@ def run_bench(
         "repeats": repeats,
     }
     results["load_avg_1m_start"] = round(os.getloadavg()[0], 2)
-    fidelity_outs = None
+    fidelity_outs = vllm_outs = None
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
     log(f"starting the embedded server ({path})")
-    with launch_server("embedded", path, cfg=RolloutConfig(embedded=engine_cfg)) as server:
+    with launch_server("embedded", path, cfg=RolloutConfig(embedded=engine_cfg)) as server, _vllm_server(
+        backend, path, threads, dtype, max(concurrencies), log
+    ) as vllm:
         server.wait_healthy(600)
         # Each pair runs back to back, so a change in machine load affects both sides alike; with repeats,
         # each side keeps its best run (the one least disturbed by other work on the machine).
         for n in concurrencies:
-            best_embedded = best_generate = 0.0
+            best_embedded = best_generate = best_vllm = 0.0
             for r in range(repeats):
                 outs, seconds = asyncio.run(_embedded_wave(server.url, prompts[:n], sampling))
                 tokens = sum(len(o.output_ids) for o in outs)
@@ -151,6 +165,12 @@ def run_bench(
                     f"embedded  n={n} #{r}: {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.1f} tok/s"
                 )
                 fidelity_outs = fidelity_outs or (prompts[:n], outs)
+                if vllm is not None:
+                    outs, seconds = asyncio.run(_vllm_wave(vllm.url, prompts[:n], sampling))
+                    tokens = sum(len(o.output_ids) for o in outs)
+                    best_vllm = max(best_vllm, tokens / seconds)
+                    log(f"vllm      n={n} #{r}: {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.1f} tok/s")
+                    vllm_outs = vllm_outs or (prompts[:n], outs)
                 tokens, seconds = hf_generate_wave(model, tokenizer, prompts[:n], sampling)
                 best_generate = max(best_generate, tokens / seconds)
                 log(
@@ -158,6 +178,8 @@ def run_bench(
                 )
             results[f"embedded_tok_s_{n}"] = round(best_embedded, 2)
             results[f"hf_generate_tok_s_{n}"] = round(best_generate, 2)
+            if vllm is not None:
+                results[f"vllm_tok_s_{n}"] = round(best_vllm, 2)
     err = logprob_max_abs_err(model, *fidelity_outs, temperature=sampling.temperature)
     results["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
     first = concurrencies[0]
@@ -170,7 +192,28 @@ def run_bench(
     }
     for n in concurrencies:
         summary[f"speedup_{n}"] = round(results[f"embedded_tok_s_{n}"] / results[f"hf_generate_tok_s_{n}"], 3)
+    if vllm_outs is not None:
+        summary["vllm_tok_s"] = results[f"vllm_tok_s_{first}"]
+        summary["vllm_logprob_max_abs_err"] = logprob_max_abs_err(model, *vllm_outs, temperature=sampling.temperature)
+        for n in concurrencies:
+            summary[f"vllm_vs_embedded_{n}"] = round(results[f"vllm_tok_s_{n}"] / results[f"embedded_tok_s_{n}"], 3)
     return summary
+
+
+@contextlib.contextmanager
+def _vllm_server(backend: str, path, threads: int, dtype: str, max_seqs: int, log):
+    """A vLLM server beside the embedded one (``--backend vllm``), idle while the others are timed."""
+    if backend != "vllm":
+        yield None
+        return
+    from slipstream.rollouter.config import VLLMServerConfig
+    from slipstream.rollouter.launch import launch_server
+
+    v = VLLMServerConfig(dtype=dtype, max_model_len=1024, max_num_seqs=max_seqs, cpu_threads=threads)
+    log(f"starting vLLM ({path})")
+    with launch_server("vllm", path, cfg=RolloutConfig(backend="vllm", vllm=v)) as server:
+        server.wait_healthy(900)
+        yield server
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,6 +229,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_device_flag(parser, "where both sides run")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument(
+        "--backend",
+        choices=["embedded", "vllm"],
+        default="embedded",
+        help="vllm: also run a vLLM server on the same prompts, between the other two (vllm_tok_s, "
+        "vllm_logprob_max_abs_err, vllm_vs_embedded_N)",
+    )
     add_json_flag(parser, JSON_ONLY)
     ns = parser.parse_args(argv)
     # A plain SIGTERM would skip the `with` blocks and leave the server process running.
@@ -195,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[bench rollout] {msg}", file=sys.stderr if ns.json else sys.stdout, flush=True)
 
     summary = run_bench(
-        ns.model, ns.max_new_tokens, ns.concurrency, ns.threads, log, ns.repeats, ns.device, ns.dtype
+        ns.model, ns.max_new_tokens, ns.concurrency, ns.threads, log, ns.repeats, ns.device, ns.dtype, ns.backend
     )
     print(json.dumps(summary))
     return 0
