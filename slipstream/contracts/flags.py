@@ -9,8 +9,15 @@ Where the flags come from upstream, per server (:data:`LAUNCH`):
 * ``value_classes`` (with the field classes): where a flag's type is read, to check its value
   (a ``Literal`` choice, an int, a JSON object against a config class such as ``WeightTransferConfig``).
 
-Environment variables we set for a server must be known to it (``env_files``), and the entry point we
-run must exist (``entry``).
+A file or class may move between the releases a server is checked against (vLLM's ``FrontendArgs`` lives in
+``entrypoints/launchers/cli_args.py`` in 0.32 and ``entrypoints/common/cli_args.py`` in 0.33): such an entry
+lists its places as ``"a.py|b.py"``, and the first one the release has is read.
+
+Environment variables we set for a server must be known to it: its own (``env_prefix``) in ``env_files``,
+others (``OMP_NUM_THREADS``) anywhere in its sources. The module we run (``python -m MODULE``) must exist
+and run as a script; a command that is not ``-m`` is checked against ``entry``. A flag value naming an
+entry of an upstream registry (:data:`REGISTRIES`: vLLM's weight-transfer engines) must be registered
+there, or by one of our plug-ins (``ours.plugin_registrations``).
 """
 
 from __future__ import annotations
@@ -27,32 +34,98 @@ from slipstream.contracts.values import check_object, check_value
 
 @dataclass(frozen=True)
 class LaunchSpec:
-    entry: str  # the module file the command runs
+    entry: str  # the module file a command that is not ``python -m MODULE`` runs
     parsers: tuple[str, ...]
     field_classes: tuple[tuple[str, str], ...] = ()  # (class, file)
     field_dirs: tuple[str, ...] = ()
     value_classes: tuple[tuple[str, str], ...] = ()
     env_files: tuple[str, ...] = ()
+    env_prefix: str = ""  # the server's own environment variables, which must be read in env_files
     skip: int = 0  # leading argv items that are not flags (executable, subcommand, positional model)
 
 
 LAUNCH: dict[str, LaunchSpec] = {
     "vllm": LaunchSpec(
         entry="vllm/entrypoints/cli/serve.py",
-        parsers=("vllm/engine/arg_utils.py", "vllm/entrypoints/common/cli_args.py"),
-        field_classes=(("FrontendArgs", "vllm/entrypoints/common/cli_args.py"),),
+        parsers=(
+            "vllm/engine/arg_utils.py",
+            "vllm/entrypoints/common/cli_args.py|vllm/entrypoints/launchers/cli_args.py",
+        ),
+        field_classes=(
+            ("FrontendArgs", "vllm/entrypoints/common/cli_args.py|vllm/entrypoints/launchers/cli_args.py"),
+        ),
         value_classes=(("EngineArgs", "vllm/engine/arg_utils.py"),),
         env_files=("vllm/envs.py",),
-        skip=3,  # vllm serve MODEL
+        env_prefix="VLLM_",
+        skip=3,  # python -m vllm.entrypoints.openai.api_server (vllm serve MODEL: also 3)
     ),
     "sglang": LaunchSpec(
         entry="sglang/launch_server.py",
         parsers=("sglang/srt/server_args.py",),
         field_dirs=("sglang/srt/arg_groups/fields/",),
         env_files=("sglang/srt/environ.py",),
+        env_prefix="SGLANG_",
         skip=3,  # python -m sglang.launch_server
     ),
 }
+
+
+@dataclass(frozen=True)
+class Registry:
+    """Names registered upstream by calls ``<owner>.<method>("name", ...)`` (in any file), which a JSON
+    flag's ``key`` must name; ``plugin_group``: the entry-point group through which our plug-ins add
+    names with the same call."""
+
+    owner: str
+    method: str
+    plugin_group: str = ""
+
+
+# (server kind, flag, key of its JSON value) -> the registry its value must name.
+REGISTRIES: dict[tuple[str, str, str], Registry] = {
+    ("vllm", "--weight-transfer-config", "backend"): Registry(
+        "WeightTransferEngineFactory", "register_engine", plugin_group="vllm.general_plugins"
+    ),
+}
+
+
+def _first(tree: SourceTree, places: str) -> str | None:
+    """The first of ``"a.py|b.py"`` that the release has."""
+    return next((rel for rel in places.split("|") if rel in tree.files), None)
+
+
+def registered_names(tree: SourceTree, reg: Registry) -> dict[str, str]:
+    """name -> upstream file, for every ``Owner.method("name", ...)`` call in the release."""
+    out: dict[str, str] = {}
+    for rel in tree.grep(rf"{reg.owner}\.{reg.method}\("):
+        for node in ast.walk(tree.module(rel).tree):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == reg.method
+                and ast.unparse(node.func.value).split(".")[-1] == reg.owner
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str)
+            ):
+                out.setdefault(node.args[0].value, rel)
+    return out
+
+
+def _entry_errors(tree: SourceTree, spec: LaunchSpec, argv: list[str]) -> list[tuple[str, str]]:
+    """(field, message) when the module or file the command runs is missing or does not run as a script."""
+    if len(argv) >= 3 and argv[1] == "-m":
+        module = argv[2]
+        rel = tree.module_file(module)
+        if rel is None:
+            return [(module, "is run with `python -m` but the module is gone")]
+        main = tree.module_file(f"{module}.__main__") if rel.endswith("__init__.py") else rel
+        if main is None or "__main__" not in tree.text(main):
+            return [(module, 'is run with `python -m` but has no `if __name__ == "__main__"` block')]
+        return []
+    if spec.entry and spec.entry not in tree.files:
+        return [("", f"entry point {spec.entry} is gone")]
+    return []
 
 
 @dataclass
@@ -68,9 +141,10 @@ def _kebab(name: str) -> str:
 def flag_index(tree: SourceTree, spec: LaunchSpec) -> tuple[FlagIndex, list[str]]:
     """Upstream's flags for one server, and the source files of ``spec`` that are missing."""
     idx, gone = FlagIndex(), []
-    for rel in spec.parsers:
-        if rel not in tree.files:
-            gone.append(rel)
+    for places in spec.parsers:
+        rel = _first(tree, places)
+        if rel is None:
+            gone.append(places)
             continue
         for node in ast.walk(tree.module(rel).tree):
             if (
@@ -81,14 +155,14 @@ def flag_index(tree: SourceTree, spec: LaunchSpec) -> tuple[FlagIndex, list[str]
                 for a in node.args:
                     if isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value.startswith("--"):
                         idx.flags.setdefault(a.value, rel)
-    for name, rel in spec.field_classes + spec.value_classes:
-        cls = tree.find_class(name, near=rel if rel in tree.files else None)
+    for name, places in spec.field_classes + spec.value_classes:
+        cls = tree.find_class(name, near=_first(tree, places))
         if cls is None:
-            gone.append(f"{rel} (class {name})")
+            gone.append(f"{places} (class {name})")
             continue
         for f in cls.fields.values():
             idx.types.setdefault(_kebab(f.name), f)
-            if (name, rel) in spec.field_classes:
+            if (name, places) in spec.field_classes:
                 idx.flags.setdefault(_kebab(f.name), cls.file)
     for folder in spec.field_dirs:
         files = [rel for rel in tree.files if rel.startswith(folder)]
@@ -188,8 +262,42 @@ def _object_errors(tree: SourceTree, obj: dict, f: FieldInfo) -> list[tuple[str,
     return []
 
 
+def _registry_errors(
+    tree: SourceTree, kind: str, flag: str, value: str, plugins: dict[tuple[str, str], dict[str, str]]
+) -> list[tuple[str, str, str]]:
+    """(field, message, upstream file) for a JSON flag value naming what no registry entry registers."""
+    out: list[tuple[str, str, str]] = []
+    for (k, f, key), reg in REGISTRIES.items():
+        if k != kind or f != flag or not value.lstrip().startswith("{"):
+            continue
+        try:
+            name = json.loads(value).get(key)
+        except (ValueError, AttributeError):
+            continue
+        if not isinstance(name, str):
+            continue
+        upstream = registered_names(tree, reg)
+        ours = plugins.get((reg.owner, reg.method), {})
+        if name not in upstream and name not in ours:
+            files = sorted(set(upstream.values())) or [""]
+            known = sorted(upstream) + sorted(ours)
+            msg = (
+                f"`{name}` is registered neither upstream ({reg.owner}.{reg.method}) nor by our "
+                f"{reg.plugin_group or ''} plug-ins (known: {', '.join(known)})"
+            )
+            out.append((f"{flag} {key}", msg, files[0]))
+    return out
+
+
 def check_launch(trees: dict[str, SourceTree], argvs: list[LaunchArgv]) -> list[Problem]:
+    from slipstream.contracts.ours import plugin_registrations
+
     problems: list[Problem] = []
+    plugins = {
+        (reg.owner, reg.method): plugin_registrations(reg.plugin_group, reg.method)
+        for reg in REGISTRIES.values()
+        if reg.plugin_group
+    }
     cache: dict[str, tuple[FlagIndex, list[str]]] = {}
     for la in argvs:
         spec, tree = LAUNCH[la.kind], trees[la.kind]
@@ -200,8 +308,8 @@ def check_launch(trees: dict[str, SourceTree], argvs: list[LaunchArgv]) -> list[
                 Problem(where, "", f"upstream parser source {g} is gone", g) for g in cache[la.kind][1]
             ]
         idx, _ = cache[la.kind]
-        if spec.entry not in tree.files:
-            problems.append(Problem(where, "", f"entry point {spec.entry} is gone", spec.entry, la.source))
+        for sub, msg in _entry_errors(tree, spec, la.argv):
+            problems.append(Problem(where, sub, msg, tree.module_file(sub) or spec.entry, la.source))
         for flag, value in parse_argv(la.argv, spec.skip):
             known = idx.flags.get(flag)
             if known is None and flag.startswith("--no-"):
@@ -222,9 +330,13 @@ def check_launch(trees: dict[str, SourceTree], argvs: list[LaunchArgv]) -> list[
                 for sub, msg in _value_errors(tree, value, f):
                     name = f"{flag} {sub}".strip()
                     problems.append(Problem(where, name, msg, f.module, la.source))
+            if value is not None:
+                for sub, msg, up in _registry_errors(tree, la.kind, flag, value, plugins):
+                    problems.append(Problem(where, sub, msg, up, la.source))
         for var in la.env:
-            files = [r for r in spec.env_files if r in tree.files]
-            if files and not any(var in tree.text(r) for r in files):
+            own = not spec.env_prefix or var.startswith(spec.env_prefix)
+            files = [r for r in spec.env_files if r in tree.files] if own else []
+            if own and files and not any(var in tree.text(r) for r in files):
                 problems.append(
                     Problem(
                         where,
@@ -233,5 +345,9 @@ def check_launch(trees: dict[str, SourceTree], argvs: list[LaunchArgv]) -> list[
                         ", ".join(files),
                         la.source,
                     )
+                )
+            elif not own and not tree.grep(rf"[\"']{var}[\"']"):
+                problems.append(
+                    Problem(where, var, "is set for the server but appears nowhere upstream", "", la.source)
                 )
     return problems

@@ -13,34 +13,62 @@ upstream sources, reads how its handler takes input, and checks what we send:
   reads.
 
 Some fields are typed ``dict`` upstream and parsed later into a class (SGLang's ``sampling_params``,
-vLLM's weight-transfer ``init_info``); :data:`NESTED` names those classes. :data:`VALIDATORS` names
-upstream functions that are pure Python (msgspec only) and are run on our bodies as they are.
+vLLM's weight-transfer ``init_info``); :data:`NESTED` names those classes. Which class parses vLLM's
+``init_info``/``update_info`` depends on the server's weight-transfer engine (each call notes the engine
+it was recorded for): vLLM's own for ``nccl``, and for ``slipstream`` the msgspec structs of OUR plug-in
+(:data:`PLUGIN_NESTED`: the classes its ``parse_init_info``/``parse_update_info`` convert with, read from
+the plug-in's source and imported), checked the way the plug-in parses: ``msgspec.convert``, plus every key
+we send, nested ones included, must be a field (msgspec drops unknown keys silently). A body field that
+one engine's class parses, sent for an engine no class is named for, is a problem too: nothing goes
+unchecked. :data:`VALIDATORS` names upstream functions that are pure Python (msgspec only) and are run on
+our bodies as they are.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
 import importlib.util
 import sys
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from slipstream.contracts.ours import HttpCall
 from slipstream.contracts.problems import Problem
 from slipstream.contracts.upstream import ClassInfo, FieldInfo, Route, SourceTree
 from slipstream.contracts.values import check_object, check_value
 
-# (server kind, path, body key) -> (class name, file to resolve it from): dicts parsed by upstream later.
-NESTED: dict[tuple[str, str, str], tuple[str, str]] = {
-    ("sglang", "/generate", "sampling_params"): ("SamplingParams", "sglang/srt/sampling/sampling_params.py"),
-    # Our adapter asks for the NCCL backend (launch.py: --weight-transfer-config {"backend": "nccl"}).
-    ("vllm", "/init_weight_transfer_engine", "init_info"): (
+# (server kind, path, body key, engine) -> (class name, file to resolve it from): dicts parsed by upstream
+# later; engine "" for any call, else only calls recorded for that vLLM weight-transfer engine.
+NESTED: dict[tuple[str, str, str, str], tuple[str, str]] = {
+    ("sglang", "/generate", "sampling_params", ""): (
+        "SamplingParams",
+        "sglang/srt/sampling/sampling_params.py",
+    ),
+    ("vllm", "/init_weight_transfer_engine", "init_info", "nccl"): (
         "NCCLWeightTransferInitInfo",
         "vllm/distributed/weight_transfer/nccl_common.py",
     ),
-    ("vllm", "/update_weights", "update_info"): (
+    ("vllm", "/update_weights", "update_info", "nccl"): (
         "NCCLWeightTransferUpdateInfo",
         "vllm/distributed/weight_transfer/nccl_engine.py",
+    ),
+}
+
+# (server kind, path, body key, engine) -> (our plug-in's file, its engine class, the method that parses
+# the key): dicts our own plug-in parses inside the server (``rollouter/vllm_weights.py``).
+PLUGIN_NESTED: dict[tuple[str, str, str, str], tuple[str, str, str]] = {
+    ("vllm", "/init_weight_transfer_engine", "init_info", "slipstream"): (
+        "slipstream/rollouter/vllm_weights.py",
+        "SlipstreamWeightEngine",
+        "parse_init_info",
+    ),
+    ("vllm", "/update_weights", "update_info", "slipstream"): (
+        "slipstream/rollouter/vllm_weights.py",
+        "SlipstreamWeightEngine",
+        "parse_update_info",
     ),
 }
 
@@ -265,8 +293,35 @@ def _nested(tree: SourceTree, kind: str, call: HttpCall, where: str) -> list[Pro
     out: list[Problem] = []
     if not isinstance(call.body, dict):
         return out
-    for (k, path, key), (cls_name, near) in NESTED.items():
-        if k != kind or path != call.path or key not in call.body:
+    by_engine = {(k, p, key) for k, p, key, e in [*NESTED, *PLUGIN_NESTED] if e}
+    for k, path, key in sorted(by_engine):
+        covered = (k, path, key, call.engine)
+        if k == kind and path == call.path and key in call.body and covered not in NESTED | PLUGIN_NESTED:
+            engines = sorted(
+                e for kk, pp, kkey, e in [*NESTED, *PLUGIN_NESTED] if (kk, pp, kkey) == (k, path, key)
+            )
+            msg = (
+                f"is parsed by the server's weight-transfer engine, and no class is known for engine "
+                f"{call.engine or '(none recorded)'} (known: {', '.join(engines)})"
+            )
+            out.append(Problem(where, key, msg, "", call.origin))
+    for (k, path, key, engine), (rel, cls_name, method) in PLUGIN_NESTED.items():
+        if k != kind or path != call.path or key not in call.body or engine != call.engine:
+            continue
+        try:
+            cls = plugin_parser_class(rel, cls_name, method)
+        except LookupError as err:
+            out.append(Problem(where, key, str(err), rel, call.origin))
+            continue
+        values = call.body[key] if isinstance(call.body[key], list) else [call.body[key]]
+        for v in values:
+            where_ours = f"{where} (engine {engine}: our plug-in parses it)"
+            out += [
+                Problem(where_ours, f, m, _module_file(cls), call.origin)
+                for f, m in check_struct(cls, v, key)
+            ]
+    for (k, path, key, engine), (cls_name, near) in NESTED.items():
+        if k != kind or path != call.path or key not in call.body or (engine and engine != call.engine):
             continue
         cls = tree.find_class(cls_name, near=near if near in tree.files else None)
         if cls is None:
@@ -280,6 +335,96 @@ def _nested(tree: SourceTree, kind: str, call: HttpCall, where: str) -> list[Pro
                 out += [
                     Problem(where, f, m, cls.file, call.origin) for f, m in check_object(tree, cls, v, key)
                 ]
+    return out
+
+
+def plugin_parser_class(rel: str, cls_name: str, method: str) -> type:
+    """The class our plug-in's ``cls_name.method`` converts its input with: the name, imported in the method
+    or its module, that the method passes to a call (``_convert(data, InitWeightsUpdateGroupReq, ...)``).
+    Raises LookupError naming what is missing."""
+    from slipstream.contracts.ours import REPO
+
+    path = REPO / rel
+    if not path.exists():
+        raise LookupError(f"our plug-in {rel} is gone")
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls_name), None)
+    fn = next(
+        (n for n in (cls.body if cls else []) if isinstance(n, ast.FunctionDef) and n.name == method), None
+    )
+    if fn is None:
+        raise LookupError(f"our plug-in has no {cls_name}.{method}")
+    imported: dict[str, str] = {}
+    for scope in (tree, fn):
+        for node in ast.walk(scope):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                imported.update({a.asname or a.name: f"{node.module}:{a.name}" for a in node.names})
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Call):
+            for arg in node.args:
+                if isinstance(arg, ast.Name) and arg.id in imported:
+                    module, _, name = imported[arg.id].partition(":")
+                    found = getattr(importlib.import_module(module), name, None)
+                    if isinstance(found, type) and issubclass(found, msgspec.Struct):
+                        return found
+    raise LookupError(f"our plug-in's {cls_name}.{method} converts with no msgspec Struct found")
+
+
+def _module_file(cls: type) -> str:
+    """Our file that defines ``cls``, relative to the repository."""
+    from pathlib import Path
+
+    from slipstream.contracts.ours import REPO
+
+    path = Path(sys.modules[cls.__module__].__file__ or "").resolve()
+    return path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else path.name
+
+
+def check_struct(cls: type, value: Any, path: str) -> list[tuple[str, str]]:
+    """Errors of ``value`` as input to ``msgspec.convert(value, cls)`` (what our plug-in runs), plus every
+    key that no field takes, at any depth (msgspec ignores unknown keys)."""
+    errs = _unknown_keys(msgspec.inspect.type_info(cls), value, path, 0)
+    try:
+        msgspec.convert(value, cls)
+    except msgspec.ValidationError as err:
+        errs.append((path, f"{cls.__name__} rejects it: {err}"))
+    return errs
+
+
+def _unknown_keys(t: Any, value: Any, path: str, depth: int) -> list[tuple[str, str]]:
+    mi = msgspec.inspect
+    if depth > 8:
+        return []
+    if isinstance(t, mi.Metadata):
+        return _unknown_keys(t.type, value, path, depth + 1)
+    if isinstance(t, mi.UnionType):
+        shaped = [x for x in t.types if isinstance(x, mi.StructType) and isinstance(value, dict)]
+        return _unknown_keys(shaped[0], value, path, depth + 1) if len(shaped) == 1 else []
+    if isinstance(t, (mi.ListType, mi.SetType, mi.FrozenSetType, mi.VarTupleType)) and isinstance(
+        value, list
+    ):
+        return [
+            e for i, v in enumerate(value) for e in _unknown_keys(t.item_type, v, f"{path}[{i}]", depth + 1)
+        ]
+    if isinstance(t, mi.DictType) and isinstance(value, dict):
+        return [e for k, v in value.items() for e in _unknown_keys(t.value_type, v, f"{path}.{k}", depth + 1)]
+    if not isinstance(t, mi.StructType):
+        return []
+    fields = {f.encode_name: f for f in t.fields}
+    if t.array_like and isinstance(value, list):
+        return [
+            e
+            for i, (f, v) in enumerate(zip(t.fields, value, strict=False))
+            for e in _unknown_keys(f.type, v, f"{path}[{i}]", depth + 1)
+        ]
+    if not isinstance(value, dict):
+        return []
+    out: list[tuple[str, str]] = []
+    for k, v in value.items():
+        if k not in fields:
+            out.append((f"{path}.{k}", f"is not a field of {t.cls.__name__} (msgspec drops unknown keys)"))
+        else:
+            out += _unknown_keys(fields[k].type, v, f"{path}.{k}", depth + 1)
     return out
 
 

@@ -3,9 +3,13 @@
 * HTTP: the clients (``rollouter/clients``) and the weight-sync adapters (``weightsync/adapters.py``)
   are driven through every call they offer, in every mode their configs allow, against an
   ``httpx.MockTransport`` that records each request (method, path, query, JSON body) and answers
-  with a small well-formed reply whose reads are noted (which reply fields our parsers use).
+  with a small well-formed reply whose reads are noted (which reply fields our parsers use). The vLLM
+  adapter is driven once per weight-transfer engine it pushes to (:data:`VLLM_ENGINES`), the engine
+  named by the recorded ``/server_info`` reply as a real server's would, and each call notes its engine
+  (the bodies of ``slipstream`` and ``nccl`` differ and are parsed by different classes).
 * Launch: ``rollouter.launch.launch_server`` builds its command for each recipe in ``configs/`` and
-  for the default config, with ``subprocess.Popen`` replaced by a recorder (nothing is started).
+  for the default config (vLLM: with each weight-transfer engine and route, for the GPU release and for
+  the CPU build), with ``subprocess.Popen`` replaced by a recorder (nothing is started).
 * Python APIs: :mod:`slipstream.contracts.pyapi` reads our modules' imports and calls with ``ast``.
 
 Example::
@@ -38,6 +42,7 @@ class HttpCall:
     body: Any  # parsed JSON, or None when no body was sent
     origin: str  # which of our calls sent it, e.g. "VLLMAdapter.before(pause_mode=abort)"
     reads: set[str] = field(default_factory=set)  # reply fields our code read: "choices[].token_ids"
+    engine: str = ""  # the vLLM weight-transfer engine the adapter pushed to (slipstream | nccl); "" else
 
     @property
     def endpoint(self) -> str:
@@ -47,14 +52,20 @@ class HttpCall:
 @dataclass
 class LaunchArgv:
     kind: str
-    source: str  # the config the command was built for
+    source: str  # the config the command was built for (and, for vLLM, the build: "(cpu build)")
     argv: list[str]
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # what the launcher sets beyond its own environment
 
 
 # ------------------------------------------------------------------------------------------ HTTP
-def _reply(request: httpx.Request) -> httpx.Response:
-    """A minimal valid answer for each route our code reads a reply from."""
+# The vLLM weight-transfer engines our adapter pushes to (``VLLMAdapter.ENGINE_TRANSPORTS``); a test holds
+# this to the adapter, so a new engine is recorded (and its bodies checked) as soon as the adapter takes it.
+VLLM_ENGINES: tuple[str, ...] = ("slipstream", "nccl")
+
+
+def _reply(request: httpx.Request, kind: str = "", engine: str = "") -> httpx.Response:
+    """A minimal valid answer for each route our code reads a reply from (``engine``: the weight-transfer
+    engine a vLLM server reports in ``/server_info``)."""
     path = request.url.path
     body: Any = {"success": True, "message": "ok"}
     if path == "/generate":
@@ -88,6 +99,7 @@ def _reply(request: httpx.Request) -> httpx.Response:
                     "token_ids": [5],
                     "logprobs": {"content": [{"token_id": 5, "logprob": -0.5}]},
                     "finish_reason": "stop",
+                    "weight_versions": [{"version": "1", "start": 0, "end": 1}],
                 }
             ],
             "usage": {"prompt_tokens": 3},
@@ -96,6 +108,9 @@ def _reply(request: httpx.Request) -> httpx.Response:
         body = {"weight_version": "1", "model_path": "m"}
     elif path == "/v1/models":
         body = {"data": [{"id": "m", "root": "m", "max_model_len": 64}]}
+    elif path == "/server_info" and kind == "vllm":  # ?config_format=json: the config as JSON
+        config = {"weight_transfer_config": {"backend": engine or "nccl"}}
+        body = {"vllm_config": config, "vllm_env": {}, "system_env": {}}
     elif path == "/server_info":
         body = {"tp_size": 1}
     elif path == "/get_world_size":
@@ -136,16 +151,19 @@ class _Recorder:
         self.calls: list[HttpCall] = []
         self.kind = ""
         self.origin = ""
+        self.engine = ""
         self._by_request: dict[int, HttpCall] = {}
 
     def handler(self, request: httpx.Request) -> httpx.Response:
         raw = request.content
         body = json.loads(raw) if raw else None
         params = dict(request.url.params.multi_items())
-        call = HttpCall(self.kind, request.method, request.url.path, params, body, self.origin)
+        call = HttpCall(
+            self.kind, request.method, request.url.path, params, body, self.origin, engine=self.engine
+        )
         self.calls.append(call)
         self._by_request[id(request)] = call
-        return _reply(request)
+        return _reply(request, self.kind, self.engine)
 
     def tracking_json(self, response: httpx.Response, **kwargs) -> Any:
         """``httpx.Response.json`` while recording: the reply, noting which of its fields are read."""
@@ -236,15 +254,19 @@ async def _record_adapters(rec: _Recorder, errors: list[str]) -> None:
         backend="nccl",
         nccl_unique_id_b64="QUJD",
     )
-    for kind in ("sglang", "vllm"):
+    variants = [("sglang", "")] + [("vllm", engine) for engine in VLLM_ENGINES]
+    for kind, engine in variants:
         cls = ADAPTERS[kind]
         for backend in ("torch_dist", "naive"):
             for pause_mode in ("in_place", "abort", "retract"):
                 cfg = WeightSyncConfig(backend=backend, pause_mode=pause_mode)
                 http = rec.client()
                 adapter = cls("http://upstream", cfg, http)
-                label = f"{cls.__name__}(backend={backend}, pause_mode={pause_mode})"
+                on = f", engine={engine}" if engine else ""
+                label = f"{cls.__name__}(backend={backend}, pause_mode={pause_mode}{on})"
+                rec.engine = engine
                 steps = [
+                    ("data_plane", adapter.data_plane),  # vLLM: reads the engine from /server_info
                     ("ranks", adapter.ranks),
                     ("init_group", lambda a=adapter: a.init_group(spec)),
                     ("before", lambda a=adapter: a.before(3)),
@@ -258,6 +280,9 @@ async def _record_adapters(rec: _Recorder, errors: list[str]) -> None:
                 ]
                 for name, step in steps:
                     await rec.run(kind, f"{label}.{name}", step, errors)
+                if engine and getattr(adapter, "engine", engine) != engine:
+                    errors.append(f"{label}: the adapter took engine {adapter.engine!r} from /server_info")
+                rec.engine = ""
                 await http.aclose()
 
 
@@ -279,8 +304,10 @@ def record_http_calls(errors: list[str] | None = None) -> list[HttpCall]:
 
 # ---------------------------------------------------------------------------------------- launch
 def _sample_configs() -> list[tuple[str, Any]]:
+    import msgspec
+
     from slipstream.config import load_config
-    from slipstream.rollouter.config import RolloutConfig
+    from slipstream.rollouter.config import RolloutConfig, VLLMServerConfig
 
     out: list[tuple[str, Any]] = []
     for path in sorted((REPO / "configs").rglob("*.yaml")):
@@ -289,11 +316,47 @@ def _sample_configs() -> list[tuple[str, Any]]:
             out.append((path.relative_to(REPO).as_posix(), cfg))
     for kind in ("vllm", "sglang"):
         out.append((f"RolloutConfig(backend={kind})", RolloutConfig(backend=kind)))
+    # Every choice of the vLLM settings that change the command: each engine and route, and the
+    # settings a CPU adds (threads, a length limit, compiled vs eager).
+    info = msgspec.inspect.type_info(VLLMServerConfig)
+    choices = {f.name: _literal_values(f.type) for f in info.fields}  # type: ignore[attr-defined]
+    for transfer in choices["weight_transfer"]:
+        for route in choices["route"]:
+            v = VLLMServerConfig(weight_transfer=transfer, route=route, max_model_len=1024, cpu_threads=1)
+            label = f"RolloutConfig(backend=vllm, vllm.weight_transfer={transfer}, vllm.route={route})"
+            out.append((label, RolloutConfig(backend="vllm", vllm=v)))
+    for eager in (True, False):
+        v = VLLMServerConfig(enforce_eager=eager, dtype="float32", max_num_seqs=8, cpu_threads=0)
+        out.append(
+            (
+                f"RolloutConfig(backend=vllm, vllm.enforce_eager={eager})",
+                RolloutConfig(backend="vllm", vllm=v),
+            )
+        )
     return out
 
 
+def _literal_values(t: Any) -> tuple:
+    """The choices of a ``Literal`` field (looking through ``Annotated``/``Meta``), else ()."""
+    import msgspec
+
+    if isinstance(t, msgspec.inspect.Metadata):
+        t = t.type
+    if isinstance(t, msgspec.inspect.LiteralType):
+        return tuple(t.values)
+    return ()
+
+
+# The vLLM builds the launcher tells apart (``launch.vllm_build``): each config's command is recorded for both.
+VLLM_BUILDS: tuple[str, ...] = ("gpu", "cpu")
+
+
 def record_launch_argv() -> list[LaunchArgv]:
-    """The command ``launch_server`` builds for each vLLM/SGLang config we ship, nothing started."""
+    """The command ``launch_server`` builds for each vLLM/SGLang config we ship, nothing started; a vLLM
+    config's command once per build (:data:`VLLM_BUILDS`: the GPU release and the CPU build differ in
+    environment and defaults)."""
+    import os
+
     from slipstream.rollouter import launch
 
     seen: list[LaunchArgv] = []
@@ -312,22 +375,62 @@ def record_launch_argv() -> list[LaunchArgv]:
             return 0
 
     out: list[LaunchArgv] = []
+    build = {"name": ""}
     with (
         mock.patch.object(launch.subprocess, "Popen", _FakePopen),
-        mock.patch.object(launch.shutil, "which", lambda *a, **k: "/usr/bin/vllm"),
+        mock.patch.object(launch, "vllm_build", lambda: build["name"]),
     ):
         for source, cfg in _sample_configs():
-            server = launch.launch_server(
-                cfg.backend, "/models/sample", cfg=cfg, port=30123, log_path=Path("/dev/null")
-            )
-            server.stop()
-            rec = seen.pop()
-            out.append(
-                LaunchArgv(
-                    cfg.backend,
-                    source,
-                    rec.argv,
-                    {k: v for k, v in rec.env.items() if k.startswith(("VLLM_", "SGLANG_"))},
+            for name in VLLM_BUILDS if cfg.backend == "vllm" else ("",):
+                build["name"] = name
+                server = launch.launch_server(
+                    cfg.backend, "/models/sample", cfg=cfg, port=30123, log_path=Path("/dev/null")
                 )
-            )
+                server.stop()
+                rec = seen.pop()
+                env = {k: v for k, v in rec.env.items() if os.environ.get(k) != v}
+                label = f"{source} ({name} build)" if name else source
+                out.append(LaunchArgv(cfg.backend, label, rec.argv, env))
+    return out
+
+
+# --------------------------------------------------------------------------------------- plug-ins
+def plugin_entry_points(group: str) -> dict[str, str]:
+    """Our ``pyproject.toml`` entry points of ``group`` (``vllm.general_plugins``): name -> ``module:function``."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    return dict(project.get("entry-points", {}).get(group, {}))
+
+
+def plugin_registrations(group: str, method: str) -> dict[str, str]:
+    """Names our plug-ins of entry-point ``group`` register with ``<registry>.<method>("name", ...)``, read
+    from the function each entry point names (the name a literal or a module constant): name -> our file."""
+    import ast
+
+    out: dict[str, str] = {}
+    for target in plugin_entry_points(group).values():
+        module, _, func = target.partition(":")
+        path = REPO / (module.replace(".", "/") + ".py")
+        if not path.exists():
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        consts = {
+            t.id: n.value.value
+            for n in tree.body
+            if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)
+            for t in n.targets
+            if isinstance(t, ast.Name)
+        }
+        fn = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == func), None)
+        for node in ast.walk(fn) if fn is not None else []:
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == method
+            ):
+                arg = node.args[0] if node.args else None
+                name = arg.value if isinstance(arg, ast.Constant) else consts.get(getattr(arg, "id", ""))
+                if isinstance(name, str):
+                    out[name] = path.relative_to(REPO).as_posix()
     return out

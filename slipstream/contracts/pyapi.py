@@ -11,7 +11,13 @@ From our source (every module under ``slipstream/`` that imports the package) th
   function's returned names are read from its body and the call is checked against each of them;
 * method calls on objects of upstream classes (``self.agent.transfer(h)``, ``self.model.finish_grad_sync()``):
   a variable or attribute is typed when it is assigned the result of an upstream class, of an upstream
-  function with a return annotation, or of one of our functions that returns such a call.
+  function with a return annotation, or of one of our functions that returns such a call;
+* class attributes and class methods of upstream classes (``WeightTransferEngineFactory.register_engine(
+  name, module, cls)``, ``WeightTransferEngineFactory._registry``);
+* our subclasses of upstream classes (our vLLM weight-transfer engine, whose base is imported inside a
+  function so the module loads without vLLM): every abstract method upstream must be defined, an
+  override must take the arguments upstream's callers pass, ``super().__init__(...)`` must fit, and every
+  ``self.x`` our class reads but never sets must be set or declared upstream.
 
 Only what can be resolved is checked; nothing is imported from either package.
 """
@@ -222,6 +228,137 @@ class _FileChecker:
                     else:
                         self._check_sig(node, name, sig, n_pos, kws, has_kwargs)
 
+    # ------------------------------------------------------------------ upstream classes used directly
+    def upstream_class(self, expr: ast.expr) -> ClassInfo | None:
+        res = self.resolve_expr(expr)
+        return self.class_of(res) if res is not None and res.kind == "class" else None
+
+    def check_class_members(self) -> None:
+        """``UpstreamClass.attr`` (called or read): a method, or a class-level or instance attribute."""
+        calls = {id(n.func): n for n in ast.walk(self.ast) if isinstance(n, ast.Call)}
+        for node in ast.walk(self.ast):
+            if not isinstance(node, ast.Attribute):
+                continue
+            cls = self.upstream_class(node.value)
+            if cls is None:
+                continue
+            name = f"{cls.name}.{node.attr}"
+            call = calls.get(id(node))
+            sig = self.tree.method(cls, node.attr)
+            if call is not None and sig is not None:
+                n_pos = None if any(isinstance(a, ast.Starred) for a in call.args) else len(call.args)
+                kws = [k.arg for k in call.keywords if k.arg is not None]
+                self._check_sig(call, name, sig, n_pos, kws, any(k.arg is None for k in call.keywords))
+                continue
+            self.checked += 1
+            if node.attr not in members(self.tree, cls):
+                what = "method" if call is not None else "attribute"
+                self.problem(node, name, f"is not a {what} upstream", cls.file)
+
+    # ------------------------------------------------------------------ our subclasses
+    def base_class(self, base: ast.expr) -> ClassInfo | None:
+        """The upstream class ``base`` names: imported, or a module-level name assigned the result of one of
+        our functions that returns an imported upstream class (``_Base = _engine_base()``)."""
+        direct = self.upstream_class(base)
+        if direct is not None or not isinstance(base, ast.Name):
+            return direct
+        funcs = {n.name: n for n in self.ast.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        for node in ast.walk(self.ast):
+            if (
+                isinstance(node, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == base.id for t in node.targets)
+                and isinstance(node.value, ast.Call)
+                and isinstance(node.value.func, ast.Name)
+                and node.value.func.id in funcs
+            ):
+                for r in ast.walk(funcs[node.value.func.id]):
+                    if isinstance(r, ast.Return) and r.value is not None:
+                        found = self.upstream_class(r.value)
+                        if found is not None:
+                            return found
+        return None
+
+    def check_subclasses(self) -> None:
+        for cls in (n for n in ast.walk(self.ast) if isinstance(n, ast.ClassDef)):
+            for base in cls.bases:
+                up = self.base_class(base)
+                if up is not None:
+                    self._check_subclass(cls, up)
+
+    def _check_subclass(self, cls: ast.ClassDef, up: ClassInfo) -> None:
+        ours = {n.name: n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        for name, (owner, fn) in upstream_methods(self.tree, up).items():
+            self.checked += 1
+            decos = {ast.unparse(d).split(".")[-1] for d in fn.decorator_list}
+            mine = ours.get(name)
+            if mine is None:
+                if "abstractmethod" in decos:
+                    self.problem(
+                        cls, f"{cls.name}.{name}", f"is abstract in {owner.name} and not defined", owner.file
+                    )
+                continue
+            if name.startswith("__") and name != "__init__":
+                continue
+            theirs, sig = self.tree.signature(owner.file, fn), self.tree.signature(self.label, mine)
+            for err in sig.accepts(len(theirs.positional), []):  # upstream's callers pass its arity
+                if not err.startswith("requires"):
+                    self.problem(
+                        mine,
+                        f"{cls.name}.{name}",
+                        f"overrides {owner.name}.{name}{_params(theirs)} but {err}",
+                        owner.file,
+                    )
+            extra = sorted(sig.required - set(theirs.positional) - set(theirs.keyword_only))
+            if extra:
+                self.problem(
+                    mine,
+                    f"{cls.name}.{name}",
+                    f"requires {extra}, which {owner.name}'s callers do not pass",
+                    owner.file,
+                )
+        init = self.tree.method(up, "__init__")
+        for node in ast.walk(cls):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "__init__"
+                and isinstance(node.func.value, ast.Call)
+                and ast.unparse(node.func.value.func) == "super"
+                and init is not None
+            ):
+                kws = [k.arg for k in node.keywords if k.arg is not None]
+                self._check_sig(node, f"{up.name}.__init__", init, len(node.args), kws, False)
+        assigned = {
+            t.attr
+            for n in ast.walk(cls)
+            if isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign))
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+            if isinstance(t, ast.Attribute) and ast.unparse(t.value) == "self"
+        }
+        defined = set(ours) | {
+            t.id
+            for n in cls.body
+            if isinstance(n, (ast.Assign, ast.AnnAssign))
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+            if isinstance(t, ast.Name)
+        }
+        known = members(self.tree, up)
+        for node in ast.walk(cls):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Load)
+                and ast.unparse(node.value) == "self"
+                and node.attr not in assigned | defined
+            ):
+                self.checked += 1
+                if node.attr not in known:
+                    self.problem(
+                        node,
+                        f"self.{node.attr}",
+                        f"is read by {cls.name} but neither it nor {up.name} sets it",
+                        up.file,
+                    )
+
     def _check_sig(self, node, name, sig: Signature | None, n_pos, kws, has_kwargs) -> None:
         self.checked += 1
         if sig is None:
@@ -231,6 +368,56 @@ class _FileChecker:
             errors = [e for e in errors if not e.startswith(("requires", "takes"))]
         for e in errors:
             self.problem(node, name, e, sig.file)
+
+
+def _params(sig: Signature) -> str:
+    return "(" + ", ".join(sig.positional + [f"*, {k}" for k in sig.keyword_only]) + ")"
+
+
+def upstream_methods(
+    tree: SourceTree, cls: ClassInfo, _depth: int = 0
+) -> dict[str, tuple[ClassInfo, ast.FunctionDef]]:
+    """Every method of ``cls`` and its upstream bases (the nearest definition wins): name -> (owner, def)."""
+    out: dict[str, tuple[ClassInfo, ast.FunctionDef]] = {}
+    if _depth > 10:
+        return out
+    for b in cls.node.bases:
+        res = tree._base(cls.file, b)
+        if res is not None:
+            out.update(upstream_methods(tree, tree.class_info(res.file, res.node), _depth + 1))  # type: ignore[arg-type]
+    for stmt in cls.node.body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            out[stmt.name] = (cls, stmt)  # type: ignore[assignment]
+    return out
+
+
+def members(tree: SourceTree, cls: ClassInfo, _depth: int = 0) -> set[str]:
+    """Names an instance or the class has: methods, class-level names, and ``self.x`` set in any method,
+    along the upstream bases."""
+    names: set[str] = set()
+    if _depth > 10:
+        return names
+    for stmt in cls.node.body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(stmt.name)
+        elif isinstance(stmt, ast.Assign):
+            names |= {t.id for t in stmt.targets if isinstance(t, ast.Name)}
+        elif isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+            names.add(stmt.target.id)
+    for n in ast.walk(cls.node):
+        targets = (
+            n.targets
+            if isinstance(n, ast.Assign)
+            else [n.target]
+            if isinstance(n, (ast.AnnAssign, ast.AugAssign))
+            else []
+        )
+        names |= {t.attr for t in targets if isinstance(t, ast.Attribute) and ast.unparse(t.value) == "self"}
+    for b in cls.node.bases:
+        res = tree._base(cls.file, b)
+        if res is not None:
+            names |= members(tree, tree.class_info(res.file, res.node), _depth + 1)  # type: ignore[arg-type]
+    return names
 
 
 def check_python_api(
@@ -246,6 +433,8 @@ def check_python_api(
         fc.bind_imports()
         fc.infer_types()
         fc.check_calls()
+        fc.check_class_members()
+        fc.check_subclasses()
         problems += fc.problems
         checked += fc.checked
     return problems, checked

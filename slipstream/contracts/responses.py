@@ -6,7 +6,9 @@ reads (``choices[].weight_versions[].start``); the checker then looks for it:
 
 * in the reply model of :data:`REPLIES` (vLLM's pydantic response models), field by field down the path;
 * else in the handler's own dict literals (``JSONResponse(content={"world_size": ...})``), for a
-  top-level field;
+  top-level field, and below it along the model :data:`REPLY_FIELDS` names for that field (vLLM's
+  ``/server_info?config_format=json`` dumps ``VllmConfig``: we read
+  ``vllm_config.weight_transfer_config.backend``);
 * else (replies assembled elsewhere, e.g. SGLang's ``meta_info``) anywhere in the release's sources, as a
   string literal or an annotated field: a weaker check that still catches a rename.
 
@@ -30,6 +32,10 @@ REPLIES: dict[tuple[str, str], tuple[str, str]] = {
         "vllm/entrypoints/scale_out/token_in_token_out/protocol.py",
     ),
     ("vllm", "/v1/models"): ("ModelList", "vllm/entrypoints/serve/engine/protocol.py"),
+}
+# (server kind, path, top-level reply field) -> the model that field is a dump of (class, file).
+REPLY_FIELDS: dict[tuple[str, str, str], tuple[str, str]] = {
+    ("vllm", "/server_info", "vllm_config"): ("VllmConfig", "vllm/config/vllm.py"),
 }
 ENVELOPE = {"success", "message", "error", "detail"}
 
@@ -86,6 +92,33 @@ def _mentioned(tree: SourceTree, keys: set[str]) -> set[str]:
     return found
 
 
+def _nested_reads(
+    tree: SourceTree, kind: str, path: str, paths: set[str], where: str, origin: str
+) -> list[Problem]:
+    """Reads below a top-level field that is a dump of a model (:data:`REPLY_FIELDS`), checked along it."""
+    out: list[Problem] = []
+    for (k, p, top), (name, near) in REPLY_FIELDS.items():
+        below = sorted(
+            r.split(".", 1)[1]
+            for r in paths
+            if k == kind and p == path and "." in r and r.split(".")[0] == top
+        )
+        if not below:
+            continue
+        cls = tree.find_class(name, near=near if near in tree.files else None)
+        if cls is None:
+            out.append(
+                Problem(where, top, f"upstream model {name} (which {top} dumps) is gone", near, origin)
+            )
+            continue
+        for rest in below:
+            missing = check_model_path(tree, cls, rest)
+            if missing is not None:
+                msg = f"is read by our parser but {missing[1].name} has no field `{missing[0]}`"
+                out.append(Problem(where, f"{top}.{rest}", msg, missing[1].file, origin))
+    return out
+
+
 def check_replies(trees: dict[str, SourceTree], calls: list[HttpCall]) -> list[Problem]:
     reads: dict[tuple[str, str, str], tuple[set[str], str]] = {}
     for c in calls:
@@ -113,6 +146,7 @@ def check_replies(trees: dict[str, SourceTree], calls: list[HttpCall]) -> list[P
             continue
         routes = tree.find_routes(path, method)
         keys = set().union(*(_dict_keys(r.handler) for r in routes)) if routes else set()
+        problems += _nested_reads(tree, kind, path, paths, where, origin)
         unmatched = [p for p in sorted(paths) if p.split(".")[0].removesuffix("[]") not in keys]
         mentioned = _mentioned(tree, {p.split(".")[-1].removesuffix("[]") for p in unmatched})
         for p in unmatched:

@@ -91,6 +91,8 @@ class WeightUpdate:
     instead of per-bucket calls, where the server has one. ``end_aborts``: ``end`` takes
     ``abort_running: true`` and does the pause around the switch itself (aborts what runs, holds new
     requests, switches, resumes): one call per server where ``at_end`` would otherwise send three.
+    ``engine`` says which weight-transfer engine the server runs, where it has several (vLLM's
+    ``/server_info``; None: one).
     """
 
     init_group: Endpoint
@@ -103,10 +105,11 @@ class WeightUpdate:
     stream_prepare: str = ""
     stream_connect: str = ""
     end_aborts: bool = False
+    engine: Endpoint | None = None
 
     def endpoints(self) -> list[Endpoint]:
         eps = [self.init_group, self.destroy_group, self.begin, self.update, self.end]
-        return eps + ([self.ranks] if self.ranks is not None else [])
+        return eps + [ep for ep in (self.ranks, self.engine) if ep is not None]
 
 
 @dataclass(frozen=True)

@@ -72,5 +72,6 @@ VLLM = VLLMAPI(
         end=post("/finish_weight_update"),
         pause="before",
         ranks=get("/get_world_size"),
+        engine=get("/server_info"),  # ?config_format=json: vllm_config.weight_transfer_config.backend
     ),
 )

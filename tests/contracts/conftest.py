@@ -22,9 +22,12 @@ def pytest_configure(config):
 
 
 @pytest.fixture(scope="session")
-def pinned_trees():
+def pinned_variants():
+    """Every release variant (``check.release_trees``): (project -> release, project -> source tree); the
+    first has each project at its first release, each further one swaps one project's release (vLLM's CPU
+    build)."""
     from slipstream.contracts import cache
-    from slipstream.contracts.check import trees
+    from slipstream.contracts.check import release_trees
 
     if not cache.is_warm():
         cold = ", ".join(p.requirement for p in cache.missing())
@@ -36,7 +39,13 @@ def pinned_trees():
             cache.ensure_all()
         except cache.FetchError as err:
             pytest.skip(f"contract cache is cold and the pinned releases cannot be fetched: {err}")
-    return trees()
+    return release_trees()
+
+
+@pytest.fixture(scope="session")
+def pinned_trees(pinned_variants):
+    """Each project's source tree at its first release."""
+    return pinned_variants[0][1]
 
 
 @pytest.fixture(scope="session")

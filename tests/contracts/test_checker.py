@@ -249,6 +249,7 @@ def test_nested_dicts_are_checked_against_the_class_that_parses_them(fake_trees)
             {},
             {"init_info": {"rank_ofset": 1, "world_size": 2}},
             "t",
+            engine="nccl",
         ),
     ]
     problems = check_http(fake_trees, calls)
