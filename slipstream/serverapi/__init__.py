@@ -10,8 +10,11 @@ their sources, so moving to a new release is a change to one description.
 
 This package imports no role: ``rollouter/`` and ``weightsync/`` both import it.
 
-To add a server kind: write ``<kind>.py`` with a :class:`ServerAPI` subclass (its four control
-requests) and one instance, and add it to :data:`SERVER_APIS`; then a client and an adapter.
+Each kind's description is part of its record in ``slipstream.serverkinds`` (with its client, adapter and
+launcher); :data:`SERVER_APIS` and :func:`server_api` read those records by name, importing a kind's module
+only when it is asked for. To add a server kind: write ``<kind>.py`` here with a :class:`ServerAPI` subclass
+(its four control requests) and one instance, then the kind's module in ``slipstream.serverkinds`` (its
+docstring has the steps).
 
 Example::
 
@@ -35,16 +38,15 @@ from slipstream.serverapi.spec import (
     WeightUpdate,
 )
 from slipstream.serverapi.vllm import VLLM, VLLMAPI
-from slipstream.utils.registry import Registry
+from slipstream.serverkinds import KindField, server_kind
 
-SERVER_APIS: Registry[ServerAPI] = Registry("inference server kind", "rollout.backend", plural="kinds")
-for _api in (EMBEDDED, SGLANG, VLLM):
-    SERVER_APIS.add(_api.kind, _api)
+# The description of each kind (``rollout.backend``), from its record in ``slipstream.serverkinds``.
+SERVER_APIS: KindField = KindField("api")
 
 
 def server_api(kind: str) -> ServerAPI:
     """The description of server kind ``kind``; ``ValueError`` naming the known kinds."""
-    return SERVER_APIS.get(kind)
+    return server_kind(kind).api
 
 
 __all__ = [

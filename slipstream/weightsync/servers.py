@@ -113,10 +113,12 @@ class ServerLink:
         if pool is not None:
             transport.pool = pool  # the publisher's buffers, kept from one link to the next
         if name == "torch_dist":
-            # SGLang's receiver builds its bucket as one typed tensor (single-dtype buckets); NCCL wants the
-            # same datatype on both ends. Our receivers and gloo take plain bytes.
+            from slipstream.serverkinds import server_kind
+
+            # A kind whose receiver builds each bucket as one typed tensor (SGLang: single-dtype buckets) needs
+            # the same datatype on both ends over NCCL (its record's ``typed_buckets``); ours and gloo take bytes.
             transport.typed = backend_for_device(device) == "nccl" and any(
-                a.kind == "sglang" for a in adapters
+                server_kind(a.kind).typed_buckets for a in adapters
             )  # type: ignore[attr-defined]
         await _join_group(transport, adapters, group_name)
         return cls(transport, adapters, group_name, streamed=False)

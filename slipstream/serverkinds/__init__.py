@@ -1,0 +1,177 @@
+"""One record per inference-server kind (``rollout.backend``): everything the rest of Slipstream knows of it.
+
+A :class:`ServerKind` holds a kind's API description (``slipstream.serverapi``), how to start one (command and
+environment), the rollouter's client class, the weight-sync adapter class and the flags the config checks and
+the launcher read. Each kind is one module here (``embedded.py``, ``sglang.py``, ``vllm.py``) that defines its
+client and adapter subclasses, its command builder and ``KIND = ServerKind(...)``; :data:`KINDS` names each
+module by string and :func:`server_kind` imports one when it is first asked for, so nothing imports every kind
+at start-up and the roles that look a kind up (the launcher, the clients, the publisher, the config checks)
+import only this module, which imports no role.
+
+The generic bases stay with their roles: ``rollouter/clients/base.py`` (:class:`ServerClient`),
+``weightsync/adapters.py`` (:class:`ServerAdapter`), ``serverapi/spec.py`` (:class:`ServerAPI`),
+``rollouter/launch.py`` (starting, watching and stopping a process). The per-part tables those modules
+still offer (``LAUNCHERS``, ``CLIENT_KINDS``, ``ADAPTERS``, ``SERVER_APIS``) are :class:`KindField` views of
+these records.
+
+To add a kind (``docs/architecture.md``, "Adding a server kind"; ``tests/test_serverkinds.py`` checks it):
+
+1. its API description: a :class:`~slipstream.serverapi.ServerAPI` instance (``serverapi/<kind>.py`` for a
+   third-party server, whose pinned release ``make contracts`` checks);
+2. ``serverkinds/<kind>.py``: a :class:`ServerClient` subclass, a :class:`ServerAdapter` subclass (each with
+   the description as its ``default_api`` / ``api``), the command builder and ``KIND = ServerKind(...)``;
+3. one line in :data:`KINDS`, the kind's name in ``RolloutConfig.backend``'s choices, and its pip extra in
+   ``pyproject.toml``.
+
+Example::
+
+    kind = server_kind("vllm")
+    kind.command("/models/m", "127.0.0.1", 8000, rollout_cfg)   # ["python", "-m", "vllm...", ...]
+    kind.client("http://127.0.0.1:8000", server_api=kind.api)
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from slipstream.utils.registry import Registry
+
+if TYPE_CHECKING:
+    from slipstream.rollouter.clients.base import ServerClient
+    from slipstream.rollouter.config import RolloutConfig
+    from slipstream.serverapi.spec import ServerAPI
+    from slipstream.weightsync.adapters import ServerAdapter
+
+# The one table of kinds: name (``rollout.backend``) -> the module defining its ``KIND``, in the order
+# error messages list them.
+KINDS: dict[str, str] = {
+    "embedded": "slipstream.serverkinds.embedded",
+    "sglang": "slipstream.serverkinds.sglang",
+    "vllm": "slipstream.serverkinds.vllm",
+}
+
+_NAMES: Registry[str] = Registry("inference server kind", "rollout.backend", plural="kinds")
+for _name, _module in KINDS.items():
+    _NAMES.add(_name, _module)
+
+
+def _no_env(cfg: RolloutConfig) -> dict[str, str]:
+    return {}
+
+
+def _never(cfg: RolloutConfig) -> bool:
+    return False
+
+
+def _no_setting(cfg: RolloutConfig) -> str:
+    return ""
+
+
+@dataclass(frozen=True)
+class ServerKind:
+    """What Slipstream knows of one inference-server kind (module docstring)."""
+
+    name: str
+    """The ``rollout.backend`` string."""
+    api: ServerAPI
+    """Its HTTP API: routes, pause modes, abort ids, the weight-update sequence, the pinned release."""
+    client: type[ServerClient]
+    """The rollouter's client class (built with ``server_api=api``)."""
+    adapter: type[ServerAdapter]
+    """The weight-sync adapter class (its ``api`` is this kind's description, its ``kind`` this name)."""
+    command: Callable[[str, str, int, RolloutConfig], list[str]]
+    """(model path, host, port, rollout config) -> the argv that starts one server (without the position
+    override, ``rollout.server_args`` and extra arguments, which :meth:`argv` and the launcher add)."""
+    env: Callable[[RolloutConfig], dict[str, str]] = _no_env
+    """(rollout config) -> the environment its servers start with, beyond ours."""
+    module: str | None = None
+    """The Python module that must be importable to launch one here; None for ours (always there)."""
+    extra: str | None = None
+    """The ``pyproject.toml`` extra that installs it (``pip install 'slipstream[<extra>]'``)."""
+    title: str = ""
+    """Its name in prose ("vLLM")."""
+    local_model_only: bool = False
+    """Whether it loads only a local HF checkpoint directory (ours), not a hub name."""
+    needs_gpus: bool = True
+    """Whether its servers need GPUs (``cluster.gpus_per_server``, judges' ``gpus_per_server``)."""
+    cpu_build: Callable[[], bool] | None = None
+    """Whether the build installed here runs without GPUs (vLLM's CPU build), where the kind has one."""
+    cpu_extra: str | None = None
+    """The extra of that CPU build."""
+    context_flag: str | None = None
+    """The server flag that sets the longest sequence it accepts (checked against the config's lengths)."""
+    position_flag: str | None = None
+    """The server flag (a JSON object) that overrides fields of the model's HF config; where None,
+    ``rollout.max_position_embeddings`` is refused."""
+    open_flag: str | None = None
+    """The flag that starts it without a token when none is set (ours: ``--open``)."""
+    typed_buckets: bool = False
+    """Whether its receiver builds each ``torch_dist`` bucket as one typed tensor, so over NCCL the sender
+    must send the same datatype (SGLang); else the bucket travels as bytes."""
+    streams: tuple[str, ...] = ()
+    """The in-band weight streams (``weightsync.backend`` ``ipc``, ``nixl``) its servers take."""
+    takes_send_less: Callable[[RolloutConfig], bool] = _never
+    """Whether its servers rebuild the weights from LoRA-only and delta pushes (``weightsync/send_less.py``)."""
+    transfer_setting: Callable[[RolloutConfig], str] = _no_setting
+    """The config that decides :attr:`takes_send_less`, in words for an error (" with ... `nccl`")."""
+
+    def __repr__(self) -> str:
+        return f"ServerKind({self.name!r})"
+
+    def argv(self, model: str, host: str, port: int, cfg: RolloutConfig) -> list[str]:
+        """The command that starts one server, with ``rollout.max_position_embeddings`` as its override."""
+        return self.command(model, host, port, cfg) + self.position_override(cfg)
+
+    def position_override(self, cfg: RolloutConfig) -> list[str]:
+        if cfg.max_position_embeddings is None or self.position_flag is None:
+            return []
+        return [self.position_flag, json.dumps({"max_position_embeddings": cfg.max_position_embeddings})]
+
+    def runs_without_gpus(self) -> bool:
+        """Whether its servers can run here without GPUs (ours, or a CPU build installed)."""
+        return not self.needs_gpus or (self.cpu_build is not None and self.cpu_build())
+
+
+def server_kind(name: str, *, key: str = "") -> ServerKind:
+    """The record of kind ``name``, its module imported on first use; an ``UnknownNameError`` (a ValueError)
+    naming ``key`` (default ``rollout.backend``) and the known kinds otherwise."""
+    module = importlib.import_module(_NAMES.get(name, key=key))
+    kind: ServerKind = module.KIND
+    if kind.name != name:
+        raise ValueError(f"{module.__name__}.KIND is named `{kind.name}`, but KINDS lists it as `{name}`")
+    return kind
+
+
+def kind_names() -> list[str]:
+    """Every registered kind, in table order (nothing imported)."""
+    return list(KINDS)
+
+
+class KindField(Registry[Any]):
+    """One field of every kind's record, looked up by kind name: the per-part tables other modules keep
+    offering (``LAUNCHERS``, ``CLIENT_KINDS``, ``ADAPTERS``, ``SERVER_APIS``). Nothing can be added here."""
+
+    def __init__(self, field: str) -> None:
+        super().__init__("inference server kind", "rollout.backend", plural="kinds")
+        self.field = field
+
+    def add(self, name: str, obj: Any) -> None:
+        raise TypeError(f"server kinds are added in slipstream.serverkinds.KINDS, not here (`{name}`)")
+
+    def get(self, name: str, *, key: str = "") -> Any:
+        return getattr(server_kind(name, key=key), self.field)
+
+    __getitem__ = get
+
+    def names(self) -> list[str]:
+        return kind_names()
+
+    def __contains__(self, name: object) -> bool:
+        return name in KINDS
+
+
+__all__ = ["KINDS", "KindField", "ServerKind", "kind_names", "server_kind"]

@@ -1,0 +1,128 @@
+"""The ``embedded`` server kind: our own server (``slipstream serve``, ``rollouter/embedded/``).
+
+**Client**: it speaks SGLang's native API, so its client is :class:`~slipstream.serverkinds.sglang.SGLangClient`
+built with the embedded description (``serverapi.EMBEDDED``: its own pause modes).
+
+**Weights** (:class:`EmbeddedAdapter`): SGLang's sequence, except that it stages: no pause before the transfer
+(it keeps generating), exact bucket layout in ``slipstream_bucket`` (chunks, mixed dtypes), and no pause or
+continue call at all: when in-flight requests must be aborted, ``/end_weight_update {abort_running: true}``
+aborts them under a pause the server takes and lifts itself. With an in-band stream (``ipc``, ``nixl``) the
+version travels in the stream (``/begin_weight_update {stream}``) and the per-bucket calls disappear; it is the
+only kind that takes those streams and the only one started without GPUs by default.
+
+**Launch**: ``python -m slipstream.rollouter.serve`` with the flags of ``rollout.embedded``, and ``--open``
+when it is launched without a token.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from slipstream.serverapi import EMBEDDED
+from slipstream.serverkinds import ServerKind
+from slipstream.serverkinds.sglang import SGLangAdapter, SGLangClient
+from slipstream.utils.http_client import HTTPClient, HTTPClientError
+from slipstream.weightsync.adapters import slipstream_layout
+from slipstream.weightsync.config import WeightSyncConfig
+from slipstream.weightsync.errors import TransferError
+
+if TYPE_CHECKING:
+    from slipstream.rollouter.config import RolloutConfig
+    from slipstream.weightsync.buckets import Layout
+    from slipstream.weightsync.types import BucketMeta
+
+
+class EmbeddedAdapter(SGLangAdapter):
+    """Our embedded server (``serverapi.EMBEDDED``): SGLang's sequence, staged (see the module docstring)."""
+
+    kind = "embedded"
+    api = EMBEDDED
+
+    def __init__(self, url: str, cfg: WeightSyncConfig, http: HTTPClient) -> None:
+        super().__init__(url, cfg, http)
+        self.transport = "nixl" if cfg.backend == "nixl" else "dist"  # type: ignore[misc]
+
+    def layout(self) -> Layout | None:
+        return None if self.per_tensor else slipstream_layout(self.cfg)
+
+    async def ranks(self) -> int:
+        return 1
+
+    def init_extras(self) -> dict:
+        return {"timeout_s": self.cfg.timeout_s}  # our receiver waits as long as we do
+
+    def begin_body(self, version: int) -> dict:
+        body: dict[str, Any] = {"weight_version": version}
+        if self.transport in ("nixl", "ipc"):  # an ipc link sets "ipc" while it is open
+            body["stream"] = self.transport
+        return body
+
+    def update_body(self, meta: BucketMeta) -> dict:
+        body = super().update_body(meta)
+        body["flush_cache"] = False
+        if not self.per_tensor:
+            body["slipstream_bucket"] = msgspec.to_builtins(meta)
+        return body
+
+    async def end(self, version: int, *, abort_running: bool = False) -> None:
+        body: dict[str, Any] = {"weight_version": version}
+        if abort_running:
+            body["abort_running"] = True
+        await self.request(self.api.weights.end, json=body)
+
+    async def recover(self, version: int) -> None:
+        if self.control.paused:  # only what this adapter paused, at the switch
+            try:
+                await self.control.resume()
+            except TransferError:
+                pass
+            self.control.paused = None
+
+    async def nixl_prepare(self) -> bytes:
+        path = self.api.weights.stream_prepare.format(stream="nixl")
+        try:
+            resp = await self.http.post(f"{self.url}{path}", timeout=self.cfg.timeout_s)
+        except HTTPClientError as err:
+            raise TransferError(f"{self.url}{path}: {err}") from err
+        if resp.status_code != 200:
+            raise TransferError(f"{self.url}{path}: HTTP {resp.status_code}: {resp.text[:300]}")
+        return resp.content
+
+    async def nixl_connect(self, sender_json: dict, group_name: str) -> None:
+        path = self.api.weights.stream_connect.format(stream="nixl")
+        await self.call("POST", path, json={"sender": sender_json, "group_name": group_name})
+
+
+def embedded_command(model: str, host: str, port: int, cfg: RolloutConfig) -> list[str]:
+    """``python -m slipstream.rollouter.serve`` for ``model`` on ``host:port`` with ``cfg.embedded``'s flags."""
+    from slipstream.rollouter.serve import config_to_args
+
+    base = [sys.executable, "-m", "slipstream.rollouter.serve", "--model", model, "--host", host]
+    return base + ["--port", str(port), *config_to_args(cfg.embedded)]
+
+
+def embedded_env(cfg: RolloutConfig) -> dict[str, str]:
+    return {"TOKENIZERS_PARALLELISM": "false"}
+
+
+def _always(cfg: RolloutConfig) -> bool:
+    return True
+
+
+KIND = ServerKind(
+    name="embedded",
+    api=EMBEDDED,
+    client=SGLangClient,
+    adapter=EmbeddedAdapter,
+    command=embedded_command,
+    env=embedded_env,
+    title="embedded",
+    local_model_only=True,
+    needs_gpus=False,
+    open_flag="--open",
+    streams=("ipc", "nixl"),
+    takes_send_less=_always,
+)
