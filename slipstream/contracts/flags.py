@@ -309,7 +309,7 @@ def check_launch(trees: dict[str, SourceTree], argvs: list[LaunchArgv]) -> list[
             ]
         idx, _ = cache[la.kind]
         for sub, msg in _entry_errors(tree, spec, la.argv):
-            problems.append(Problem(where, sub, msg, tree.module_file(sub) or spec.entry, la.source))
+            problems.append(Problem(where, sub, msg, tree.module_file(sub) or "", la.source))
         for flag, value in parse_argv(la.argv, spec.skip):
             known = idx.flags.get(flag)
             if known is None and flag.startswith("--no-"):
