@@ -150,7 +150,7 @@ def run(variants: list[tuple[dict[str, str], dict[str, SourceTree]]] | None = No
     report.counts["described endpoints"] = count_described()
     argvs = record_launch_argv()
     report.counts["launch flags"] = count_flags(argvs)
-    first_labels, first = variants[0]
+    first = variants[0][1]
     found: list[Problem] = []
     for i, (labels, t) in enumerate(variants):
         projects = None if i == 0 else {k for k in t if t[k] is not first[k]}
