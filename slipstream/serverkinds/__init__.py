@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from slipstream.utils.registry import Registry
+from slipstream.utils.registry import Registry, UnknownNameError
 
 if TYPE_CHECKING:
     from slipstream.rollouter.clients.base import ServerClient
@@ -53,10 +53,6 @@ KINDS: dict[str, str] = {
     "sglang": "slipstream.serverkinds.sglang",
     "vllm": "slipstream.serverkinds.vllm",
 }
-
-_NAMES: Registry[str] = Registry("inference server kind", "rollout.backend", plural="kinds")
-for _name, _module in KINDS.items():
-    _NAMES.add(_name, _module)
 
 
 def _no_env(cfg: RolloutConfig) -> dict[str, str]:
@@ -139,7 +135,11 @@ class ServerKind:
 def server_kind(name: str, *, key: str = "") -> ServerKind:
     """The record of kind ``name``, its module imported on first use; an ``UnknownNameError`` (a ValueError)
     naming ``key`` (default ``rollout.backend``) and the known kinds otherwise."""
-    module = importlib.import_module(_NAMES.get(name, key=key))
+    if name not in KINDS:
+        known = ", ".join(KINDS)
+        key = key or "rollout.backend"
+        raise UnknownNameError(f"{key}: unknown inference server kind `{name}`; known kinds: {known}")
+    module = importlib.import_module(KINDS[name])
     kind: ServerKind = module.KIND
     if kind.name != name:
         raise ValueError(f"{module.__name__}.KIND is named `{kind.name}`, but KINDS lists it as `{name}`")
