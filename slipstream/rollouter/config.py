@@ -132,12 +132,12 @@ class VLLMServerConfig(ConfigStruct):
         ),
     ] = "generate"
     weight_transfer: Annotated[
-        Literal["slipstream", "nccl", "ipc"],
+        Literal["slipstream", "nccl"],
         Meta(
             description="vLLM weight-transfer engine that receives pushes: `slipstream` (this package's "
-            "plug-in: our bucketed, staged pushes over the group weightsync.backend opens, gloo on CPU, NCCL "
-            "on GPU; a version applies at once at the end or not at all), `nccl` (vLLM's own engine, GPU "
-            "only) or `ipc` (vLLM's CUDA IPC engine, a colocated trainer on the same GPU).",
+            "plug-in: our bucketed, staged pushes over a torch.distributed group, gloo on CPU, NCCL on GPU; "
+            "a version applies whole or not at all) or `nccl` (vLLM's own engine, GPU only; layers load as "
+            "they arrive).",
         ),
     ] = "slipstream"
     dtype: Annotated[

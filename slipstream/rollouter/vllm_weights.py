@@ -158,6 +158,8 @@ class SlipstreamWeightEngine(_Base):  # type: ignore[misc, valid-type]
 
     init_info_cls = dict
     update_info_cls = dict
+    # A speculative draft model would need its own target (set_weight_update_target): not supported yet.
+    supports_draft_weight_update = False
 
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
         from slipstream.weightsync.config import WeightSyncConfig

@@ -9,8 +9,8 @@
   ``abort_requests {request_ids}`` (an empty list aborts every request). Aborted requests come back with
   ``finish_reason == "abort"`` and their partial tokens.
 * Pause: ``POST /pause?mode=abort|wait|keep`` (``clear_cache=true`` with ``abort`` drops the prefix
-  cache of the old weights), resume ``POST /resume``. New requests are held until resume in every mode
-  (the client also retries a 503). vLLM has no ``retract``:
+  cache of the old weights), resume ``POST /resume``. In ``abort`` and ``wait`` mode new requests get
+  503 until resume (the client retries them; 0.32 holds them instead); in ``keep`` mode they are queued. vLLM has no ``retract``:
   ours maps to ``abort`` (the rollouter re-submits the partial output, which has the same effect).
 * A version: pause → ``/start_weight_update`` → N × ``/update_weights {update_info}`` (after
   ``/init_weight_transfer_engine`` joined the NCCL group; ``/get_world_size`` counts its ranks) →
@@ -22,11 +22,11 @@ from __future__ import annotations
 from slipstream.serverapi.sglang import get, post
 from slipstream.serverapi.spec import Call, GenerateRoute, PauseMode, ServerAPI, WeightUpdate
 
-# Paused, vLLM's scheduler takes no new request until resume (``AsyncLLM.pause_generation``: "new requests
-# will not be scheduled"): they are held in every mode (seen on 0.32.0). The client still retries a 503.
-_ABORT = PauseMode("abort", in_flight="abort", new_requests="held", extra={"clear_cache": "true"})
+# Paused in abort or wait mode, 0.33 answers new requests 503 until resume (the client retries them); 0.32,
+# the CPU build, holds them instead (docs/contracts.md). In keep mode both hold them.
+_ABORT = PauseMode("abort", in_flight="abort", new_requests="rejected", extra={"clear_cache": "true"})
 _KEEP = PauseMode("keep", in_flight="keep", new_requests="held")
-_WAIT = PauseMode("wait", in_flight="finish", new_requests="held")
+_WAIT = PauseMode("wait", in_flight="finish", new_requests="rejected")
 
 
 class VLLMAPI(ServerAPI):
