@@ -350,7 +350,23 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="comma-separated from torch_dist, ipc, nixl (default torch_dist,ipc on cpu, ipc on cuda)",
     )
+    parser.add_argument(
+        "--send-less",
+        action="store_true",
+        help="full vs delta (weightsync.delta) vs LoRA adapter-only pushes of the quickstart model through the "
+        "publisher to an embedded server (send_less_bench.send_less_figures)",
+    )
+    parser.add_argument("--model", default="~/.cache/slipstream/models/smollm2-135m-instruct",
+                        help="--send-less: the HF checkpoint (slipstream models prepare smollm2-135m-instruct)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.send_less:
+        from pathlib import Path
+
+        from slipstream.weightsync.send_less_bench import send_less_figures
+
+        res = send_less_figures(str(Path(args.model).expanduser()))
+        print(json.dumps(res) if args.json else json.dumps(res, indent=1))
+        return 0
     sets = [s for s in args.sets.split(",") if s]
     unknown = [s for s in sets if s not in SETS and s not in SMOKE_SETS and s not in LARGE_SETS]
     if unknown:

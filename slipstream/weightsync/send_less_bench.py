@@ -158,3 +158,232 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# ------------------------------------------------------------------------ through the publisher and a server
+
+
+def tensors_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """sha256 over every tensor's name, dtype, shape and bytes, in name order."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, t in sorted(named, key=lambda item: item[0]):
+        h.update(f"{name}:{t.dtype}:{list(t.shape)}".encode())
+        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class _DictTarget:
+    """A WeightTarget over a dict of tensors (what a server's model is, minus the model)."""
+
+    def __init__(self, specs: list[tuple[str, list[int], str]]) -> None:
+        self.tensors = {n: torch.zeros(shape, dtype=getattr(torch, dt)) for n, shape, dt in specs}
+        self.weight_version = 0
+
+    def weight_specs(self) -> dict:
+        return {n: (tuple(t.shape), t.dtype) for n, t in self.tensors.items()}
+
+    def apply_weights(self, named_tensors, version: int) -> None:
+        staged = list(named_tensors)
+        for name, tensor in staged:
+            if name not in self.tensors or tensor.shape != self.tensors[name].shape:
+                raise ValueError(f"unknown or misshaped parameter {name!r}")
+        for name, tensor in staged:
+            self.tensors[name].copy_(tensor)
+        self.weight_version = version
+
+
+def _digest_server(port: int, specs: list[tuple[str, list[int], str]]) -> None:
+    """A receiving process that reports a digest of what it serves (``GET /digest``): our receiver routes
+    (the ones the embedded server mounts) in front of a dict of tensors."""
+    import uvicorn
+    from fastapi import FastAPI
+
+    from slipstream.weightsync.http_receiver import WeightReceiver
+
+    torch.set_num_threads(1)
+    target = _DictTarget(specs)
+    app = FastAPI()
+    app.include_router(WeightReceiver(target).router())
+    app.get("/health")(lambda: {"ok": True})
+    app.get("/digest")(
+        lambda: {"version": target.weight_version, "digest": tensors_digest(target.tensors.items())}
+    )
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+
+
+def _served_digest(url: str) -> dict:
+    import httpx
+
+    return httpx.get(f"{url}/digest", timeout=300).json()
+
+
+def _lora_adapters(
+    base: list[tuple[str, torch.Tensor]], rank: int, targets: Iterable[str], seed: int
+) -> list[tuple[str, torch.Tensor]]:
+    """Random LoRA factors (B nonzero, so the merge changes every adapted weight) in the base's dtype."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for name, shape in adapter_shapes([(n, tuple(t.shape)) for n, t in base], rank, targets):
+        out.append((name, (torch.randn(shape, generator=g) * 0.02).to(base[0][1].dtype)))
+    return out
+
+
+def send_less_figures(
+    model_path: str, *, steps: int = 10, lr: float = 1e-6, rank: int = 16, threads: int = 1
+) -> dict:
+    """``slipstream bench weightsync --send-less``: whole, delta and LoRA versions of SmolLM2-135M in bf16,
+    pushed by the real publisher (torch_dist over gloo) on one link to two receiving processes on loopback:
+    an embedded server (serving bf16) and a digest server (the same receiver routes in front of a dict of
+    tensors, reporting a sha256 of everything it serves, which the embedded server cannot).
+
+    * whole: ``full_bytes``, ``full_push_s``;
+    * delta: ``steps`` AdamW steps at ``lr`` of the fp32 model (the trainer's master weights; the loss of
+      :func:`measure_changed_fraction`), each pushed with ``weightsync.delta``: ``delta_bytes_ratio`` (wire
+      bytes / whole-version bytes, averaged over the steps), ``delta_changed_fraction``, ``delta_push_s``
+      (median); ``delta_exact``: every step went as a delta to both servers and the digest server's
+      tensors equal the step's bf16 weights bit for bit;
+    * LoRA: rank ``rank`` on the 7 attention and MLP projections (random factors, B nonzero): one version
+      with the base weights, then adapter-only versions: ``lora_bytes_ratio`` (adapter-only wire bytes /
+      whole-version bytes), ``lora_push_s``; ``lora_exact``: the digest server serves ``merge_lora`` of the
+      base and each version's adapters bit for bit. ``lora_elements_ratio``: the same ratio from shapes
+      alone, for other ranks and targets.
+    """
+    import multiprocessing as mp
+
+    from transformers import AutoModelForCausalLM
+
+    from slipstream.rollouter.config import EmbeddedServerConfig, RolloutConfig
+    from slipstream.rollouter.launch import launch_server
+    from slipstream.utils.net import free_port
+    from slipstream.weightsync.config import WeightSyncConfig
+    from slipstream.weightsync.delta import lora_scale, merge_lora
+    from slipstream.weightsync.publisher import WeightPublisher, publish_lora
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model.train()
+
+    def bf16(m: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+        return [(n, p.detach().to(torch.bfloat16)) for n, p in m.named_parameters()]
+
+    specs = [(n, list(t.shape), "bfloat16") for n, t in bf16(model)]
+    port = free_port()
+    digest_proc = mp.get_context("spawn").Process(target=_digest_server, args=(port, specs), daemon=True)
+    digest_proc.start()
+    digest_url = f"http://127.0.0.1:{port}"
+    engine_cfg = EmbeddedServerConfig(
+        num_threads=threads, max_model_len=512, kv_cache_tokens=2048, dtype="bfloat16"
+    )
+    server = launch_server("embedded", model_path, cfg=RolloutConfig(embedded=engine_cfg))
+    urls = [server.url, digest_url]
+
+    def cfg(**kw) -> WeightSyncConfig:
+        return WeightSyncConfig(backend="torch_dist", device="cpu", timeout_s=600, **kw)
+
+    def exact(version: int, named) -> bool:
+        return _served_digest(digest_url) == {"version": version, "digest": tensors_digest(named)}
+
+    out: dict = {"model": model_path, "serve_dtype": "bfloat16", "lr": lr, "steps": steps, "lora_rank": rank,
+                 "receivers": ["embedded", "digest"]}  # fmt: skip
+    try:
+        server.wait_healthy(600)
+        _wait_health(digest_url)
+        # -- delta: one publisher with weightsync.delta; its first version is whole
+        pub = WeightPublisher(cfg(delta=True), urls, "embedded", token="")
+        try:
+            first = pub.publish(1, iter(bf16(model)))
+            out["full_bytes"], out["full_push_s"] = first.bytes, round(first.seconds, 4)
+            out["full_exact"] = sorted(first.ok) == sorted(urls) and exact(1, bf16(model))
+            gen = torch.Generator().manual_seed(0)
+            ids = torch.randint(0, model.config.vocab_size, (4, 64), generator=gen)
+            opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
+            rows = []
+            for step in range(2, steps + 2):
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                r = pub.publish(step, iter(bf16(model)))
+                rows.append(
+                    {"sent": r.sent, "bytes": r.bytes, "changed_fraction": round(r.changed_fraction, 5),
+                     "seconds": round(r.seconds, 4), "ok": sorted(r.ok) == sorted(urls),
+                     "exact": exact(step, bf16(model))}
+                )  # fmt: skip
+            again = pub.publish(steps + 2, iter(bf16(model)))  # nothing changed: the smallest delta
+            out["delta_unchanged_bytes"] = again.bytes
+        finally:
+            pub.close()
+        out["delta_steps"] = rows
+        out["delta_bytes_ratio"] = round(sum(r["bytes"] / out["full_bytes"] for r in rows) / len(rows), 4)
+        out["delta_changed_fraction"] = round(sum(r["changed_fraction"] for r in rows) / len(rows), 4)
+        out["delta_push_s"] = round(statistics_median([r["seconds"] for r in rows]), 4)
+        out["delta_exact"] = all(r["sent"] == "delta" and r["ok"] and r["exact"] for r in rows)
+        # -- LoRA: the base weights and adapters once, then the adapters alone
+        base = bf16(model)
+        scale = lora_scale(2 * rank, rank)
+        pub = WeightPublisher(cfg(group_name="lora"), urls, "embedded", token="")
+        only, exacts, v = [], [], steps + 3
+        try:
+            adapters = _lora_adapters(base, rank, LORA_TARGETS, 1)
+            full = publish_lora(pub, v, lambda: iter(adapters), lambda: iter(base), scale)
+            assert full is not None
+            exacts.append(exact(v, _merged(base, adapters, scale, merge_lora)))
+            for seed in (2, 3, 4):
+                v += 1
+                adapters = _lora_adapters(base, rank, LORA_TARGETS, seed)
+                r = publish_lora(pub, v, lambda a=adapters: iter(a), lambda: iter(base), scale)
+                assert r is not None
+                only.append(r)
+                exacts.append(r.sent == "adapters" and exact(v, _merged(base, adapters, scale, merge_lora)))
+        finally:
+            pub.close()
+        out["lora_full_bytes"], out["lora_full_push_s"] = full.bytes, round(full.seconds, 4)
+        out["lora_bytes"] = only[-1].bytes
+        out["lora_bytes_ratio"] = round(only[-1].bytes / out["full_bytes"], 4)
+        out["lora_push_s"] = round(statistics_median([r.seconds for r in only]), 4)
+        out["lora_exact"] = all(exacts) and all(sorted(r.ok) == sorted(urls) for r in only)
+        shapes = [(n, tuple(t.shape)) for n, t in base]
+        out["lora_elements_ratio"] = {
+            f"r{r}-{name}": round(lora_bytes_ratio(shapes, r, targets), 4)
+            for r in (8, 16)
+            for name, targets in (("all7", LORA_TARGETS), ("attn4", LORA_TARGETS[:4]), ("qv", ("q_proj", "v_proj")))
+        }  # fmt: skip
+    finally:
+        server.stop()
+        digest_proc.kill()
+        digest_proc.join(timeout=10)
+    return out
+
+
+def _merged(base, adapters, scale: float, merge) -> list[tuple[str, torch.Tensor]]:
+    ad = dict(adapters)
+    out = []
+    for name, w in base:
+        a = ad.get(name.removesuffix(".weight") + ".lora_A.weight")
+        if a is not None:
+            w = merge(w, a, ad[name.removesuffix(".weight") + ".lora_B.weight"], scale)
+        out.append((name, w))
+    return out
+
+
+def _wait_health(url: str, timeout_s: float = 300) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} did not start")
+
+
+def statistics_median(values: list[float]) -> float:
+    import statistics
+
+    return statistics.median(values)
