@@ -140,6 +140,8 @@ class WeightPublisher:
             raise ValueError(
                 f"weightsync.backend `{cfg.backend}` works with embedded servers only, not `{server_kind}`"
             )
+        if cfg.delta:
+            _check_send_less(cfg, server_kind, "weightsync.delta")
         self.device = resolve_device(cfg)
         self.pool = BufferPool(self.device)
         # A delta is computed against the last version sent, so delta pushes keep it whatever keep_last says.
@@ -191,6 +193,7 @@ class WeightPublisher:
     ) -> PublishReport:
         """Push a LoRA version: the adapters (``<module>.lora_A.weight``/``lora_B.weight``) and, when
         ``base`` is given, every base weight (``needs_full``); servers serve ``W + lora_scale B A``."""
+        _check_send_less(self.cfg, self.kind, "LoRA adapter pushes")
         if base is None and self.needs_full():
             _drain(iter(adapters))
             raise TransferError(
@@ -286,6 +289,8 @@ class WeightPublisher:
         try:
             members = await self._ensure_link(report)
             if members:
+                if self.cfg.delta or sent != "full":  # the servers' engines are known once linked
+                    _check_engines([self.servers[u] for u in members])
                 if info is None:
                     delta = (
                         self.cfg.delta
@@ -438,6 +443,28 @@ class WeightPublisher:
         finally:
             await asyncio.gather(*(c.aclose() for c in self._http.values()), return_exceptions=True)
             self._http.clear()
+
+
+def _check_send_less(cfg: WeightSyncConfig, kind: str, what: str) -> None:
+    """Delta and LoRA versions need receivers that rebuild them (ours) and bucket metadata that carry each
+    entry's kind (not the per-tensor ``naive`` calls, which name dense tensors only)."""
+    if kind not in ("embedded", "vllm"):
+        raise ValueError(f"{what}: `{kind}` servers cannot rebuild weights from them (embedded or vllm only)")
+    if cfg.backend == "naive":
+        raise ValueError(
+            f"{what}: weightsync.backend `naive` sends no entry kinds; use torch_dist, ipc or nixl"
+        )
+
+
+def _check_engines(adapters: list[ServerAdapter]) -> None:
+    """A vLLM server must run our weight-transfer engine (its own ``nccl`` engine reads every entry as a
+    dense tensor): refused before a byte moves."""
+    bad = [a.url for a in adapters if getattr(a, "engine", None) not in (None, "slipstream")]
+    if bad:
+        raise ValueError(
+            f"delta and LoRA versions need vLLM's slipstream weight-transfer engine; {bad} run another "
+            "(rollout.vllm.weight_transfer)"
+        )
 
 
 async def _all(adapters: list[ServerAdapter], call: Callable) -> None:

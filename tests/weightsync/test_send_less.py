@@ -289,3 +289,18 @@ def test_send_less_pushes_to_servers_that_cannot_rebuild_them_are_refused_at_con
         load_config(CONFIGS / path, [o for o in overrides if "backend" not in o and "gpus" not in o])
     )
     check_config(fine, environment=False)  # the same with embedded servers passes
+
+
+def test_a_publisher_refuses_send_less_pushes_its_servers_or_transport_cannot_carry():
+    """SGLang reads every entry as a dense tensor, and the per-tensor `naive` calls name no entry kinds:
+    delta and LoRA pushes to them are refused before a byte moves, not read as weights."""
+    with pytest.raises(ValueError, match="weightsync.delta: `sglang` servers cannot rebuild"):
+        WeightPublisher(config(delta=True), [], "sglang")
+    with pytest.raises(ValueError, match="weightsync.delta: weightsync.backend `naive` sends no entry kinds"):
+        WeightPublisher(config(delta=True, backend="naive"), [], "embedded")
+    pub = WeightPublisher(config(), [], "sglang")
+    try:
+        with pytest.raises(ValueError, match="LoRA adapter pushes: `sglang` servers cannot rebuild"):
+            pub.publish_lora(1, iter(adapters(1)), iter(mixed_tensors(1)), SCALE)
+    finally:
+        pub.close()
