@@ -87,6 +87,13 @@ def test_the_flags_are_complete(kind: ServerKind):
     if kind.cpu_extra is not None:
         assert kind.cpu_extra in EXTRAS and kind.cpu_build is not None
     assert set(kind.streams) <= set(STREAMS)
+    backends = typing.get_args(
+        typing.get_args(typing.get_type_hints(WeightSyncConfig, include_extras=True)["backend"])[0]
+    )
+    assert set(kind.colocated_transports) <= set(backends)
+    assert bool(kind.colocated_transports) != bool(
+        kind.colocated_missing
+    )  # a way to share a GPU, or what is missing
     cfg = RolloutConfig(backend=kind.name)
     assert isinstance(kind.takes_send_less(cfg), bool) and isinstance(kind.transfer_setting(cfg), str)
     assert isinstance(kind.runs_without_gpus(), bool)

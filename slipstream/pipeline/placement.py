@@ -104,27 +104,22 @@ def check_layout(cfg: Config) -> None:
     _check_colocated_transport(cfg)
 
 
-# rollout.backend -> the weightsync.backend values that can push to a server on its trainer rank's own GPU.
-# NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), so torch_dist/naive on CUDA never can.
-COLOCATED_TRANSPORTS: dict[str, tuple[str, ...]] = {"embedded": ("ipc", "auto", "nixl")}
-# What a colocated server of a backend without such a transport is missing (its one-GPU weight path).
-COLOCATED_MISSING: dict[str, str] = {
-    "vllm": "a CUDA-IPC weight transport to vLLM (vLLM 0.33's `ipc` weight-transfer engine)",
-    "sglang": "a CUDA-IPC weight transport to SGLang (update_weights_from_tensor / update_weights_from_ipc)",
-}
-
-
 def _check_colocated_transport(cfg: Config) -> None:
-    """A colocated server must be reachable by a weight transport that works on one GPU."""
+    """A colocated server must be reachable by a weight transport that works on one GPU (the server kind's
+    ``colocated_transports``; NCCL refuses two ranks on one GPU, "Duplicate GPU detected", so torch_dist/naive
+    on CUDA never can)."""
+    from slipstream.serverkinds import server_kind
+
     backend, transport = cfg.rollout.backend, cfg.weightsync.backend
     if transport in ("torch_dist", "naive") and cfg.weightsync.device == "cpu":
         return  # gloo through host memory: slow, but two processes on one GPU are no problem for it
-    allowed = COLOCATED_TRANSPORTS.get(backend, ())
+    kind = server_kind(backend)
+    allowed = kind.colocated_transports
     if not allowed:
         raise ConfigError(
             f"cluster.colocate: `{backend}` servers have no weight transport that works on one GPU shared with "
             f"the trainer: NCCL (weightsync.backend={transport}) refuses two ranks on one GPU and ipc/nixl "
-            f"reach embedded servers only. Missing: {COLOCATED_MISSING.get(backend, 'a one-GPU transport')}. "
+            f"reach embedded servers only. Missing: {kind.colocated_missing or 'a one-GPU transport'}. "
             "Use rollout.backend=embedded, or give the servers GPUs of their own (cluster.colocate=false)"
         )
     if transport not in allowed:

@@ -110,6 +110,11 @@ class ServerKind:
     must send the same datatype (SGLang); else the bucket travels as bytes."""
     streams: tuple[str, ...] = ()
     """The in-band weight streams (``weightsync.backend`` ``ipc``, ``nixl``) its servers take."""
+    colocated_transports: tuple[str, ...] = ()
+    """The ``weightsync.backend`` values that can push to one of its servers on its trainer rank's own GPU
+    (``cluster.colocate``); empty: none can."""
+    colocated_missing: str = ""
+    """Where none can: the one-GPU weight path it lacks, for the error."""
     takes_send_less: Callable[[RolloutConfig], bool] = _never
     """Whether its servers rebuild the weights from LoRA-only and delta pushes (``weightsync/send_less.py``)."""
     transfer_setting: Callable[[RolloutConfig], str] = _no_setting

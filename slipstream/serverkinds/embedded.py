@@ -124,5 +124,6 @@ KIND = ServerKind(
     needs_gpus=False,
     open_flag="--open",
     streams=("ipc", "nixl"),
+    colocated_transports=("ipc", "auto", "nixl"),
     takes_send_less=_always,
 )

