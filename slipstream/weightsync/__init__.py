@@ -11,7 +11,8 @@ memory, CUDA IPC), ``nixl`` (NIXL READs), ``nccl_uid`` (the sending end of vLLM'
 
 Trainer side: :class:`~slipstream.weightsync.publisher.WeightPublisher` (behind the trainer's publish hook)
 picks a transport for its servers and opens it with them (``servers.py``), then drives each server through
-its adapter (``adapters.py``: SGLang, vLLM, our embedded server, as described in ``slipstream.serverapi``).
+its adapter (the base in ``adapters.py``; each server kind's subclass, SGLang, vLLM and our embedded server,
+is part of its record in ``slipstream.serverkinds``, looked up by name).
 Serving side: :func:`~slipstream.weightsync.http_receiver.build_router` gives any server whose engine is a
 :class:`~slipstream.weightsync.types.WeightTarget` SGLang's weight-update routes over receiving ends of the
 same transports. A receiver in another program (a vLLM worker plug-in) uses an end directly:
