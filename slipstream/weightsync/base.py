@@ -446,5 +446,10 @@ async def receive_version(transport: Transport, load: Load) -> int:
     staged = await stream.collect()
     if stream.version is None:
         raise TransferError("the stream ended before any bucket arrived")
+    if stream.staging is not None and stream.staging.parts:  # never a partial version loaded as whole
+        raise TransferError(
+            f"version {stream.version} carries delta or LoRA entries; receive it through a WeightReceiver, "
+            "which rebuilds the full tensors (send_less.py)"
+        )
     await asyncio.to_thread(load, list(staged.items()), stream.version)
     return stream.version

@@ -256,6 +256,7 @@ class TorchDistTransport(Transport):
         staging, channel = self.staging, self.meta
         if staging is None or channel is None:
             raise TransferError("receive_weights on a sending end")
+        stream.staging = staging
         meta = await asyncio.to_thread(channel.take)
         stream.version, stream.started = meta.version, time.perf_counter()
         staging.begin(meta.version)
