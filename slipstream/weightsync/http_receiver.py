@@ -29,6 +29,11 @@ These routes change what a server serves, so they must only be reachable with th
 embedded server's app guards them (``slipstream/rollouter/embedded/auth.py``); an app that mounts this
 router elsewhere has to do the same.
 
+Delta and LoRA versions (entries of kinds other than ``dense``, ``weightsync/send_less.py``) are rebuilt
+into full HF-named tensors here, by the receiver's :class:`~slipstream.weightsync.send_less.Rebuilder`,
+before ``apply_weights``, so every target (the embedded server, the vLLM plug-in) takes them unchanged; a
+delta against a version this receiver does not hold is refused at its first bucket, naming both versions.
+
 Underneath, the bytes move through the receiving ends of ``weightsync.base.Transport``: each joined group
 is a ``torch_dist`` end that lands every announced bucket (``receive_bucket``), and the in-band streams
 (``ipc``, ``nixl``) are ends whose whole version arrives by itself (``receive_weights``).
