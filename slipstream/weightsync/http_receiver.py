@@ -288,7 +288,6 @@ class WeightReceiver:
             self._fail(session, problem)
             raise RequestError(problem)
         assert version is not None and session.staging is not None
-        start = time.perf_counter()
         try:  # delta and LoRA entries become full tensors here, so every target gets them (send_less.py)
             rebuilt = await asyncio.to_thread(self._rebuild, session.staging, version)
         except SendLessError as err:
@@ -299,13 +298,14 @@ class WeightReceiver:
             self._fail(session, problem)
             raise RequestError(problem)
         staged = rebuilt.tensors
+        start = time.perf_counter()
         try:
             await asyncio.to_thread(self.target.apply_weights, staged, version)
         except Exception as err:
             self._fail(session, f"apply_weights refused version {version}: {err}")
             raise RequestError(self.last_error) from err
-        await asyncio.to_thread(self.rebuilder.applied, rebuilt, version)
         self.last_apply_s = time.perf_counter() - start
+        await asyncio.to_thread(self.rebuilder.applied, rebuilt, version)
         self.last_receive_s = session.receive_s
         self.applied_versions += 1
         mb = session.staging.nbytes / 2**20
