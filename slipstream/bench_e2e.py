@@ -85,6 +85,7 @@ def _overrides(args: argparse.Namespace, mode: str, out: Path, data: Path) -> li
         f"rollout.n={args.n}",
         f"trainer.batch_groups={args.batch_groups}",
         "trainer.checkpoint_every=0",
+        "rollout.backend=embedded",  # the recorded runs (docs/recorded/simulate-own) are the embedded server's
         f"rollout.embedded.num_threads={server}",
         f"cluster.trainer_threads={trainer}",
         "wandb.mode=disabled",

@@ -107,6 +107,7 @@ def soak_overrides(out: Path) -> list[str]:
     """What the soak sets on top of the preset (the user's overrides come after and win)."""
     return [
         "async.mode=fully_async",
+        "rollout.backend=embedded",  # the soak kills and restarts embedded servers (seconds to start)
         "run.name=soak",
         f"run.output_dir={out}",
         "run.resume=false",

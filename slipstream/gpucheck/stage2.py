@@ -28,6 +28,7 @@ def one_gpu_train_overrides(model_path: str | Path, out: str | Path, device: str
     overrides = [
         f"model.path={model_path}", "model.dtype=float32", f"trainer.device={device}",
         f"run.output_dir={out}", "run.name=one-gpu", f"run.total_steps={steps}", "eval.every=0",
+        "rollout.backend=embedded",
         f"rollout.embedded.device={device}", f"rollout.embedded.dtype={'bfloat16' if gpu else 'float32'}",
         "weightsync.backend=ipc", f"weightsync.device={device}", "wandb.mode=disabled",
     ]  # fmt: skip
