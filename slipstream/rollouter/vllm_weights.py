@@ -26,7 +26,7 @@ An apply that fails therefore fails its ``/update_weights`` call, and a failed v
 The engine runs the receiver on an event loop of its own (a daemon thread): vLLM calls the engine
 synchronously from its worker, while the receiver's waits and watchdog are asyncio.
 
-Worked example (what ``weightsync/adapters.py``'s ``VLLMAdapter`` sends when the server runs this engine)::
+Worked example (what ``serverkinds/vllm.py``'s ``VLLMAdapter`` sends when the server runs this engine)::
 
     POST /init_weight_transfer_engine {"init_info": {"master_address": "127.0.0.1", "master_port": 29600,
          "rank_offset": 1, "world_size": 2, "group_name": "slipstream_weights", "backend": "gloo"}}

@@ -288,7 +288,7 @@ class VLLMAdapter(ServerAdapter):
 
     async def data_plane(self) -> str:
         if self.engine is None:
-            info = await self.call("GET", "/server_info", params={"config_format": "json"})
+            info = await self.request(self.api.weights.engine, params={"config_format": "json"})
             engine = ((info.get("vllm_config") or {}).get("weight_transfer_config") or {}).get("backend")
             self.engine = engine or "nccl"  # vLLM's default
         if self.engine not in self.ENGINE_TRANSPORTS:
