@@ -69,14 +69,29 @@ def register() -> None:
 def checkpoint_specs(model_dir: str | Path, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Every tensor of the HF checkpoint in ``model_dir`` by name, with its shape and the serving ``dtype``
     (vLLM fuses q/k/v and gate/up internally, so its own parameter names are not the trainer's)."""
+    return {name: (shape, dtype) for name, (shape, _) in _checkpoint_index(model_dir).items()}
+
+
+def _checkpoint_index(model_dir: str | Path) -> dict[str, tuple[tuple[int, ...], Path]]:
     from safetensors import safe_open
 
-    specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    index: dict[str, tuple[tuple[int, ...], Path]] = {}
     for path in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                specs[name] = (tuple(f.get_slice(name).get_shape()), dtype)
-    return specs
+                index[name] = (tuple(f.get_slice(name).get_shape()), path)
+    return index
+
+
+def _read_checkpoint(model_dir: str | Path, names: list[str]) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    index = _checkpoint_index(model_dir)
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        with safe_open(str(index[name][1]), framework="pt") as f:
+            out[name] = f.get_tensor(name)
+    return out
 
 
 @dataclass
@@ -87,6 +102,12 @@ class VLLMTarget:
     through vLLM's own ``reload_weights`` (checkpoint format: its ``load_weights`` fuses q/k/v and gate/up
     and skips a tied ``lm_head``; the layerwise machinery restores the weight loaders and re-runs any
     post-load processing that the first load replaced).
+
+    That reload rebuilds whole layers, so a version that names only some tensors (a LoRA adapter-only
+    version carries the merged projections it adapts, not k_proj beside q_proj and v_proj) is completed
+    with the tensors the model holds now: the last value this target applied for each name, else the
+    checkpoint's. The target therefore keeps a host copy of what it applied (the model's size, in host
+    memory, once the first version arrived).
     """
 
     model: torch.nn.Module
@@ -94,6 +115,7 @@ class VLLMTarget:
     specs: dict[str, tuple[tuple[int, ...], torch.dtype]]
     version: int = 0
     tied: frozenset[str] = field(default_factory=lambda: frozenset({"lm_head.weight"}))
+    held: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def weight_version(self) -> int:
@@ -106,17 +128,25 @@ class VLLMTarget:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
-        tensors = list(named_tensors)
-        for name, tensor in tensors:
+        dtype = self.vllm_config.model_config.dtype
+        weights: dict[str, torch.Tensor] = {}
+        for name, tensor in named_tensors:
             spec = self.specs.get(name)
             if spec is None and name not in self.tied:
                 raise ValueError(f"`{name}` is not a weight of the served checkpoint")
             if spec is not None and tuple(tensor.shape) != spec[0]:
                 raise ValueError(f"`{name}`: sent shape {list(tensor.shape)}, serving {list(spec[0])}")
-        dtype = self.vllm_config.model_config.dtype
-        weights = [(n, t.to(dtype)) for n, t in tensors]
+            weights[name] = tensor.to(dtype)
+        missing = [n for n in self.specs if n not in weights]
+        unheld = [n for n in missing if n not in self.held]
+        from_disk = _read_checkpoint(self.vllm_config.model_config.model, unheld) if unheld else {}
+        for name in missing:
+            weights[name] = self.held[name] if name in self.held else from_disk[name].to(dtype)
         with torch.no_grad(), set_current_vllm_config(self.vllm_config):
-            reload_weights(self.vllm_config, self.model, weights, None, is_checkpoint_format=True)
+            reload_weights(self.vllm_config, self.model, list(weights.items()), None, is_checkpoint_format=True)
+        for name, tensor in weights.items():
+            if name not in self.held or self.held[name] is not tensor:
+                self.held[name] = tensor.detach().to("cpu", copy=True)
         self.version = version
 
 

@@ -11,6 +11,7 @@ import torch
 
 from slipstream.agents.protocol import SamplingParams
 from slipstream.rollouter.clients import VLLMClient
+from slipstream.rollouter.clients.base import parse_version
 from slipstream.rollouter.partial import PartialRolloutClient
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.publisher import WeightPublisher
@@ -52,8 +53,10 @@ def policy(vllm_model):
     return Policy(vllm_model)
 
 
-def served_version(url: str) -> str:
-    return httpx.get(f"{url}/weight_info", timeout=10).json()["weight_version"]
+def served_version(url: str) -> int:
+    """What vLLM serves (its "default" before the first push is our 0); other test files push too, so every
+    test numbers its versions from here."""
+    return parse_version(httpx.get(f"{url}/weight_info", timeout=10).json()["weight_version"])
 
 
 def generate(url: str, n: int = 16):
@@ -76,17 +79,19 @@ def publish(url: str, version: int, tensors, **cfg) -> object:
 
 
 def test_a_pushed_version_serves_with_the_trainers_logprobs(vllm_server, policy):
+    v = served_version(vllm_server.url) + 1
     policy.step(seed=1)
-    report = publish(vllm_server.url, 1, policy.tensors())
+    report = publish(vllm_server.url, v, policy.tensors())
     assert report.ok == [vllm_server.url], report.failed
-    assert served_version(vllm_server.url) == "1"
+    assert served_version(vllm_server.url) == v
     out = generate(vllm_server.url)
-    assert out.versions == [1] * len(out.output_ids)
+    assert out.versions == [v] * len(out.output_ids)
     assert torch.allclose(torch.tensor(out.logprobs), policy.logprobs(out.output_ids), atol=1e-4, rtol=0)
 
 
 def test_a_push_that_fails_part_way_leaves_the_old_version_serving(vllm_server, policy):
-    publish(vllm_server.url, 2, policy.tensors())
+    v = served_version(vllm_server.url) + 1
+    publish(vllm_server.url, v, policy.tensors())
     before = generate(vllm_server.url)
 
     def dies_part_way():
@@ -96,15 +101,15 @@ def test_a_push_that_fails_part_way_leaves_the_old_version_serving(vllm_server, 
             yield item[0], item[1] + 1.0
 
     with pytest.raises(RuntimeError, match="mid-version"):  # the trainer's own error reaches it
-        publish(vllm_server.url, 3, dies_part_way(), keep_last=False)
-    assert served_version(vllm_server.url) == "2"
+        publish(vllm_server.url, v + 1, dies_part_way(), keep_last=False)
+    assert served_version(vllm_server.url) == v
     after = generate(vllm_server.url)
-    assert after.versions == [2] * len(after.output_ids)
+    assert after.versions == [v] * len(after.output_ids)
     assert torch.allclose(torch.tensor(after.logprobs), policy.logprobs(after.output_ids), atol=1e-4, rtol=0)
     assert before.versions == after.versions
     policy.step(seed=4)  # and the next version goes through
-    assert publish(vllm_server.url, 4, policy.tensors()).ok == [vllm_server.url]
-    assert served_version(vllm_server.url) == "4"
+    assert publish(vllm_server.url, v + 2, policy.tensors()).ok == [vllm_server.url]
+    assert served_version(vllm_server.url) == v + 2
 
 
 def test_a_tensor_of_the_wrong_shape_is_refused_by_name(vllm_server, policy):
@@ -114,14 +119,14 @@ def test_a_tensor_of_the_wrong_shape_is_refused_by_name(vllm_server, policy):
         for name, t in policy.tensors():
             yield name, (t[:-1] if name.endswith("down_proj.weight") else t)
 
-    report = publish(vllm_server.url, 50, bad(), keep_last=False)
+    report = publish(vllm_server.url, serving + 1, bad(), keep_last=False)
     assert vllm_server.url in report.failed and "down_proj" in report.failed[vllm_server.url]
     assert served_version(vllm_server.url) == serving
 
 
 def test_tokens_carry_the_version_that_made_them_when_a_push_lands_mid_request(vllm_server, policy):
     """In place: the request keeps running across the push; its tokens are stamped old then new."""
-    old = int(served_version(vllm_server.url))
+    old = served_version(vllm_server.url)
 
     async def go():
         c = VLLMClient(vllm_server.url, api="generate", timeout_s=300)
@@ -149,7 +154,7 @@ def test_tokens_carry_the_version_that_made_them_when_a_push_lands_mid_request(v
 def test_an_aborted_request_resumes_on_the_new_version(vllm_server, policy):
     """Abort mode (partial rollouts): the push aborts the request, the rollouter's wrapper re-submits
     prompt + partial output, and the pieces join with each token's version."""
-    old = int(served_version(vllm_server.url))
+    old = served_version(vllm_server.url)
 
     async def go():
         c = VLLMClient(vllm_server.url, api="generate", timeout_s=300)
