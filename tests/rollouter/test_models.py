@@ -58,3 +58,30 @@ def test_real_quickstart_model_prepares(tmp_path, monkeypatch):
     path = prepare("smollm2-135m-instruct", progress=False)
     config = json.loads((path / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and (path / "tokenizer.json").is_file()
+    assert "quantization_config" not in config  # vLLM refuses gguf's (tests/vllm load what this writes)
+
+
+def test_a_checkpoint_from_an_older_converter_is_prepared_again(tmp_path, monkeypatch):
+    """Checkpoints written before the converter dropped GGUF's quantization_config (which vLLM refuses:
+    "Unknown quantization method: gguf") carry no format in their marker: they are converted again."""
+    monkeypatch.setenv("SLIPSTREAM_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    old = tmp_path / "cache" / "models" / "toy"
+    old.mkdir(parents=True)
+    (old / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "gguf"}}))
+    (old / "slipstream_prepared.json").write_text(json.dumps({"name": "toy"}))
+    calls = []
+
+    def fake_convert(src, out):
+        calls.append(src)
+        out.mkdir(parents=True)
+        (out / "config.json").write_text(json.dumps({"model_type": "llama"}))
+
+    monkeypatch.setitem(models.KNOWN_MODELS, "toy", KnownModel("toy-pkg", "toy_pkg", "m.gguf", "a toy"))
+    monkeypatch.setattr(models, "_installed_gguf", lambda spec: gguf)
+    monkeypatch.setattr(models, "_convert_gguf", fake_convert)
+    path = prepare("toy", progress=False)
+    assert calls == [gguf]
+    assert "quantization_config" not in json.loads((path / "config.json").read_text())
+    assert prepare("toy", progress=False) == path and calls == [gguf]  # current now: not converted again
