@@ -134,7 +134,8 @@ def test_one_gpu_machine_colocates_a_rank_and_a_server_on_its_gpu_and_splits_the
         PlacementError, match=r"server0 needs \{GPU: 1, rollout_pool: 1\}.*cluster.colocate=true"
     ):
         Placement.reserve(split, timeout_s=5)
-    placement = Placement.reserve(load_config(None, [*gpu, "cluster.colocate=true"]), timeout_s=30)
+    colocated = [*gpu, "cluster.colocate=true", "weightsync.backend=ipc"]  # NCCL cannot share one GPU
+    placement = Placement.reserve(load_config(None, colocated), timeout_s=30)
     try:
         assert _place(placement, "rank0")[1] == _place(placement, "server0")[1] == ["0"]
     finally:

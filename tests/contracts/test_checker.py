@@ -842,7 +842,7 @@ def test_the_launcher_is_recorded_for_both_vllm_builds_and_every_engine_and_rout
         for a in argvs
         if "--weight-transfer-config" in a.argv
     }
-    assert engines == {"slipstream", "nccl", "ipc"}
+    assert engines == {"slipstream", "nccl"}
     assert any("--enable-scale-out" in a.argv for a in argvs) and any(
         "--enable-scale-out" not in a.argv for a in argvs
     )
