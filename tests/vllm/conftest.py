@@ -14,11 +14,13 @@ import asyncio
 import os
 import re
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
 import pytest
 
+from slipstream.agents.protocol import GenerateOutput
 from slipstream.rollouter.config import RolloutConfig, VLLMServerConfig
 from slipstream.rollouter.launch import ServerProcess, launch_server, vllm_build
 
@@ -34,8 +36,14 @@ def run(coro, timeout_s: float = 300.0):
     return asyncio.run(asyncio.wait_for(coro, timeout_s))
 
 
+# A request the tests act on while it runs (abort, pause, push) asks for this many tokens: thousands of engine
+# steps, so it is still running however fast the machine, and the test ends it itself (see start_long).
+LONG_TOKENS = 12_000
+MAX_MODEL_LEN = 12_288
+
+
 def vllm_config(**overrides) -> RolloutConfig:
-    v = VLLMServerConfig(dtype="float32", max_model_len=512, max_num_seqs=16, cpu_kv_cache_gib=1)
+    v = VLLMServerConfig(dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=16, cpu_kv_cache_gib=1)
     return RolloutConfig(backend="vllm", vllm=v, **overrides)
 
 
@@ -72,9 +80,15 @@ class VLLMServer:
 
 @pytest.fixture(scope="session")
 def vllm_model(tmp_path_factory) -> Path:
-    from slipstream.testing import make_tiny_model
+    from slipstream.utils.tiny_models import make_tiny_model
 
-    return make_tiny_model(tmp_path_factory.mktemp("vllm-model"), hidden_size=64, num_heads=2, num_kv_heads=1)
+    return make_tiny_model(
+        tmp_path_factory.mktemp("vllm-model"),
+        hidden_size=64,
+        num_heads=2,
+        num_kv_heads=1,
+        max_position_embeddings=MAX_MODEL_LEN,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -99,7 +113,24 @@ def metric(url: str, name: str) -> float:
 async def wait_for_tokens(url: str, more_than: float, timeout_s: float = 120.0) -> None:
     """Until the server has generated more than ``more_than`` tokens in all (a request is under way)."""
     deadline = time.monotonic() + timeout_s
-    while metric(url, "vllm:generation_tokens_total") <= more_than:
+    while generated(url) <= more_than:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{url} generated no token in {timeout_s} s")
         await asyncio.sleep(0.05)
+
+
+def generated(url: str) -> float:
+    """Tokens the server has generated in all, since it started."""
+    return metric(url, "vllm:generation_tokens_total")
+
+
+async def start_long(url: str, generate: Callable[[], Awaitable[GenerateOutput]]) -> asyncio.Task:
+    """Start ``generate()`` (a request for about LONG_TOKENS tokens) and return once it has made tokens.
+
+    The request then runs until the test aborts it (or a pause or push it is testing does), so nothing
+    the test does next races its end.
+    """
+    before = generated(url)
+    task = asyncio.create_task(generate())
+    await wait_for_tokens(url, before)
+    return task

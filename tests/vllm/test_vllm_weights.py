@@ -15,9 +15,10 @@ from slipstream.rollouter.clients.base import parse_version
 from slipstream.rollouter.partial import PartialRolloutClient
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.publisher import WeightPublisher
-from tests.vllm.conftest import metric, run, wait_for_tokens
+from tests.vllm.conftest import LONG_TOKENS, generated, run, start_long, wait_for_tokens
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 8]
+LONG = SamplingParams(max_new_tokens=LONG_TOKENS, ignore_eos=True)
 
 
 def config(**kw) -> WeightSyncConfig:
@@ -131,24 +132,24 @@ def test_tokens_carry_the_version_that_made_them_when_a_push_lands_mid_request(v
     async def go():
         c = VLLMClient(vllm_server.url, api="generate", timeout_s=300)
         try:
-            before = metric(vllm_server.url, "vllm:generation_tokens_total")
-            sampling = SamplingParams(max_new_tokens=300, ignore_eos=True)
-            task = asyncio.create_task(c.generate(PROMPT, sampling, rid="mid-push"))
-            await wait_for_tokens(vllm_server.url, before)
+            task = await start_long(vllm_server.url, lambda: c.generate(PROMPT, LONG, rid="mid-push"))
             policy.step(seed=old + 1)
             report = await asyncio.to_thread(
                 publish, vllm_server.url, old + 1, policy.tensors(), pause_mode="in_place"
             )
+            await wait_for_tokens(vllm_server.url, generated(vllm_server.url))  # tokens of the new version
+            await c.abort("mid-push")
             return report, await task
         finally:
             await c.aclose()
 
     report, out = run(go())
     assert report.ok == [vllm_server.url], report.failed
-    assert len(out.output_ids) == 300 and out.finish_reason == "length"
+    assert out.finish_reason == "abort"  # the test's, after the push: the push itself aborted nothing
+    n = len(out.output_ids)
     switch = out.versions.index(old + 1)
-    assert 0 < switch < 300
-    assert out.versions == [old] * switch + [old + 1] * (300 - switch)
+    assert 0 < switch < n
+    assert out.versions == [old] * switch + [old + 1] * (n - switch)
 
 
 def test_an_aborted_request_resumes_on_the_new_version(vllm_server, policy):
@@ -160,21 +161,21 @@ def test_an_aborted_request_resumes_on_the_new_version(vllm_server, policy):
         c = VLLMClient(vllm_server.url, api="generate", timeout_s=300)
         partial = PartialRolloutClient(c, max_in_flight=4)
         try:
-            before = metric(vllm_server.url, "vllm:generation_tokens_total")
-            sampling = SamplingParams(max_new_tokens=300, ignore_eos=True)
-            task = asyncio.create_task(partial.generate(PROMPT, sampling, rid="resumed"))
-            await wait_for_tokens(vllm_server.url, before)
+            task = await start_long(vllm_server.url, lambda: partial.generate(PROMPT, LONG, rid="resumed"))
             policy.step(seed=old + 1)
             report = await asyncio.to_thread(
                 publish, vllm_server.url, old + 1, policy.tensors(), pause_mode="abort"
             )
+            await wait_for_tokens(vllm_server.url, generated(vllm_server.url))  # the resumed request runs
+            await partial.abort("resumed")
             return report, await task
         finally:
             await c.aclose()
 
     report, out = run(go())
     assert report.ok == [vllm_server.url], report.failed
-    assert len(out.output_ids) == 300 and out.finish_reason == "length"
-    assert out.num_resumes >= 1
+    assert out.finish_reason == "abort" and out.num_resumes >= 1, (out.finish_reason, len(out.output_ids), out.num_resumes)
+    n = len(out.output_ids)
     switch = out.versions.index(old + 1)
-    assert out.versions == [old] * switch + [old + 1] * (300 - switch)
+    assert 0 < switch < n
+    assert out.versions == [old] * switch + [old + 1] * (n - switch)
