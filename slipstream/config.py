@@ -410,25 +410,10 @@ class Config(ConfigStruct):
 def served_dtype(cfg: Config) -> str:
     """The dtype the inference servers hold weights in (what ``weightsync.push_dtype: auto`` pushes, what the
     memory planner counts): a value of the whole config, so here, where the pipeline and the planner both
-    read it."""
-    import json
+    read it. Each server kind reads it from its own settings (its record's ``served_dtype``)."""
+    from slipstream.serverkinds import server_kind
 
-    if cfg.rollout.backend == "embedded":
-        return cfg.rollout.embedded.dtype
-    for arg in cfg.rollout.server_args:
-        key, _, value = arg.partition("=")
-        if key == "--dtype" and value in ("float32", "bfloat16", "float16"):
-            return value
-        if key == "--dtype" and value in ("half", "bf16", "float", "fp32"):
-            return {"half": "float16", "bf16": "bfloat16", "float": "float32", "fp32": "float32"}[value]
-    config = Path(cfg.model.path).expanduser() / "config.json"
-    if config.is_file():  # vLLM and SGLang serve the checkpoint's dtype unless told otherwise
-        found = json.loads(config.read_text()).get("torch_dtype") or json.loads(config.read_text()).get(
-            "dtype"
-        )
-        if found in ("float32", "bfloat16", "float16"):
-            return found
-    return cfg.model.dtype
+    return server_kind(cfg.rollout.backend).served_dtype(cfg.rollout, cfg.model.path, cfg.model.dtype)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

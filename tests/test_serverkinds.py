@@ -12,6 +12,7 @@ import tomllib
 import typing
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from slipstream.agents.config import RewardServerLaunchConfig
@@ -19,7 +20,7 @@ from slipstream.rollouter import launch
 from slipstream.rollouter.clients import CLIENT_KINDS, ServerClient, make_client
 from slipstream.rollouter.config import RolloutConfig
 from slipstream.serverapi import SERVER_APIS, ServerAPI, server_api
-from slipstream.serverkinds import KINDS, ServerKind, server_kind
+from slipstream.serverkinds import KINDS, KindName, ServerKind, server_kind
 from slipstream.weightsync.adapters import ADAPTERS, ServerAdapter, get_adapter_class
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.servers import STREAMS
@@ -97,12 +98,21 @@ def test_the_flags_are_complete(kind: ServerKind):
     cfg = RolloutConfig(backend=kind.name)
     assert isinstance(kind.takes_send_less(cfg), bool) and isinstance(kind.transfer_setting(cfg), str)
     assert isinstance(kind.runs_without_gpus(), bool)
+    # send-less versions: a kind rebuilds them under some setting, or says why not (LoRA goes merged there)
+    assert kind.rebuilds_send_less != bool(kind.send_less_missing)
+    assert kind.rebuilds_send_less or not kind.takes_send_less(cfg)
+    assert kind.served_dtype(cfg, "/nonexistent", "float32") in ("float32", "bfloat16", "float16")
+    assert kind.kv_cache_tokens is None or kind.kv_cache_tokens(cfg) > 0
+    assert isinstance(kind.on_gpu(cfg), bool)
 
 
 def test_the_config_offers_exactly_the_registered_kinds():
+    assert sorted(typing.get_args(KindName)) == sorted(KINDS)  # one name per entry
     for struct in (RolloutConfig, RewardServerLaunchConfig):
         annotated = typing.get_type_hints(struct, include_extras=True)["backend"]
-        assert set(typing.get_args(typing.get_args(annotated)[0])) == set(KINDS), struct.__name__
+        assert typing.get_args(annotated)[0] is KindName, struct.__name__
+    with pytest.raises(msgspec.ValidationError, match="rollout.backend|backend"):
+        msgspec.convert({"backend": "tgi"}, RolloutConfig)
 
 
 def test_the_per_part_tables_are_views_of_the_records():

@@ -8,6 +8,7 @@ import msgspec
 from msgspec import Meta
 
 from slipstream.config_base import ConfigStruct
+from slipstream.serverkinds import KindName
 
 
 class DataConfig(ConfigStruct):
@@ -56,7 +57,7 @@ class RewardServerLaunchConfig(ConfigStruct):
         ),
     ] = ""
     backend: Annotated[
-        Literal["embedded", "vllm", "sglang"],
+        KindName,
         Meta(description="Server of the judge: embedded (our server), vllm or sglang, as rollout.backend."),
     ] = "embedded"
     num_servers: Annotated[int, Meta(ge=1, description="Judge servers to start.")] = 1

@@ -518,7 +518,7 @@ class TrainerRank:
         t0 = time.monotonic()
         dtype = push_dtype(self.settings)
         lora = self.settings.trainer.lora
-        if lora.enabled:  # the adapters alone, or with the base weights when a server lacks them
+        if lora.enabled:  # the adapters (with the base weights when a server lacks them), or merged weights
             from slipstream.weightsync.delta import lora_scale
             from slipstream.weightsync.publisher import publish_lora
 
@@ -529,7 +529,9 @@ class TrainerRank:
                 lambda: self.engine.get_adapter_params(dtype),
                 lambda: self.engine.base_reference().get_per_tensor_param(dtype),
                 lora_scale(lora.alpha, lora.rank),
-                agree=lambda full: bool(trainer._bcast_scalar(float(full))),  # rank 0 decides for all
+                agree=lambda code: int(trainer._bcast_scalar(float(code))),  # rank 0 decides for all
+                # W + scale B A, for servers that cannot rebuild adapters (SGLang, vLLM's own nccl engine)
+                merged=lambda: self.engine.get_per_tensor_param(dtype),
             )
             return PushReport(lora_report, time.monotonic() - t0) if lora_report else PushReport()
         if self.publisher is None:

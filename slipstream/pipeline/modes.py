@@ -205,20 +205,18 @@ def _check_pairing(cfg: Config) -> None:
         raise ConfigError(
             f"weightsync.backend: `nixl` works with {takers} servers only, not rollout.backend `{backend}`"
         )
-    # LoRA pushes carry the adapters alone and delta pushes the changed elements only; the servers rebuild
+    # Delta pushes carry the changed elements only, and LoRA versions the adapters alone; the servers rebuild
     # the weights in our receiver (weightsync/send_less.py): the embedded server, and vLLM through the
-    # slipstream weight-transfer engine. Any other server would keep sampling the old policy.
-    takes = kind.takes_send_less(cfg.rollout)
-    for key, on, what in (
-        ("trainer.lora.rank", cfg.trainer.lora.enabled, "LoRA adapter-only pushes"),
-        ("weightsync.delta", cfg.weightsync.delta, "delta pushes"),
-    ):
-        if on and not takes:
-            server = f"`{backend}`" + kind.transfer_setting(cfg.rollout)
-            raise ConfigError(
-                f"{key}: {what} need servers that rebuild the weights from them (embedded, or vllm with "
-                f"rollout.vllm.weight_transfer `slipstream`); rollout.backend {server} cannot take them"
-            )
+    # slipstream weight-transfer engine. A delta to any other server would leave it sampling the old policy;
+    # a LoRA run pushes it merged whole weights instead (the publisher logs which at the first push).
+    if cfg.weightsync.delta and not kind.takes_send_less(cfg.rollout):
+        takers = [k for k in kind_names() if server_kind(k).rebuilds_send_less]
+        server = f"`{backend}`" + kind.transfer_setting(cfg.rollout)
+        raise ConfigError(
+            "weightsync.delta: delta pushes need servers that rebuild the weights from them "
+            f"({' or '.join(takers)}, under their settings); rollout.backend {server} cannot take them"
+            + (f" ({kind.send_less_missing})" if kind.send_less_missing else "")
+        )
     if kind.needs_gpus and cfg.cluster.gpus_per_server == 0 and not cfg.rollout.server_urls:
         if not kind.runs_without_gpus():
             raise ConfigError(

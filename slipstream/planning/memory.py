@@ -55,6 +55,7 @@ from slipstream.cli_args import (
     command_parser,
     doc_paragraph,
 )
+from slipstream.serverkinds import server_kind
 from slipstream.utils.tensors import dtype_bytes
 
 GIB = 1 << 30
@@ -301,17 +302,18 @@ def inference_gpu(shape: ModelShape, cfg, gpu_bytes: int, served: str) -> tuple[
 
     vLLM and SGLang take ``--gpu-memory-utilization`` (``--mem-fraction-static``) of the whole GPU and fill
     what their weights leave with KV cache; the embedded server takes its weights, a KV cache of
-    ``rollout.embedded.kv_cache_tokens`` tokens and the reserve."""
+    ``rollout.embedded.kv_cache_tokens`` tokens and the reserve (which one: the kind's ``kv_cache_tokens``)."""
     args = server_args(cfg)
-    embedded = cfg.rollout.backend == "embedded"
-    tp = 1 if embedded else int(args.get("--tensor-parallel-size") or args.get("--tp-size") or 1)
+    own_tokens = server_kind(cfg.rollout.backend).kv_cache_tokens  # None: it takes a share of the GPU
+    own = own_tokens is not None
+    tp = 1 if own else int(args.get("--tensor-parallel-size") or args.get("--tp-size") or 1)
     bytes_per_value = dtype_bytes(served)
     weights = shape.params * bytes_per_value // tp
     kv_heads_per_gpu = max(1, shape.kv_heads // tp)
     per_token = 2 * shape.layers * kv_heads_per_gpu * shape.head_dim * bytes_per_value
     length = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens
-    if embedded:
-        kv_budget = cfg.rollout.embedded.kv_cache_tokens * per_token
+    if own_tokens is not None:
+        kv_budget = own_tokens(cfg.rollout) * per_token
         budget = weights + RESERVE_BYTES + kv_budget
     else:
         util = float(args.get("--gpu-memory-utilization") or args.get("--mem-fraction-static") or 0.9)
@@ -321,7 +323,7 @@ def inference_gpu(shape: ModelShape, cfg, gpu_bytes: int, served: str) -> tuple[
     part = Part(
         "inference GPU",
         {"weights": weights, "reserve": RESERVE_BYTES, "KV cache": max(kv_budget, 0)},
-        budget if not embedded else gpu_bytes,
+        budget if not own else gpu_bytes,
     )
     return part, sequences
 
@@ -392,13 +394,14 @@ def plan(cfg, gpu_gib: float = 80.0) -> Plan:
     shape = model_shape(cfg.model.path)
     gpu_bytes = int(gpu_gib * GIB)
     inference, sequences = None, None
-    if cfg.rollout.backend != "embedded" or cfg.rollout.embedded.device == "cuda":
+    kind = server_kind(cfg.rollout.backend)
+    if kind.on_gpu(cfg.rollout):
         inference, sequences = inference_gpu(shape, cfg, gpu_bytes, served_dtype(cfg))
     limit = cfg.rollout.max_position_embeddings or shape.max_positions
     trainer = trainer_gpu(shape, cfg, gpu_bytes)
     if cfg.cluster.colocate and inference is not None:
         # one GPU, two processes: the trainer gets what the server leaves, the server what it asks for
-        server = inference.total if cfg.rollout.backend == "embedded" else inference.limit
+        server = inference.total if kind.kv_cache_tokens is not None else inference.limit
         trainer.name = "trainer (sharing the GPU with a server)"
         trainer.limit = max(0, gpu_bytes - server)
         inference.name = "inference (sharing the GPU with a trainer rank)"

@@ -8,6 +8,7 @@ import msgspec
 from msgspec import Meta
 
 from slipstream.config_base import ConfigStruct
+from slipstream.serverkinds import KindName
 
 
 class SamplingConfig(ConfigStruct):
@@ -228,7 +229,7 @@ class RolloutConfig(ConfigStruct):
     """The rollouter and the inference servers it drives: backend, servers, samples per prompt."""
 
     backend: Annotated[
-        Literal["embedded", "vllm", "sglang"],
+        KindName,
         Meta(description="Inference backend: embedded (our server), vllm or sglang."),
     ] = "embedded"
     num_servers: Annotated[

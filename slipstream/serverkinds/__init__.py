@@ -20,8 +20,8 @@ To add a kind (``docs/architecture.md``, "Adding a server kind"; ``tests/test_se
    third-party server, whose pinned release ``make contracts`` checks);
 2. ``serverkinds/<kind>.py``: a :class:`ServerClient` subclass, a :class:`ServerAdapter` subclass (each with
    the description as its ``default_api`` / ``api``), the command builder and ``KIND = ServerKind(...)``;
-3. one line in :data:`KINDS`, the kind's name in ``RolloutConfig.backend``'s choices, and its pip extra in
-   ``pyproject.toml``.
+3. one line in :data:`KINDS`, its name in :data:`KindName` (the choices of ``rollout.backend`` and
+   ``reward.service.launch.backend``), and its pip extra in ``pyproject.toml``.
 
 Example::
 
@@ -36,7 +36,8 @@ import importlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 from slipstream.utils.registry import Registry, UnknownNameError
 
@@ -45,6 +46,11 @@ if TYPE_CHECKING:
     from slipstream.rollouter.config import RolloutConfig
     from slipstream.serverapi.spec import ServerAPI
     from slipstream.weightsync.adapters import ServerAdapter
+
+# The kinds' names as the config's type: the choices of ``rollout.backend`` and ``reward.service.launch.backend``
+# (msgspec validates them, ``slipstream config show`` lists them). A Literal must be written out for type
+# checkers; tests/test_serverkinds.py holds it to the keys of KINDS (in any order: it is the docs' order).
+KindName = Literal["embedded", "vllm", "sglang"]
 
 # The one table of kinds: name (``rollout.backend``) -> the module defining its ``KIND``, in the order
 # error messages list them.
@@ -65,6 +71,31 @@ def _never(cfg: RolloutConfig) -> bool:
 
 def _no_setting(cfg: RolloutConfig) -> str:
     return ""
+
+
+def _always(cfg: RolloutConfig) -> bool:
+    return True
+
+
+_DTYPE_ALIASES = {"half": "float16", "bf16": "bfloat16", "float": "float32", "fp32": "float32"}
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def args_or_checkpoint_dtype(cfg: RolloutConfig, model_path: str, model_dtype: str) -> str:
+    """The dtype a third-party server holds weights in when nothing of ours sets it: a ``--dtype=...`` in
+    ``rollout.server_args`` (appended last, so it wins), else the checkpoint's ``torch_dtype`` (vLLM's and
+    SGLang's ``auto``), else ``model.dtype``."""
+    for arg in cfg.server_args:
+        key, _, value = arg.partition("=")
+        if key == "--dtype" and _DTYPE_ALIASES.get(value, value) in _DTYPES:
+            return _DTYPE_ALIASES.get(value, value)
+    config = Path(model_path).expanduser() / "config.json"
+    if config.is_file():
+        hf = json.loads(config.read_text())
+        found = hf.get("torch_dtype") or hf.get("dtype")
+        if found in _DTYPES:
+            return found
+    return model_dtype
 
 
 @dataclass(frozen=True)
@@ -115,10 +146,28 @@ class ServerKind:
     (``cluster.colocate``); empty: none can."""
     colocated_missing: str = ""
     """Where none can: the one-GPU weight path it lacks, for the error."""
+    rebuilds_send_less: bool = False
+    """Whether its servers can rebuild the weights from LoRA-adapter and delta versions
+    (``weightsync/send_less.py``, our receiver) under some setting; where False a LoRA run pushes merged
+    full versions and ``weightsync.delta`` is refused. Which setting: :attr:`takes_send_less`."""
+    send_less_missing: str = ""
+    """Where it cannot: why, for the start-up log and the errors."""
     takes_send_less: Callable[[RolloutConfig], bool] = _never
-    """Whether its servers rebuild the weights from LoRA-only and delta pushes (``weightsync/send_less.py``)."""
+    """(rollout config) -> whether its servers rebuild them under this config; each server's adapter says
+    so again once it is linked (``ServerAdapter.send_less_refusal``: servers started by hand)."""
     transfer_setting: Callable[[RolloutConfig], str] = _no_setting
     """The config that decides :attr:`takes_send_less`, in words for an error (" with ... `nccl`")."""
+    served_dtype: Callable[[RolloutConfig, str, str], str] = args_or_checkpoint_dtype
+    """(rollout config, ``model.path``, ``model.dtype``) -> the dtype its servers hold weights in (what
+    ``weightsync.push_dtype: auto`` pushes and the memory planner counts)."""
+    kv_cache_tokens: Callable[[RolloutConfig], int] | None = None
+    """Where its servers size their memory from their own engine config (ours): (rollout config) -> the KV
+    cache, in tokens, a server allocates beside its weights; the memory planner counts those, the cache and
+    a reserve, and a colocated trainer gets the rest of the GPU. None: a server takes a fraction of the GPU
+    (``--gpu-memory-utilization`` / ``--mem-fraction-static``, 0.9) as its limit and fills what its weights
+    leave with cache."""
+    on_gpu: Callable[[RolloutConfig], bool] = _always
+    """(rollout config) -> whether its servers hold their weights on a GPU (the memory planner counts one)."""
 
     def __repr__(self) -> str:
         return f"ServerKind({self.name!r})"
@@ -179,4 +228,12 @@ class KindField(Registry[Any]):
         return name in KINDS
 
 
-__all__ = ["KINDS", "KindField", "ServerKind", "kind_names", "server_kind"]
+__all__ = [
+    "KINDS",
+    "KindField",
+    "KindName",
+    "ServerKind",
+    "args_or_checkpoint_dtype",
+    "kind_names",
+    "server_kind",
+]

@@ -112,6 +112,18 @@ def _always(cfg: RolloutConfig) -> bool:
     return True
 
 
+def embedded_dtype(cfg: RolloutConfig, model_path: str, model_dtype: str) -> str:
+    return cfg.embedded.dtype  # ours loads the checkpoint in rollout.embedded.dtype, whatever it holds
+
+
+def embedded_kv_tokens(cfg: RolloutConfig) -> int:
+    return cfg.embedded.kv_cache_tokens
+
+
+def embedded_on_gpu(cfg: RolloutConfig) -> bool:
+    return cfg.embedded.device == "cuda"
+
+
 KIND = ServerKind(
     name="embedded",
     api=EMBEDDED,
@@ -125,5 +137,9 @@ KIND = ServerKind(
     open_flag="--open",
     streams=("ipc", "nixl"),
     colocated_transports=("ipc", "auto", "nixl"),
+    rebuilds_send_less=True,
     takes_send_less=_always,
+    served_dtype=embedded_dtype,
+    kv_cache_tokens=embedded_kv_tokens,
+    on_gpu=embedded_on_gpu,
 )

@@ -250,6 +250,10 @@ KIND = ServerKind(
     context_flag="--context-length",
     position_flag="--json-model-override-args",
     typed_buckets=True,
+    send_less_missing=(
+        "SGLang loads dense tensors only, and its one in-memory LoRA route (/load_lora_adapter_from_tensors) "
+        "unpickles what it is sent, which Slipstream never sends on a socket"
+    ),
     colocated_missing=(
         "a CUDA-IPC weight transport to SGLang (update_weights_from_tensor / update_weights_from_ipc)"
     ),

@@ -60,7 +60,7 @@ from slipstream.agents.protocol import GenerateOutput, SamplingParams
 from slipstream.rollouter import launch
 from slipstream.rollouter.clients.base import ServerClient, ServerError, expand_spans, parse_version
 from slipstream.serverapi import VLLM, ServerAPI
-from slipstream.serverkinds import ServerKind
+from slipstream.serverkinds import ServerKind, args_or_checkpoint_dtype
 from slipstream.utils.logging import get_logger
 from slipstream.weightsync.adapters import GroupSpec, ServerAdapter, bucket_entries, slipstream_layout
 from slipstream.weightsync.errors import TransferError
@@ -300,6 +300,15 @@ class VLLMAdapter(ServerAdapter):
         return self.transport
 
     @property
+    def send_less_refusal(self) -> str:
+        if self.engine in (None, "slipstream"):  # ours rebuilds them; unknown until the server is linked
+            return ""
+        return (
+            f"it runs vLLM's `{self.engine}` weight-transfer engine, which reads every entry as a dense tensor "
+            "(rollout.vllm.weight_transfer `slipstream` rebuilds them)"
+        )
+
+    @property
     def staged(self) -> bool:
         return self.engine != "nccl"
 
@@ -474,6 +483,15 @@ def _transfer_setting(cfg: RolloutConfig) -> str:
     return f" with rollout.vllm.weight_transfer `{cfg.vllm.weight_transfer}`"
 
 
+def vllm_dtype(cfg: RolloutConfig, model_path: str, model_dtype: str) -> str:
+    """A ``--dtype`` in ``rollout.server_args`` (appended after ours, so it wins), else ``rollout.vllm.dtype``
+    (our ``--dtype``), else the checkpoint's (``auto``)."""
+    told = any(a.partition("=")[0] == "--dtype" for a in cfg.server_args)
+    if cfg.vllm.dtype != "auto" and not told:
+        return cfg.vllm.dtype
+    return args_or_checkpoint_dtype(cfg, model_path, model_dtype)
+
+
 KIND = ServerKind(
     name="vllm",
     api=VLLM,
@@ -490,6 +508,8 @@ KIND = ServerKind(
     context_flag="--max-model-len",
     position_flag="--hf-overrides",
     colocated_missing="a CUDA-IPC weight transport to vLLM (vLLM 0.33's `ipc` weight-transfer engine)",
+    rebuilds_send_less=True,
     takes_send_less=_takes_send_less,
     transfer_setting=_transfer_setting,
+    served_dtype=vllm_dtype,
 )

@@ -86,6 +86,15 @@ class ServerAdapter:
         self.mode: PauseMode = self.api.pause_mode(cfg.pause_mode)
         self.control = ServerControl(self.api, self._send)
 
+    @property
+    def send_less_refusal(self) -> str:
+        """Why this server cannot rebuild delta and LoRA-adapter versions (its kind's record); "" when it
+        can, or cannot tell before it joins a link."""
+        from slipstream.serverkinds import server_kind
+
+        kind = server_kind(self.kind)
+        return "" if kind.rebuilds_send_less else kind.send_less_missing
+
     def layout(self) -> Layout | None:
         """How buckets must be cut for this server; None sends one tensor per broadcast."""
         from slipstream.weightsync.buckets import Layout

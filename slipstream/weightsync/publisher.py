@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterable, Iterator
 import msgspec
 import torch
 
+from slipstream import serverkinds as kinds
 from slipstream.utils.http_auth import env_token
 from slipstream.utils.http_client import HTTPClient
 from slipstream.utils.logging import get_logger
@@ -46,7 +47,7 @@ from slipstream.weightsync.buckets import BufferPool
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.errors import SourceFailed, TransferError
 from slipstream.weightsync.send_less import DeltaStats, delta_entries, lora_items
-from slipstream.weightsync.servers import ServerLink, choose_transport
+from slipstream.weightsync.servers import STREAMS, ServerLink, choose_transport
 from slipstream.weightsync.types import DENSE, VersionInfo
 
 log = get_logger(__name__)
@@ -64,9 +65,9 @@ class PublishReport(msgspec.Struct, kw_only=True):
     buckets: int = 0
     seconds: float = 0.0
     retried: bool = False
-    # What travelled: ``full``, ``delta`` (against version ``base``), ``lora`` (base weights and adapters)
-    # or ``adapters`` (adapters only); for a delta, the fraction of elements that changed and the dense
-    # bytes the version would have taken.
+    # What travelled: ``full``, ``delta`` (against version ``base``), ``lora`` (base weights and adapters),
+    # ``adapters`` (adapters only) or ``merged`` (a LoRA version as whole weights, W + scale B A); for a
+    # delta, the fraction of elements that changed and the dense bytes the version would have taken.
     sent: str = "full"
     base: int = -1
     changed_fraction: float = 0.0
@@ -136,12 +137,15 @@ class WeightPublisher:
         self._token = env_token() if token is None else token
         self.kind = server_kind
         self._adapter_cls = get_adapter_class(server_kind)
-        if cfg.backend in ("nixl", "ipc") and server_kind != "embedded":
+        self._record = kinds.server_kind(server_kind)
+        if cfg.backend in STREAMS and cfg.backend not in self._record.streams:
+            takers = [k for k in kinds.kind_names() if cfg.backend in kinds.server_kind(k).streams]
             raise ValueError(
-                f"weightsync.backend `{cfg.backend}` works with embedded servers only, not `{server_kind}`"
+                f"weightsync.backend `{cfg.backend}` works with {' or '.join(takers)} servers only, "
+                f"not `{server_kind}`"
             )
         if cfg.delta:
-            _check_send_less(cfg, server_kind, "weightsync.delta")
+            _check_send_less(cfg, self._record, "weightsync.delta")
         self.device = resolve_device(cfg)
         self.pool = BufferPool(self.device)
         # A delta is computed against the last version sent, so delta pushes keep it whatever keep_last says.
@@ -156,6 +160,7 @@ class WeightPublisher:
         self._link_members: list[str] = []
         self._joins = 0
         self._builds = 0
+        self._lora_how = ""  # how LoRA versions last travelled (logged when it changes)
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="weight-publisher", daemon=True)
@@ -184,6 +189,36 @@ class WeightPublisher:
         with self._lock:
             return any(u not in self.held for u in self._live())
 
+    def lora_push(self) -> str:
+        """How the next LoRA version travels: ``merged`` (whole weights, ``W + lora_scale B A``) when a live
+        server cannot rebuild adapter versions (its kind, or vLLM's own ``nccl`` engine, read from the
+        server), else ``lora`` (adapters and base weights: :meth:`needs_full`) or ``adapters``. Logged
+        once, and again if it changes."""
+        with self._lock:
+            refusals = self._run(self._send_less_refusals())
+        how = "merged" if refusals else "adapters"
+        if how != self._lora_how:
+            self._lora_how = how
+            if refusals:
+                why = "; ".join(f"{url}: {reason}" for url, reason in refusals.items())
+                log.info("LoRA versions go as merged whole weights (W + scale B A): %s", why)
+            else:
+                log.info("LoRA versions go as adapters (with the base weights to a server that lacks them)")
+        if refusals:
+            return "merged"
+        return "lora" if self.needs_full() else "adapters"
+
+    def publish_merged(
+        self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> PublishReport:
+        """Push a LoRA version as whole merged weights (:meth:`lora_push` said ``merged``): a full version,
+        after which no server holds LoRA base weights, so a later adapter version carries them again."""
+        report = self.publish(version, named_tensors)
+        report.sent = "merged"
+        with self._lock:
+            self.held.clear()
+        return report
+
     def publish_lora(
         self,
         version: int,
@@ -193,7 +228,7 @@ class WeightPublisher:
     ) -> PublishReport:
         """Push a LoRA version: the adapters (``<module>.lora_A.weight``/``lora_B.weight``) and, when
         ``base`` is given, every base weight (``needs_full``); servers serve ``W + lora_scale B A``."""
-        _check_send_less(self.cfg, self.kind, "LoRA adapter pushes")
+        _check_send_less(self.cfg, self._record, "LoRA adapter pushes")
         if base is None and self.needs_full():
             _drain(iter(adapters))
             raise TransferError(
@@ -290,7 +325,7 @@ class WeightPublisher:
             members = await self._ensure_link(report)
             if members:
                 if self.cfg.delta or sent != "full":  # the servers' engines are known once linked
-                    _check_engines([self.servers[u] for u in members])
+                    _check_receivers([self.servers[u] for u in members])
                 if info is None:
                     delta = (
                         self.cfg.delta
@@ -412,6 +447,16 @@ class WeightPublisher:
             del self.down[url]
             self.held.pop(url, None)  # it may have restarted: whole versions until it applies one
 
+    async def _send_less_refusals(self) -> dict[str, str]:
+        """Why each live server cannot rebuild send-less versions (none: every one can). A kind that can
+        under some setting is asked per server (``data_plane`` reads vLLM's engine; a server that does not
+        answer is left to the push)."""
+        if not self._record.rebuilds_send_less:
+            return {f"`{self.kind}` servers": self._record.send_less_missing}
+        adapters = [self.servers[u] for u in self._live()]
+        await asyncio.gather(*(a.data_plane() for a in adapters), return_exceptions=True)
+        return {a.url: a.send_less_refusal for a in adapters if a.send_less_refusal}
+
     def _live(self) -> list[str]:
         return [u for u in self.servers if u not in self.down]
 
@@ -445,26 +490,29 @@ class WeightPublisher:
             self._http.clear()
 
 
-def _check_send_less(cfg: WeightSyncConfig, kind: str, what: str) -> None:
-    """Delta and LoRA versions need receivers that rebuild them (ours) and bucket metadata that carry each
+def _check_send_less(cfg: WeightSyncConfig, kind: kinds.ServerKind, what: str) -> None:
+    """Delta and LoRA versions need receivers that rebuild them (the record's ``rebuilds_send_less``; which
+    servers do under their settings is checked once they are linked) and bucket metadata that carry each
     entry's kind (not the per-tensor ``naive`` calls, which name dense tensors only)."""
-    if kind not in ("embedded", "vllm"):
-        raise ValueError(f"{what}: `{kind}` servers cannot rebuild weights from them (embedded or vllm only)")
+    if not kind.rebuilds_send_less:
+        takers = " or ".join(k for k in kinds.kind_names() if kinds.server_kind(k).rebuilds_send_less)
+        raise ValueError(
+            f"{what}: `{kind.name}` servers cannot rebuild weights from them ({kind.send_less_missing}); "
+            f"{takers} servers can"
+        )
     if cfg.backend == "naive":
         raise ValueError(
             f"{what}: weightsync.backend `naive` sends no entry kinds; use torch_dist, ipc or nixl"
         )
 
 
-def _check_engines(adapters: list[ServerAdapter]) -> None:
-    """A vLLM server must run our weight-transfer engine (its own ``nccl`` engine reads every entry as a
-    dense tensor): refused before a byte moves."""
-    bad = [a.url for a in adapters if getattr(a, "engine", None) not in (None, "slipstream")]
+def _check_receivers(adapters: list[ServerAdapter]) -> None:
+    """Every server of a delta or LoRA-adapter version must rebuild it (a vLLM server must run our
+    weight-transfer engine, read once it is linked): refused before a byte moves."""
+    bad = {a.url: a.send_less_refusal for a in adapters if a.send_less_refusal}
     if bad:
-        raise ValueError(
-            f"delta and LoRA versions need vLLM's slipstream weight-transfer engine; {bad} run another "
-            "(rollout.vllm.weight_transfer)"
-        )
+        why = "; ".join(f"{url}: {reason}" for url, reason in bad.items())
+        raise ValueError(f"delta and LoRA versions need servers that rebuild them; {why}")
 
 
 async def _all(adapters: list[ServerAdapter], call: Callable) -> None:
@@ -489,24 +537,41 @@ def _drain(source: Iterator) -> None:
         pass
 
 
+LORA_PUSHES = ("adapters", "lora", "merged")  # what :meth:`WeightPublisher.lora_push` answers, by code
+
+
 def publish_lora(
     publisher: WeightPublisher | None,
     version: int,
     adapters: Callable[[], Iterable[tuple[str, torch.Tensor]]],
     base: Callable[[], Iterable[tuple[str, torch.Tensor]]],
     lora_scale: float,
-    agree: Callable[[bool], bool] = lambda full: full,
+    agree: Callable[[int], int] = lambda code: code,
+    merged: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None,
 ) -> PublishReport | None:
-    """The trainer's LoRA push, run on every rank: rank 0 (``publisher``) decides whether the version must
-    carry the base weights (:meth:`WeightPublisher.needs_full`), ``agree`` gives every rank rank 0's answer
-    (a broadcast; the identity on one rank), and every rank gathers the same tensors in the same order:
-    the adapters, then the base weights when needed. Ranks other than 0 pass None and only iterate."""
-    full = agree(publisher.needs_full() if publisher is not None else False)
-    base_items = base() if full else None
-    if publisher is None:
-        _drain(lora_items(adapters(), base_items))
-        return None
-    report = publisher.publish_lora(version, adapters(), base_items, lora_scale)
+    """The trainer's LoRA push, run on every rank: rank 0 (``publisher``) decides how the version travels
+    (:meth:`WeightPublisher.lora_push`: the adapters alone, with the base weights, or whole merged weights
+    to servers that cannot rebuild adapters), ``agree`` gives every rank rank 0's answer as its index in
+    :data:`LORA_PUSHES` (a broadcast; the identity on one rank), and every rank gathers the same tensors in
+    the same order: ``merged()`` (the engine's merged model), or the adapters and then, when needed, the
+    base weights. Ranks other than 0 pass None and only iterate."""
+    how = LORA_PUSHES[int(agree(LORA_PUSHES.index(publisher.lora_push()) if publisher is not None else 0))]
+    if how == "merged":
+        if merged is None:
+            raise ValueError(
+                f"version {version}: the servers cannot rebuild LoRA adapter versions, and no merged weights "
+                "were given to push instead"
+            )
+        if publisher is None:
+            _drain(iter(merged()))
+            return None
+        report = publisher.publish_merged(version, merged())
+    else:
+        base_items = base() if how == "lora" else None
+        if publisher is None:
+            _drain(lora_items(adapters(), base_items))
+            return None
+        report = publisher.publish_lora(version, adapters(), base_items, lora_scale)
     if report.failed:
         log.warning("version %d reached %d of %d servers", version, len(report.ok), len(publisher.servers))
     return report

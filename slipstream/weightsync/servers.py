@@ -13,8 +13,9 @@ what this module adds is the servers' half of the rendezvous, made through their
   whole version then travels in band (``/begin_weight_update {stream: <name>}``), without per-bucket calls.
 
 :func:`choose_transport` is the one selector: ``weightsync.backend``, where ``auto`` picks ``ipc`` for
-embedded servers that all share this host (and this GPU, for a GPU sender) and the server kind's own
-transport otherwise; ``naive`` is ``torch_dist`` with one tensor per bucket (the adapters cut them).
+servers of a kind that takes it on a shared GPU (its record's ``colocated_transports``: the embedded server)
+that all share this host (and this GPU, for a GPU sender), and the server kind's own transport otherwise;
+``naive`` is ``torch_dist`` with one tensor per bucket (the adapters cut them).
 
 Worked example (what the publisher does)::
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import base64
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import msgspec
 import torch
@@ -42,6 +44,9 @@ from slipstream.weightsync.errors import TransferError
 from slipstream.weightsync.groups import backend_for_device
 from slipstream.weightsync.types import BucketMeta, Rendezvous, VersionInfo
 
+if TYPE_CHECKING:
+    from slipstream.serverkinds import ServerKind
+
 log = get_logger(__name__)
 
 STREAMS = ("ipc", "nixl")  # transports a server joins through its stream routes; the others through a group
@@ -54,14 +59,20 @@ async def choose_transport(
     """The transport for a push to ``adapters`` (module docstring)."""
     if cfg.backend in STREAMS:
         return cfg.backend
-    if cfg.backend == "auto" and adapter_cls.kind == "embedded" and adapters:
-        if await colocated(adapters, device):
+    if cfg.backend == "auto" and adapters and "ipc" in _kind(adapter_cls).colocated_transports:
+        if await colocated(adapters, device):  # the one transport that shares a GPU (NCCL refuses to)
             return "ipc"
     planes = set(await asyncio.gather(*(a.data_plane() for a in adapters))) if adapters else set()
     if len(planes) > 1:
         raise TransferError(f"the servers take different data planes ({', '.join(sorted(planes))})")
     plane = planes.pop() if planes else adapter_cls.transport
     return _KIND_TRANSPORT.get(plane, plane)
+
+
+def _kind(adapter_cls: type[ServerAdapter]) -> ServerKind:
+    from slipstream.serverkinds import server_kind
+
+    return server_kind(adapter_cls.kind)
 
 
 async def colocated(adapters: Sequence[ServerAdapter], device) -> bool:

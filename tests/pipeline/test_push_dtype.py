@@ -24,6 +24,22 @@ def test_auto_resolves_to_what_each_backend_serves(tmp_path):
     )
     assert served_dtype(told) == "float16"
     assert prepare_config(embedded)[0].weightsync.push_dtype == "float16"
+    # vLLM is started with --dtype rollout.vllm.dtype; a --dtype in rollout.server_args comes after it and wins
+    vllm_told = load_config(
+        None, [f"model.path={model}", "rollout.backend=vllm", "rollout.vllm.dtype=float16"]
+    )
+    assert served_dtype(vllm_told) == "float16"
+    assert prepare_config(vllm_told)[0].weightsync.push_dtype == "float16"
+    overridden = load_config(
+        None,
+        [
+            f"model.path={model}",
+            "rollout.backend=vllm",
+            "rollout.vllm.dtype=float16",
+            "rollout.server_args=[--dtype=float32]",
+        ],
+    )
+    assert served_dtype(overridden) == "float32"
     pinned = load_config(None, ["rollout.embedded.dtype=float16", "weightsync.push_dtype=float32"])
     assert prepare_config(pinned)[0].weightsync.push_dtype == "float32"
 
