@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What only a GPU can prove, in one short call (python -m slipstream.gpucheck; its docstring lists the checks).
+# What only a GPU can prove, in one short call (python -m slipstream.system.gpucheck; its docstring lists the checks).
 #
 #   bash scripts/gpu_check.sh                   # stage 1 on the GPU machine: carry .whl (scripts/gpu_wheels.sh)
 #   bash scripts/gpu_check.sh --stage2          # stage 2 (Ray, NIXL): carry .whl_ray parts / .whl_nixl
@@ -23,7 +23,7 @@ PY=${PY:-python3}
 if [ "${1:-}" = "--rehearse" ]; then
   [ -n "${2:-}" ] || { echo "usage: $0 --rehearse DIR [--reuse-venv] [--only ...]" >&2; exit 2; }
   dir=$2; shift 2
-  exec "${REHEARSE_PY:-python3}" -m slipstream.gpucheck.rehearse --dir "$dir" "$@"
+  exec "${REHEARSE_PY:-python3}" -m slipstream.system.gpucheck.rehearse --dir "$dir" "$@"
 fi
 
 install_once() {  # WHEEL...: into $SITE, once per machine for this exact set (a stamp named by its hash)
@@ -58,4 +58,4 @@ fi
 export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled
 [ "${1:-}" = "--install-only" ] && exit 0
-exec "$PY" -m slipstream.gpucheck --device cuda --stage "$stage" "$@"
+exec "$PY" -m slipstream.system.gpucheck --device cuda --stage "$stage" "$@"

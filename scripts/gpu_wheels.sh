@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fetch, on a machine with package-registry access, the wheels the GPU machine lacks (it has Python 3.12,
 # torch, transformers 5.17, huggingface-hub, tokenizers, safetensors and more, and no registry). The pins
-# live in slipstream/gpucheck/carry.py (STAGE1, STAGE2_RAY, STAGE2_NIXL); nothing else travels.
+# live in slipstream/system/gpucheck/carry.py (STAGE1, STAGE2_RAY, STAGE2_NIXL); nothing else travels.
 #
 #   bash scripts/gpu_wheels.sh            # stage 1 -> .whl/ (about 20 MiB; must stay <= 60 MiB)
 #   bash scripts/gpu_wheels.sh ray nixl   # stage 2 -> .whl_ray_1/ (48 MiB: Ray's first parts and the jsonschema
@@ -16,7 +16,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
-CARRY="$PY slipstream/gpucheck/carry.py"
+CARRY="$PY slipstream/system/gpucheck/carry.py"
 PLATFORMS="--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform manylinux_2_24_x86_64
   --platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_35_x86_64"

@@ -30,6 +30,6 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory):
     """A 2-layer random Llama with the byte-level test tokenizer, as an HF checkpoint directory."""
-    from slipstream.testing import make_tiny_model
+    from slipstream.utils.tiny_models import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-model"))

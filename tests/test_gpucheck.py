@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from slipstream.config import ConfigError, load_config
-from slipstream.gpucheck import carry, runner
-from slipstream.gpucheck.runner import CHECKS, STAGE_BUDGET_S, stage_checks
+from slipstream.system.gpucheck import carry, runner
+from slipstream.system.gpucheck.runner import CHECKS, STAGE_BUDGET_S, stage_checks
 
 REPO = Path(__file__).resolve().parents[1]
 ISSUE_FIGURES = {"weightsync_cuda_ipc_gbps", "weightsync_ipc_copy_gbps", "push_bytes_per_param",
@@ -39,7 +39,7 @@ def test_the_carried_set_never_holds_what_the_image_has_and_ray_brings_jsonschem
 
 def test_gpu_wheels_takes_its_lists_from_the_pins():
     script = (REPO / "scripts" / "gpu_wheels.sh").read_text()
-    assert 'CARRY="$PY slipstream/gpucheck/carry.py"' in script and '$CARRY specs "$which"' in script
+    assert 'CARRY="$PY slipstream/system/gpucheck/carry.py"' in script and '$CARRY specs "$which"' in script
 
 
 def _wheels() -> Path:
@@ -109,7 +109,10 @@ def test_stage_one_fits_one_call_and_names_the_issue_figures():
     assert names[0] == "preflight"
     assert sum(CHECKS[n].limit_s for n in names) <= STAGE_BUDGET_S[1] <= 400
     assert not {"one_gpu_train", "nixl_weightsync"} & set(names)
-    source = "".join((REPO / "slipstream" / "gpucheck" / f).read_text() for f in ("checks.py", "rollout.py", "stage2.py"))
+    source = "".join(
+        (REPO / "slipstream" / "system" / "gpucheck" / f).read_text()
+        for f in ("checks.py", "rollout.py", "stage2.py")
+    )
     source += "".join(f'"embedded_vs_generate_{n}"' for n in (64, 256) if "[64, 256]" in source)
     assert [f for f in sorted(ISSUE_FIGURES) if f'"{f}"' not in source] == []
 
@@ -144,7 +147,7 @@ def test_a_check_past_its_limit_is_killed_with_everything_it_started(tmp_path):
 
 _HANGING_CHECK = """
 import subprocess, sys, time
-from slipstream.gpucheck.runner import check, partial
+from slipstream.system.gpucheck.runner import check, partial
 
 @check("hangs_with_a_server", 20)
 def hangs(ctx):
@@ -179,14 +182,16 @@ def test_a_check_that_runs_out_of_time_is_killed_with_its_servers_and_recorded_a
 
 # ------------------------------------------------------------------------------------------ configs
 def test_the_one_gpu_run_declares_both_pools_colocates_and_pushes_over_ipc(tiny_model_path, tmp_path):
-    from slipstream.gpucheck.stage2 import one_gpu_train_overrides
     from slipstream.pipeline.modes import check_config, prepare_config
     from slipstream.pipeline.placement import Node, fit, local_resources, plan
+    from slipstream.system.gpucheck.stage2 import one_gpu_train_overrides
 
     overrides = one_gpu_train_overrides(tiny_model_path, tmp_path, "cuda", data=tmp_path / "d.parquet")
     cfg, _ = prepare_config(load_config(str(REPO / "configs" / "quickstart.yaml"), overrides))
     check_config(cfg, environment=False)
-    assert cfg.cluster.ray_address is None  # a local start declares the pools (an address of `local` does not)
+    assert (
+        cfg.cluster.ray_address is None
+    )  # a local start declares the pools (an address of `local` does not)
     assert cfg.cluster.colocate and cfg.weightsync.backend == "ipc" and cfg.wandb.mode == "disabled"
     node = Node("n1", "127.0.0.1", {"CPU": 16.0, "GPU": 1.0, **local_resources(cfg, 1)})
     groups, _ = plan(cfg)
@@ -203,7 +208,9 @@ def test_colocate_refuses_a_transport_that_cannot_share_one_gpu():
     for ok in ("weightsync.backend=ipc", "weightsync.backend=auto", "weightsync.device=cpu"):
         check_layout(load_config(None, [*base, ok]))
     for kind in ("vllm", "sglang"):
-        with pytest.raises(ConfigError, match=f"cluster.colocate: `{kind}` servers have no weight transport.*Missing"):
+        with pytest.raises(
+            ConfigError, match=f"cluster.colocate: `{kind}` servers have no weight transport.*Missing"
+        ):
             check_layout(load_config(None, [*base, f"rollout.backend={kind}", "weightsync.device=cuda"]))
 
 
@@ -225,7 +232,7 @@ def test_on_one_gpu_the_two_gpu_and_live_server_cases_skip(tmp_path):
          "-k", "torch_dist or live_server", f"--junitxml={report}", "tests/weightsync/test_gpu.py"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    from slipstream.gpucheck.checks import junit
+    from slipstream.system.gpucheck.checks import junit
 
     outcomes, unimportable = junit(report)
     assert not unimportable and len(outcomes) == 3
@@ -238,7 +245,7 @@ def test_on_one_gpu_the_two_gpu_and_live_server_cases_skip(tmp_path):
 def test_the_reduced_rehearsal_runs_stage_one_plumbing_and_checks_the_carried_set(tmp_path):
     _wheels()
     proc = subprocess.run(
-        [sys.executable, "-m", "slipstream.gpucheck.rehearse", "--dir", str(tmp_path), "--reuse-venv",
+        [sys.executable, "-m", "slipstream.system.gpucheck.rehearse", "--dir", str(tmp_path), "--reuse-venv",
          "--only", "weightsync_ipc,train_32k", "--limit-scale", "20"],
         cwd=REPO, capture_output=True, text=True, timeout=580,
     )  # fmt: skip
@@ -246,7 +253,9 @@ def test_the_reduced_rehearsal_runs_stage_one_plumbing_and_checks_the_carried_se
     assert report["problems"] == [] and report["carry_mib"] <= 60
     checks = report["checks"]
     assert set(checks) == {"weightsync_ipc", "train_32k"}
-    assert all(c["ok"] for c in checks.values()), {n: c.get("detail") or c.get("tail") for n, c in checks.items()}
+    assert all(c["ok"] for c in checks.values()), {
+        n: c.get("detail") or c.get("tail") for n, c in checks.items()
+    }
     figures = report["figures"]
     assert figures["weightsync_shm_ipc_gbps"] > 0 and figures["train_32k_logit_chunks_per_step"] >= 2
     assert report["passed"] and proc.returncode == 0

@@ -1,6 +1,6 @@
 """The import graph of ``slipstream/``: no module imports another that imports it back (directly or through
-others, at module level or inside a function; ``TYPE_CHECKING`` imports aside), and no shipped code imports
-the test support in ``slipstream/testing.py`` (benchmarks take tiny models from ``utils/tiny_models.py``)."""
+others, at module level or inside a function; ``TYPE_CHECKING`` imports aside), no shipped code imports
+the tests, and no role imports the whole-system tools in ``slipstream/system/`` (they import the roles)."""
 
 from __future__ import annotations
 
@@ -98,6 +98,23 @@ def test_the_cycle_check_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-def test_shipped_code_never_imports_test_support():
-    importers = sorted(name for name, deps in _graph().items() if "slipstream.testing" in deps)
+def test_shipped_code_never_imports_the_tests():
+    importers = sorted(
+        name
+        for name, path in _modules().items()
+        for m in _imports(path)
+        if m == "tests" or m.startswith("tests.")
+    )
+    assert importers == []
+
+
+def test_no_role_imports_the_whole_system_tools():
+    roles = tuple(
+        f"slipstream.{r}" for r in ("queue", "rollouter", "agents", "trainer", "weightsync", "pipeline")
+    )
+    importers = sorted(
+        name
+        for name, deps in _graph().items()
+        if name.startswith(roles) and any(d.startswith("slipstream.system") for d in deps)
+    )
     assert importers == []

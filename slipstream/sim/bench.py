@@ -122,7 +122,7 @@ def make_runs(out: Path, steps: int) -> dict[str, Path]:
     """Short real runs of each mode with bench e2e's workload (minutes on a 2-core machine). Every mode gets
     one thread for the server and one for the trainer (sync too: the rates profiled from it then hold for
     the overlapping modes), and evaluation is off (it would add to the last step)."""
-    from slipstream import bench_e2e
+    from slipstream.system import e2e as bench_e2e
 
     out.mkdir(parents=True, exist_ok=True)
     config = out / "workload.yaml"

@@ -14,7 +14,7 @@ from slipstream.agents.data import Sample
 from slipstream.agents.protocol import GenerateOutput, SamplingParams
 from slipstream.agents.registry import make_agent_loop
 from slipstream.agents.tool_parser import parse_tool_calls
-from slipstream.testing import make_tiny_tokenizer
+from slipstream.utils.tiny_models import make_tiny_tokenizer
 
 SAMPLE = Sample(
     index=0,

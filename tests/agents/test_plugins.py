@@ -15,8 +15,8 @@ from slipstream.agents.rewards import resolve
 from slipstream.agents.tools import TOOLS, Tool, make_tools
 from slipstream.config import Config, ConfigError, from_dict
 from slipstream.pipeline.modes import _check_plugins
-from slipstream.testing import make_tiny_tokenizer
 from slipstream.utils.registry import PluginError, load_plugin
+from slipstream.utils.tiny_models import make_tiny_tokenizer
 
 EXAMPLES = "slipstream.agents.examples.plugins"
 

@@ -10,7 +10,7 @@ import sys
 
 from slipstream.agents.protocol import SamplingParams
 from slipstream.rollouter.clients import SGLangClient
-from slipstream.testing_servers import SimPool, SimProfile
+from slipstream.system.sim_servers import SimPool, SimProfile
 from slipstream.utils.http_client import HTTPClient
 from slipstream.weightsync.adapters import EmbeddedAdapter
 from slipstream.weightsync.config import WeightSyncConfig
@@ -117,7 +117,7 @@ def test_groups_per_second_grow_with_servers_and_queue_p99_stays_bounded():
     servers are the bottleneck (a slow decode), so 4x the servers gives well over 2x the groups per second,
     while the queue's round trips stay within the same order of magnitude."""
     cmd = [
-        sys.executable, "-m", "slipstream.bench_scale", "--servers", "2,8", "--warmup-s", "3", "--seconds", "6",
+        sys.executable, "-m", "slipstream.system.scale", "--servers", "2,8", "--warmup-s", "3", "--seconds", "6",
         "--tokens-per-s", "20", "--median-tokens", "8", "--max-new-tokens", "16", "--json",
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
@@ -140,7 +140,7 @@ def test_control_only_push_reaches_many_servers_each_on_its_own_client():
 
     import torch
 
-    from slipstream.bench_scale import _control_only_publisher
+    from slipstream.system.scale import _control_only_publisher
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)

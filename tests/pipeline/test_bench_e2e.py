@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from slipstream.bench_e2e import QUICKSTART, _overrides, _parser
 from slipstream.config import load_config
+from slipstream.system.e2e import QUICKSTART, _overrides, _parser
 
 
 def test_both_modes_get_the_same_workload_and_their_own_layout(tmp_path: Path):

@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from slipstream.bench_soak import QUICKSTART, RSS_FILE, _parser, account, main, soak_overrides
 from slipstream.config import load_config, to_yaml
 from slipstream.pipeline.checkpoint import UIDS_FILE
+from slipstream.system.soak import QUICKSTART, RSS_FILE, _parser, account, main, soak_overrides
 from tests.pipeline.conftest import pipeline_config
 
 ROLES = {"driver", "queue", "rollouter", "server-0", "trainer-0"}

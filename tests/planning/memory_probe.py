@@ -14,11 +14,11 @@ import torch
 
 from slipstream.config import load_config
 from slipstream.planning.memory import GIB, plan
-from slipstream.testing import make_tiny_model
 from slipstream.trainer.engine.fsdp import FSDPEngine
 from slipstream.trainer.settings import from_root
 from slipstream.trainer.synthetic import make_packed_batch
 from slipstream.utils.net import free_port
+from slipstream.utils.tiny_models import make_tiny_model
 
 
 def nll(out, mb):

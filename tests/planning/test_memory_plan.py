@@ -23,7 +23,7 @@ def test_known_shapes_count_the_published_parameters():
 
 
 def test_a_local_checkpoint_is_read_from_its_config(tmp_path):
-    from slipstream.testing import make_tiny_model
+    from slipstream.utils.tiny_models import make_tiny_model
 
     shape = model_shape(str(make_tiny_model(tmp_path / "m", hidden_size=64, num_layers=3)))
     assert (shape.hidden, shape.layers) == (64, 3)

@@ -11,7 +11,7 @@ from test_rollouter import config, finish_all, make, started_groups
 
 from slipstream.agents.data import PromptSource, Sample
 from slipstream.agents.rewards.runner import RewardResult
-from slipstream.testing import make_tiny_tokenizer
+from slipstream.utils.tiny_models import make_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from slipstream.agents.rewards.runner import RewardResult
 from slipstream.config import ConfigError, load_config
 from slipstream.rollouter.evaluation import EvalSample, summarize
 from slipstream.rollouter.rollouter import Rollouter
-from slipstream.testing import make_tiny_tokenizer
+from slipstream.utils.tiny_models import make_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from slipstream.config import load_config
 from slipstream.queue.types import Provenance
 from slipstream.rollouter.rollouter import Rollouter
 from slipstream.rollouter.settings import from_root
-from slipstream.testing import make_tiny_tokenizer
+from slipstream.utils.tiny_models import make_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -45,7 +45,7 @@ from typing import Any
 
 from slipstream.cli_args import add_json_flag, command_parser, doc_paragraph
 
-QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -115,7 +115,9 @@ def _summary(run_dir: Path, cap: int) -> dict[str, float]:
         "at_cap": round(statistics.fmean(r.get("rollouter/finish_length", 0.0) for r in records), 4),
         "trainer_idle": round(statistics.fmean(r["trainer/idle_ratio"] for r in records), 3),
         "rollouter_idle": round(statistics.fmean(r["rollouter/idle_ratio"] for r in records), 3),
-        "staleness_versions_mean": round(statistics.fmean(r["trainer/staleness_versions_mean"] for r in records), 3),
+        "staleness_versions_mean": round(
+            statistics.fmean(r["trainer/staleness_versions_mean"] for r in records), 3
+        ),
         "cap": cap,
     }
 

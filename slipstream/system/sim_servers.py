@@ -38,7 +38,7 @@ Worked example::
     ...                                 # SGLangClient(urls[0]).generate(...)
     await pool.stop()
 
-``python -m slipstream.testing_servers --servers 64 --tokens-per-s 20`` runs a pool in its own process and
+``python -m slipstream.system.sim_servers --servers 64 --tokens-per-s 20`` runs a pool in its own process and
 prints one JSON line ``{"urls": [...]}`` once every server listens; it exits when stdin closes.
 """
 
@@ -387,7 +387,7 @@ async def _serve_until_stdin_closes(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m slipstream.testing_servers", description=__doc__.split("\n")[0]
+        prog="python -m slipstream.system.sim_servers", description=__doc__.split("\n")[0]
     )
     p.add_argument("--servers", type=int, default=8)
     p.add_argument("--tokens-per-s", type=float, default=20.0)

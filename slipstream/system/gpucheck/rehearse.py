@@ -25,9 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-from slipstream.gpucheck import carry
+from slipstream.system.gpucheck import carry
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CPU_TORCH = "torch==2.13.0"
 
 
@@ -67,7 +67,7 @@ def static_checks() -> tuple[list[str], float]:
     size = carry.mib(folder)
     if size > carry.CARRY_LIMIT_MIB:
         problems.append(f"the carried wheels are {size:.1f} MiB, over {carry.CARRY_LIMIT_MIB} MiB")
-    from slipstream.gpucheck.runner import CHECKS, STAGE_BUDGET_S, stage_checks
+    from slipstream.system.gpucheck.runner import CHECKS, STAGE_BUDGET_S, stage_checks
 
     total = sum(CHECKS[n].limit_s for n in stage_checks(1))
     if total > STAGE_BUDGET_S[1]:
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled"}  # fmt: skip
         env.pop("OUT", None)
-        cmd = [str(python), "-m", "slipstream.gpucheck", "--device", "cpu", "--small", "--stage", "1",
+        cmd = [str(python), "-m", "slipstream.system.gpucheck", "--device", "cpu", "--small", "--stage", "1",
                "--out", str(out), "--work", str(out / "work"), "--limit-scale", str(args.limit_scale)]  # fmt: skip
         if args.only:
             cmd += ["--only", args.only]
@@ -117,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
                   passed=not problems and rc == 0 and bool(checks) and all(c.get("ok") for c in checks.values()))  # fmt: skip
     (out / "results.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     verdict = {n: c.get("ok") for n, c in checks.items()}
-    print(json.dumps({"passed": report["passed"], "carry_mib": size, "checks": verdict, "problems": problems}))
+    print(
+        json.dumps({"passed": report["passed"], "carry_mib": size, "checks": verdict, "problems": problems})
+    )
     return 0 if report["passed"] else 1
 
 

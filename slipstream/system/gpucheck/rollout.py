@@ -18,8 +18,8 @@ import os
 import random
 import time
 
-from slipstream.gpucheck.models import SHAPES, model_dir
-from slipstream.gpucheck.runner import Context, check, partial
+from slipstream.system.gpucheck.models import SHAPES, model_dir
+from slipstream.system.gpucheck.runner import Context, check, partial
 
 # Largest |logprob error| of a bf16 server against a bf16 teacher-forced forward (different kernels, peaked
 # distributions). What tells a working server from a broken one is the second condition of each check: the same
@@ -40,7 +40,9 @@ async def _wave(url: str, prompts, sampling):
     try:
         await client.generate(prompts[0], SamplingParams(max_new_tokens=4))  # warm-up
         start = time.perf_counter()
-        outs = await asyncio.gather(*(client.generate(p, sampling, rid=f"gc-{i}") for i, p in enumerate(prompts)))
+        outs = await asyncio.gather(
+            *(client.generate(p, sampling, rid=f"gc-{i}") for i, p in enumerate(prompts))
+        )
         return outs, time.perf_counter() - start
     finally:
         await client.aclose()
@@ -62,7 +64,9 @@ def generate_wave(model, prompts, max_new_tokens: int, *, static: bool = False, 
         kwargs["cache_implementation"] = "static"
     with torch.no_grad():
         warm = (ids, mask) if static else (ids[:1], mask[:1])  # static: the same shapes, or it recompiles
-        model.generate(warm[0], attention_mask=warm[1], **{**kwargs, "max_new_tokens": max_new_tokens if static else 4})
+        model.generate(
+            warm[0], attention_mask=warm[1], **{**kwargs, "max_new_tokens": max_new_tokens if static else 4}
+        )
         if model.device.type == "cuda":
             torch.cuda.synchronize(model.device)
         start = time.perf_counter()
@@ -144,7 +148,9 @@ def rollout(ctx: Context) -> dict:
     try:  # last: its compilation is the longest, and a baseline that cannot compile fails no check of ours
         tokens, seconds = generate_wave(model, prompts[:n], new, static=True)
         figures[f"generate_static_tok_s_{n}"] = round(tokens / seconds, 1)
-        figures[f"embedded_vs_generate_static_{n}"] = round(figures[f"embedded_tok_s_{n}"] * seconds / tokens, 3)
+        figures[f"embedded_vs_generate_static_{n}"] = round(
+            figures[f"embedded_tok_s_{n}"] * seconds / tokens, 3
+        )
     except Exception as err:
         figures["generate_static_error"] = f"{type(err).__name__}: {err}"[:500]
     bound = BF16_BOUND if dtype == "bfloat16" else 1e-3
@@ -172,14 +178,24 @@ def push(ctx: Context) -> dict:
     shape = "small" if ctx.small else "135m"
     new_weights = model_dir(ctx.work, shape, seed=0, dtype="float32", device=ctx.device)
     old_weights = model_dir(ctx.work, shape, seed=1, dtype="float32", device=ctx.device)
-    cfg = load_config(None, [
-        f"model.path={new_weights}", f"trainer.device={ctx.device}", "rollout.backend=embedded",
-        f"rollout.embedded.device={ctx.device}", "rollout.embedded.dtype=bfloat16",
-        "rollout.embedded.kv_cache_tokens=4096", "rollout.embedded.max_model_len=512",
-        "rollout.embedded.kv_page_size=64", "rollout.embedded.seed=0",
-        f"rollout.embedded.num_threads={1 if ctx.small else 0}", "weightsync.backend=ipc",
-        f"weightsync.device={ctx.device}", f"weightsync.bucket_mb={1 if ctx.small else 256}",
-    ])  # fmt: skip  (weightsync.push_dtype stays `auto`: the run's own resolution is what is checked)
+    cfg = load_config(
+        None,
+        [
+            f"model.path={new_weights}",
+            f"trainer.device={ctx.device}",
+            "rollout.backend=embedded",
+            f"rollout.embedded.device={ctx.device}",
+            "rollout.embedded.dtype=bfloat16",
+            "rollout.embedded.kv_cache_tokens=4096",
+            "rollout.embedded.max_model_len=512",
+            "rollout.embedded.kv_page_size=64",
+            "rollout.embedded.seed=0",
+            f"rollout.embedded.num_threads={1 if ctx.small else 0}",
+            "weightsync.backend=ipc",
+            f"weightsync.device={ctx.device}",
+            f"weightsync.bucket_mb={1 if ctx.small else 256}",
+        ],
+    )  # fmt: skip  (weightsync.push_dtype stays `auto`: the run's own resolution is what is checked)
     cfg, _ = prepare_config(cfg)
     settings = from_root(cfg)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")

@@ -68,7 +68,7 @@ from typing import Any
 
 from slipstream.cli_args import add_json_flag, command_parser, doc_paragraph
 
-QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
 RSS_FILE = "soak_rss.jsonl"
 # Epochs over the prompts: more than any soak can use (a uid names its epoch, so they never repeat).
 EPOCHS = 100_000

@@ -35,7 +35,9 @@ def make_tokenizer(path: Path, vocab_size: int):
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     core.decoder = decoders.WordPiece(prefix="##", cleanup=False)
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>"
+    )
     tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     tok.save_pretrained(path)
     return tok
@@ -77,7 +79,12 @@ def _build(path: Path, shape: str, seed: int, dtype: str, max_positions: int, de
 
 def num_params(shape: str) -> int:
     s = SHAPES[shape]
-    h, layers, inter, vocab = s["hidden_size"], s["num_hidden_layers"], s["intermediate_size"], s["vocab_size"]
+    h, layers, inter, vocab = (
+        s["hidden_size"],
+        s["num_hidden_layers"],
+        s["intermediate_size"],
+        s["vocab_size"],
+    )
     kv = h // s["num_attention_heads"] * s["num_key_value_heads"]
     per_layer = h * h * 2 + h * kv * 2 + 3 * h * inter + 2 * h
     return layers * per_layer + 2 * vocab * h + h
@@ -93,7 +100,9 @@ def digest(tensors) -> str:
     h = hashlib.sha256()
     for name, t in sorted(tensors, key=lambda kv: kv[0]):
         flat = t.detach().contiguous().view(-1)
-        ints = flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
+        ints = flat.view(
+            {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+        )
         total = 0
         step = 1 << 25
         for s in range(0, ints.numel(), step):

@@ -10,7 +10,7 @@ hub imports ``httpx2``, which the image lacks).
 Stage 1 (no Ray, no NIXL) must fit one call: its wheels are ``STAGE1`` (<= ``CARRY_LIMIT_MIB``). Stage 2
 adds Ray with the jsonschema family it imports at start-up, and NIXL; those travel in calls of their own.
 
-This module imports nothing outside the standard library, so ``python3 slipstream/gpucheck/carry.py`` works
+This module imports nothing outside the standard library, so ``python3 slipstream/system/gpucheck/carry.py`` works
 in any interpreter (``gpu_wheels.sh`` reads the lists that way).
 """
 

@@ -15,8 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from slipstream.gpucheck.models import SHAPES, digest, model_dir, num_params
-from slipstream.gpucheck.runner import Context, check, partial
+from slipstream.system.gpucheck.models import SHAPES, digest, model_dir, num_params
+from slipstream.system.gpucheck.runner import Context, check, partial
 
 # Modules that only stage 2 (or another kind of machine) brings: their absence is not a stage-1 failure.
 LATER = {"ray": "stage 2", "nixl": "stage 2", "nixl_cu13": "stage 2", "nixl_cu12": "stage 2",
@@ -61,7 +61,7 @@ def preflight(ctx: Context) -> dict:
 
     failed, later = {}, {}
     for info in pkgutil.walk_packages(slipstream.__path__, "slipstream."):
-        if info.name.startswith("slipstream.gpucheck"):
+        if info.name.startswith("slipstream.system.gpucheck"):
             continue
         try:
             importlib.import_module(info.name)
@@ -112,7 +112,9 @@ def gpu_tests(ctx: Context) -> dict:
         return {"ok": False, "detail": f"pytest ran past {ctx.limit_s - 5:.0f} s; its output:\n{out[-2500:]}"}
     outcomes, unimportable = junit(report) if report.exists() else ({}, [])
     failed = sorted(n for n, o in outcomes.items() if o == "failed") + unimportable
-    counts = {f"gpu_tests_{o}": sum(v == o for v in outcomes.values()) for o in ("passed", "failed", "skipped")}
+    counts = {
+        f"gpu_tests_{o}": sum(v == o for v in outcomes.values()) for o in ("passed", "failed", "skipped")
+    }
     ok = report.exists() and not failed and (ctx.device != "cuda" or counts["gpu_tests_passed"] > 0)
     return {"ok": ok, "figures": counts, "tests": outcomes, "unimportable": unimportable,
             "detail": stdout[-2500:] if not ok else ""}  # fmt: skip
@@ -129,7 +131,9 @@ def junit(path: Path) -> tuple[dict[str, str], list[str]]:
             unimportable.append(case.get("name", ""))
             continue
         name = f"{case.get('classname')}::{case.get('name')}"
-        outcomes[name] = "failed" if kinds & {"failure", "error"} else "skipped" if "skipped" in kinds else "passed"
+        outcomes[name] = (
+            "failed" if kinds & {"failure", "error"} else "skipped" if "skipped" in kinds else "passed"
+        )
     return outcomes, unimportable
 
 
@@ -143,7 +147,9 @@ def _ipc_receiver(conn, device: str, specs: list) -> None:
     from slipstream.weightsync.config import WeightSyncConfig
     from slipstream.weightsync.types import InitInfo
 
-    cfg = WeightSyncConfig(backend="ipc", bucket_mb=256 if device == "cuda" else 1, timeout_s=60, device=device)
+    cfg = WeightSyncConfig(
+        backend="ipc", bucket_mb=256 if device == "cuda" else 1, timeout_s=60, device=device
+    )
     transport = make_transport("ipc", cfg, is_sender=False)
     target = {n: torch.empty(shape, dtype=getattr(torch, dt), device=device) for n, shape, dt in specs}
 
@@ -196,7 +202,9 @@ def weightsync_ipc(ctx: Context) -> dict:
     nbytes = sum(t.numel() * t.element_size() for _, t in sets[0])
     specs = [(n, list(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in sets[0]]
     mine, theirs = mp.Pipe()
-    child = mp.get_context("spawn").Process(target=_ipc_receiver, args=(theirs, device.type, specs), daemon=True)
+    child = mp.get_context("spawn").Process(
+        target=_ipc_receiver, args=(theirs, device.type, specs), daemon=True
+    )
     child.start()
     transport = make_transport("ipc", cfg, is_sender=True)
     if not mine.poll(120):
@@ -359,4 +367,4 @@ def train_32k(ctx: Context) -> dict:
     return result
 
 
-from slipstream.gpucheck import rollout as _rollout  # noqa: E402,F401  (registers rollout and push)
+from slipstream.system.gpucheck import rollout as _rollout  # noqa: E402,F401  (registers rollout and push)

@@ -14,8 +14,8 @@ import time
 from importlib.util import find_spec
 from pathlib import Path
 
-from slipstream.gpucheck.models import model_dir
-from slipstream.gpucheck.runner import Context, check
+from slipstream.system.gpucheck.models import model_dir
+from slipstream.system.gpucheck.runner import Context, check
 
 ONE_GPU_STEPS = 4
 
@@ -42,7 +42,10 @@ def one_gpu_train_overrides(model_path: str | Path, out: str | Path, device: str
 @check("one_gpu_train", 300, stage=2)
 def one_gpu_train(ctx: Context) -> dict:
     if find_spec("ray") is None:
-        return {"ok": None, "detail": "ray is not installed (stage 2 carries it: scripts/gpu_check.sh --stage2)"}
+        return {
+            "ok": None,
+            "detail": "ray is not installed (stage 2 carries it: scripts/gpu_check.sh --stage2)",
+        }
     path = model_dir(ctx.work, "small" if ctx.small else "135m", dtype="float32", device=ctx.device)
     run_dir = ctx.work / "one-gpu"
     data = ctx.work / "arithmetic_train.parquet"  # made by the run itself (the config's datagen section)

@@ -6,7 +6,7 @@ reward scoring, puts) in this process, ``--consumers`` simulated trainers in a c
 batches and ack them at once (real queue clients), and trainer rank 0's push in another child process, the
 real :class:`~slipstream.weightsync.publisher.WeightPublisher` pushing a version every ``batch_groups``
 acked groups (its own process: a trainer rank acks and then pushes, never both at once). The
-inference servers are :mod:`slipstream.testing_servers`: real HTTP servers speaking the SGLang-style API,
+inference servers are :mod:`slipstream.system.sim_servers`: real HTTP servers speaking the SGLang-style API,
 ``--servers-per-proc`` of them per child process, decoding on a clock at ``--tokens-per-s`` per request
 with log-normal response lengths (median ``--median-tokens``, sigma 0.6, capped at ``--max-new-tokens``).
 
@@ -304,7 +304,7 @@ async def _start_servers(
     for first in range(0, n, max(1, args.servers_per_proc)):
         count = min(args.servers_per_proc, n - first)
         proc = await _spawn(
-            "-m", "slipstream.testing_servers", "--servers", str(count),
+            "-m", "slipstream.system.sim_servers", "--servers", str(count),
             "--tokens-per-s", str(args.tokens_per_s), "--median-tokens", str(args.median_tokens),
             "--seed", str(first),
         )  # fmt: skip
@@ -381,7 +381,7 @@ async def _row(n: int, args: argparse.Namespace, tokenizer: Any) -> dict[str, An
     try:
         sims, urls = await _start_servers(n, args)
         lease_groups = max(1, cfg.trainer.batch_groups // args.consumers)
-        publisher = await _spawn("-m", "slipstream.bench_scale", "--role", "publisher")
+        publisher = await _spawn("-m", "slipstream.system.scale", "--role", "publisher")
         setup = {
             "urls": urls,
             "buckets": args.buckets,
@@ -393,7 +393,7 @@ async def _row(n: int, args: argparse.Namespace, tokenizer: Any) -> dict[str, An
             raise RuntimeError("the publisher's process exited before it was ready")
         idle_push_s = json.loads(ready)["idle_push_s"]
         trainers = await _spawn(
-            "-m", "slipstream.bench_scale", "--role", "trainers", "--address", handle.address,
+            "-m", "slipstream.system.scale", "--role", "trainers", "--address", handle.address,
             "--consumers", str(args.consumers), "--lease-groups", str(lease_groups),
         )  # fmt: skip
         if not await trainers.stdout.readline():

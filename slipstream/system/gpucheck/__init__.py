@@ -25,7 +25,7 @@ ends (runner.py). ``--small`` (implied by ``--device cpu``) runs the same code a
 package versions plus exactly the carried wheels (carry.py).
 """
 
-from slipstream.gpucheck import checks, stage2  # noqa: F401  (register the checks)
-from slipstream.gpucheck.runner import CHECKS, main, run_one
+from slipstream.system.gpucheck import checks, stage2  # noqa: F401  (register the checks)
+from slipstream.system.gpucheck.runner import CHECKS, main, run_one
 
 __all__ = ["CHECKS", "main", "run_one"]

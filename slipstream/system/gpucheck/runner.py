@@ -1,7 +1,7 @@
 """Run the checks: each in a process group of its own under a time limit, its result written the moment it ends.
 
 A check is a function ``fn(ctx) -> dict`` registered with :func:`check` under a stage and a time limit. The
-runner starts ``python -m slipstream.gpucheck --child NAME`` in a new session (its own process group) with a
+runner starts ``python -m slipstream.system.gpucheck --child NAME`` in a new session (its own process group) with a
 tag in its environment; when the check ends, or its limit passes, the group is killed and so is every
 process still carrying the tag, servers started in sessions of their own included (they inherit the
 environment), so nothing a check started holds GPU memory into the next one. After each check the runner
@@ -113,7 +113,7 @@ def run_one(name: str, ctx: Context, limit_s: float | None = None) -> dict:
     result_path = ctx.work / f"{name}.result.json"
     log_path = ctx.work / f"{name}.log"
     result_path.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "slipstream.gpucheck", "--child", name, "--device", ctx.device,
+    cmd = [sys.executable, "-m", "slipstream.system.gpucheck", "--child", name, "--device", ctx.device,
            "--work", str(ctx.work), "--out", str(ctx.out), "--limit-s", str(limit)]  # fmt: skip
     if ctx.small:
         cmd.append("--small")
@@ -210,7 +210,7 @@ PLUGINS_ENV = "SLIPSTREAM_GPUCHECK_PLUGINS"  # comma-separated modules that regi
 def load_checks() -> None:
     import importlib
 
-    from slipstream import gpucheck  # noqa: F401  (registers the built-in checks)
+    from slipstream.system import gpucheck  # noqa: F401  (registers the built-in checks)
 
     for module in filter(None, os.environ.get(PLUGINS_ENV, "").split(",")):
         importlib.import_module(module)
@@ -219,7 +219,9 @@ def load_checks() -> None:
 def main(argv: list[str] | None = None) -> int:
     load_checks()
 
-    parser = argparse.ArgumentParser(prog="python -m slipstream.gpucheck", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m slipstream.system.gpucheck", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--stage", type=int, choices=[1, 2], default=1)
     parser.add_argument("--only", default="", help="comma-separated checks (default: the stage's)")

@@ -1,5 +1,0 @@
-import sys
-
-from slipstream.gpucheck.runner import main
-
-sys.exit(main())

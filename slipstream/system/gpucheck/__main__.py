@@ -1,0 +1,5 @@
+import sys
+
+from slipstream.system.gpucheck.runner import main
+
+sys.exit(main())
