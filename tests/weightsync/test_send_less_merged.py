@@ -95,40 +95,44 @@ def one_rank():
         dist.destroy_process_group()
 
 
-def test_a_lora_trainer_pushes_sglang_the_merged_model(sglang_url, tiny_model_path, one_rank):
-    """The FSDP2 LoRA engine, after training steps, through the trainer's push (the calls
-    ``TrainerRank.publish`` makes): the server receives every HF weight, the adapted ones equal to
-    ``merge_lora`` of the base weight and the engine's adapters."""
+def test_a_lora_trainer_pushes_sglang_the_merged_model(sglang_url, tiny_model_path, one_rank, tmp_path):
+    """The FSDP2 LoRA engine, after training steps, pushed by the pipeline's ``TrainerRank.publish``: the
+    server receives every HF weight, the adapted ones equal to ``merge_lora`` of the base weight and the
+    engine's adapters, and never an adapter tensor."""
+    from types import SimpleNamespace
+
     from transformers import AutoModelForCausalLM
 
+    from slipstream.pipeline.actors import TrainerRank
     from slipstream.trainer.engine.fsdp import FSDPEngine
     from slipstream.trainer.synthetic import make_packed_batch
+    from slipstream.utils.logging import get_logger
     from slipstream.weightsync.delta import lora_scale, merge_adapters
     from tests.trainer.conftest import trainer_settings
 
-    engine = FSDPEngine(trainer_settings(tiny_model_path, "trainer.lora.rank=4", "trainer.lora.alpha=8"))
+    settings = trainer_settings(
+        tiny_model_path, "trainer.lora.rank=4", "trainer.lora.alpha=8", "rollout.backend=sglang"
+    )
+    engine = FSDPEngine(settings)
     engine.initialize()
     batch = make_packed_batch([3, 5, 2], [4, 1, 7], vocab_size=200, seed=0, group_size=3)
     for _ in range(2):  # B starts at zero: train so that the merged weights differ from the base
         nll = lambda out, mb: (-(out["logprobs"] * mb["loss_mask"].float()).sum() / 10.0, {})  # noqa: E731
         engine.forward_backward_batch(batch, nll)
         engine.optimizer_step()
-    scale = lora_scale(8, 4)
-    pub = WeightPublisher(config(), [sglang_url], "sglang")
+    handlers = list(get_logger("slipstream").handlers)
+    rank = TrainerRank(settings, 0, 1, str(tmp_path), threads=0)
+    for handler in set(get_logger("slipstream").handlers) - set(handlers):  # its run-directory log
+        get_logger("slipstream").removeHandler(handler)
+    rank.engine, rank.trainer = engine, SimpleNamespace(_bcast_scalar=lambda value: value)  # one rank
+    rank.publisher = WeightPublisher(config(), [sglang_url], settings.server_kind)
     try:
-        report = publish_lora(
-            pub,
-            1,
-            lambda: engine.get_adapter_params(),
-            lambda: engine.base_reference().get_per_tensor_param(),
-            scale,
-            merged=lambda: engine.get_per_tensor_param(),
-        )
+        report = rank.publish(1).publish
     finally:
-        pub.close()
+        rank.publisher.close()
     assert report is not None and report.ok == [sglang_url] and report.sent == "merged"
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     base = {n: p.detach().clone() for n, p in hf.named_parameters()}
-    adapted = merge_adapters(base, dict(engine.get_adapter_params()), scale=scale)
+    adapted = merge_adapters(base, dict(engine.get_adapter_params()), scale=lora_scale(8, 4))
     assert any(not torch.equal(adapted[n], base[n]) for n in adapted), "training moved no adapted weight"
     assert received(sglang_url) == digest({**base, **adapted})
