@@ -17,7 +17,8 @@ these records.
 To add a kind (``docs/architecture.md``, "Adding a server kind"; ``tests/test_serverkinds.py`` checks it):
 
 1. its API description: a :class:`~slipstream.serverapi.ServerAPI` instance (``serverapi/<kind>.py`` for a
-   third-party server, whose pinned release ``make contracts`` checks);
+   third-party server; for ``make contracts`` to check it against its pinned release, its pin and launch
+   spec in ``contracts/pins.py`` and ``contracts/flags.py``);
 2. ``serverkinds/<kind>.py``: a :class:`ServerClient` subclass, a :class:`ServerAdapter` subclass (each with
    the description as its ``default_api`` / ``api``), the command builder and ``KIND = ServerKind(...)``;
 3. one line in :data:`KINDS`, its name in :data:`KindName` (the choices of ``rollout.backend`` and
