@@ -21,6 +21,8 @@ key                 dtype     shape     meaning
 ``rewards``         float32   [N]       the sample's reward
 ``min_versions``    int32     [N]       oldest version among the sample's tokens (staleness = v - this)
 ``group_index``     int64     [N]       index of the sample's group in ``groups``
+``episode_index``   int64     [N]       index of the sample's episode: shared by the segments of one agent
+                                        episode (``Trajectory.episode``), else one per sample
 ``uids``            (str)     N         non-tensor: the samples' uids
 ``group_ids``       (str)     N         non-tensor: each sample's group id
 ==================  ========  ========  =====================================================================
@@ -37,7 +39,7 @@ response [8, 0, 4] where 0 is a tool token: loss_mask [1, 0, 1], versions [4, 4,
     loss_mask     = [F, F, T, T,  F, F, T,  F, T, F, T]
     versions      = [-1,-1,3, 4, -1,-1, 3, -1, 4, 4, 4]
     cu_seqlens    = [0, 4, 7, 11];  prompt_lens = [2, 2, 1];  response_lens = [2, 1, 3]
-    min_versions  = [3, 3, 4];      group_index = [0, 0, 1]
+    min_versions  = [3, 3, 4];      group_index = [0, 0, 1];  episode_index = [0, 1, 2]
     uids = ["a", "b", "c"];  group_ids = ["g0", "g0", "g1"]
 
 ``old_logprobs[t]`` is log p(input_ids[t] | input_ids[:t]) under the behaviour policy, so a trainer that
@@ -65,6 +67,7 @@ STANDARD_KEYS = (
     "rewards",
     "min_versions",
     "group_index",
+    "episode_index",
     "uids",
     "group_ids",
 )
@@ -121,6 +124,7 @@ def collate(groups: list[TrajectoryGroup]) -> TensorDict:
             "rewards": torch.tensor([s.reward for _, _, s in samples], dtype=torch.float32),
             "min_versions": torch.tensor([s.min_version for _, _, s in samples], dtype=torch.int32),
             "group_index": torch.tensor([gi for gi, _, _ in samples], dtype=torch.int64),
+            "episode_index": _episode_index([s.episode or s.uid for _, _, s in samples]),
         },
         batch_size=[],
     )
@@ -129,6 +133,12 @@ def collate(groups: list[TrajectoryGroup]) -> TensorDict:
     for name, extra in _extras(groups, response_dst, total).items():
         batch[name] = extra
     return batch
+
+
+def _episode_index(episodes: list[str]) -> torch.Tensor:
+    """Each sample's episode as 0, 1, ... in order of first appearance."""
+    first: dict[str, int] = {}
+    return torch.tensor([first.setdefault(e, len(first)) for e in episodes], dtype=torch.int64)
 
 
 def _extras(groups: list[TrajectoryGroup], response_dst: torch.Tensor, total: int) -> dict[str, torch.Tensor]:

@@ -75,6 +75,10 @@ class Trajectory(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     metrics: dict[str, float] = {}
     # Free-form msgpack-able data carried to the trainer (e.g. data_source); never tensors.
     extra: dict[str, Any] = {}
+    # An earlier segment of an agent episode (a harness that compacted or edited its history): the uid of the
+    # episode's own trajectory, its last segment. Empty: this trajectory is a whole episode. Segments train as
+    # sequences of their own, but group statistics count the episode once.
+    episode: str = ""
 
     def validate(self) -> None:
         n = len(self.response_ids)
@@ -105,6 +109,7 @@ class SampleMeta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     num_turns: int = 1
     metrics: dict[str, float] = {}
     extra: dict[str, Any] = {}
+    episode: str = ""  # Trajectory.episode (last: headers stored before it decode with the default)
 
 
 PROVENANCE_SCHEMA = 1
@@ -208,6 +213,7 @@ class TrajectoryGroup:
                     num_turns=t.num_turns,
                     metrics=t.metrics,
                     extra=t.extra,
+                    episode=t.episode,
                 )
             )
         tensors = {
@@ -239,6 +245,7 @@ class TrajectoryGroup:
                     num_turns=s.num_turns,
                     metrics=s.metrics,
                     extra=s.extra,
+                    episode=s.episode,
                 )
             )
             p_off, r_off = p_end, r_end

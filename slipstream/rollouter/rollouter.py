@@ -448,9 +448,10 @@ class Rollouter:
         if score.error:
             extra["reward_error"] = score.error
         if segment >= 0:
-            extra["episode"], extra["segment"] = f"{gid}-{i}", segment
+            extra["segment"] = segment
         return Trajectory(
             uid=f"{gid}-{i}" if segment < 0 else f"{gid}-{i}-seg{segment}",
+            episode="" if segment < 0 else f"{gid}-{i}",
             group_id=gid,
             prompt_ids=out.prompt_ids,
             response_ids=out.response_ids,

@@ -22,7 +22,16 @@ from tensordict import TensorDict
 
 # Per-sample keys (one entry per sample); cu_seqlens is handled separately. Every other tensor is per token.
 SAMPLE_KEYS = frozenset(
-    {"prompt_lens", "response_lens", "rewards", "min_versions", "group_index", "sample_weight", "staleness"}
+    {
+        "prompt_lens",
+        "response_lens",
+        "rewards",
+        "min_versions",
+        "group_index",
+        "episode_index",
+        "sample_weight",
+        "staleness",
+    }
 )
 NON_TENSOR_KEYS = ("uids", "group_ids")
 

@@ -35,7 +35,7 @@ BATCH_KEYS: dict[str, torch.dtype] = {
     "min_versions": torch.int32,
     "group_index": torch.int64,
 }
-OPTIONAL_KEYS: dict[str, torch.dtype] = {"ref_logprobs": torch.float32}
+OPTIONAL_KEYS: dict[str, torch.dtype] = {"ref_logprobs": torch.float32, "episode_index": torch.int64}
 
 
 def broadcast_batch(

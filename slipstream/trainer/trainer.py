@@ -255,6 +255,7 @@ class Trainer:
                 gamma=algo.gamma,
                 lam=algo.lam,
                 norm_by_std=algo.norm_adv_by_std,
+                episode_index=batch.get("episode_index", None),
             )
         )
         batch["advantages"], batch["returns"] = out.advantages, out.returns

@@ -13,6 +13,7 @@ from slipstream.agents.data import Sample
 from slipstream.agents.protocol import SamplingParams
 from slipstream.agents.registry import make_agent_loop
 from slipstream.queue.base import QueueProducer
+from slipstream.queue.batch import collate
 from slipstream.queue.types import GroupMeta, TrajectoryGroup
 from slipstream.rollouter.clients import SGLangClient
 from slipstream.rollouter.config import EmbeddedServerConfig, RolloutConfig
@@ -186,12 +187,16 @@ def test_rollouter_trains_on_the_harness_reward_and_keeps_a_failure_reason(serve
 def test_a_harness_that_compacts_its_history_twice_trains_all_three_segments(server, tok):
     """Each compaction starts a new segment (the summary is not what the model saw before); every segment is
     trained as its own sequence of the episode's group, with the episode's reward."""
-    (out,) = run_episodes(server, tok, ExternalAgentConfig(callable="harness_plugins:compacts_twice"), max_turns=8)
+    (out,) = run_episodes(
+        server, tok, ExternalAgentConfig(callable="harness_plugins:compacts_twice"), max_turns=8
+    )
     assert out.reward_error == "" and out.metrics["gateway_divergences"] == 2.0
     segments = [*out.earlier_segments, out]
     assert len(segments) == 3 and [s.num_turns for s in segments] == [2, 2, 2]
     assert "Summary 0" not in tok.decode(segments[0].prompt_ids)
-    assert "Summary 0" in tok.decode(segments[1].prompt_ids) and "Summary 1" in tok.decode(segments[2].prompt_ids)
+    assert "Summary 0" in tok.decode(segments[1].prompt_ids) and "Summary 1" in tok.decode(
+        segments[2].prompt_ids
+    )
     for seg in segments:
         seg.validate()
         assert seg.loss_mask.count(1) >= 2  # both replies of the segment are trained
@@ -204,4 +209,9 @@ def test_a_harness_that_compacts_its_history_twice_trains_all_three_segments(ser
     ]  # fmt: skip
     assert {t.reward for t in trajectories} == {0.25} and all(1 in t.loss_mask for t in trajectories)
     seg = next(t for t in trajectories if t.uid.endswith("-1-seg1"))
-    assert seg.extra["episode"] == f"{group.group_id}-1" and seg.extra["segment"] == 1
+    assert seg.episode == f"{group.group_id}-1" and seg.extra["segment"] == 1
+    assert next(t for t in trajectories if t.uid.endswith("-1")).episode == ""  # the episode's own trajectory
+    batch = collate([group])
+    episodes = dict(zip(batch["uids"], batch["episode_index"].tolist(), strict=True))
+    assert len(set(episodes.values())) == 2  # six sequences, two episodes
+    assert episodes[f"{group.group_id}-1"] == episodes[f"{group.group_id}-1-seg0"] == episodes[seg.uid]

@@ -70,6 +70,22 @@ def test_grpo_hand_computed_and_edge_cases():
     assert got[:4] == pytest.approx([0.5, -0.5, -0.5, 0.5])
 
 
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus_baseline"])
+def test_an_episode_trained_as_several_segments_counts_once_in_its_group(estimator):
+    """Episodes a (reward 1, three segments), b (0), c (0), d (1): each of a's segments gets the advantage a
+    would get as one sequence, and b, c, d get what they would get beside an unsegmented a."""
+    whole = _inputs([1, 0, 0, 1], [0, 0, 0, 0], [2, 2, 2, 2], [[0, 1]] * 4)
+    segmented = _inputs(
+        [1, 1, 1, 0, 0, 1], [0] * 6, [2] * 6, [[0, 1]] * 6, episode_index=torch.tensor([0, 0, 0, 1, 2, 3])
+    )
+    want = _per_sample(ADVANTAGES.get(estimator)(whole).advantages, whole)
+    got = _per_sample(ADVANTAGES.get(estimator)(segmented).advantages, segmented)
+    if estimator == "reinforce_plus_plus_baseline":  # whitened over tokens: a's tokens weigh 3x there
+        assert got[0] == got[1] == got[2] > 0 > got[3] == got[4] and got[5] == got[0]
+    else:
+        assert got == pytest.approx([want[0]] * 3 + want[1:], rel=1e-5)
+
+
 def test_rloo_leave_one_out():
     inp = _inputs([1, 0, 0, 5], [0, 0, 0, 1], [2, 2, 2, 2], [[0, 1]] * 4)
     got = _per_sample(ADVANTAGES.get("rloo")(inp).advantages, inp)

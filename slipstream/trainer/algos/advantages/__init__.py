@@ -36,6 +36,9 @@ class AdvantageInputs:
     lam: float = 1.0
     norm_by_std: bool = True
     eps: float = 1e-6
+    # int64 [N]: samples with the same value are segments of one agent episode (same reward), counted once in
+    # their group's statistics; None: every sample is an episode of its own.
+    episode_index: torch.Tensor | None = None
 
 
 @dataclass
@@ -52,14 +55,27 @@ def broadcast_to_tokens(per_sample: torch.Tensor, inp: AdvantageInputs) -> torch
     return per_sample[segment_ids(inp.cu_seqlens)] * inp.loss_mask.to(per_sample.dtype)
 
 
-def group_stats(rewards: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sample (count of its group, mean of its group), vectorised over groups."""
+def episode_weights(inp: AdvantageInputs) -> torch.Tensor:
+    """float [N]: 1 / (segments in the sample's episode), so each episode weighs 1 in its group's statistics
+    whatever the number of sequences it was trained as; all ones without ``episode_index``."""
+    r = inp.rewards
+    if inp.episode_index is None:
+        return torch.ones_like(r, dtype=torch.float32)
+    _, inv, counts = torch.unique(inp.episode_index, return_inverse=True, return_counts=True)
+    return 1.0 / counts[inv].to(torch.float32)
+
+
+def group_stats(
+    rewards: torch.Tensor, group_index: torch.Tensor, weights: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample (count of its group, mean of its group), vectorised over groups; with ``weights``
+    (:func:`episode_weights`) the count is of episodes and the mean is over episodes."""
+    w = torch.ones_like(rewards) if weights is None else weights.to(rewards.dtype)
     _, inv = torch.unique(group_index, return_inverse=True)
     n_groups = int(inv.max().item()) + 1 if inv.numel() else 0
-    counts = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device).index_add(
-        0, inv, torch.ones_like(rewards)
-    )
-    sums = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device).index_add(0, inv, rewards)
+    # Whole episodes per group, whatever the float rounding of 1/3 + 1/3 + 1/3 (a group holds every segment).
+    counts = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device).index_add(0, inv, w).round()
+    sums = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device).index_add(0, inv, w * rewards)
     return counts[inv], (sums / counts)[inv]
 
 

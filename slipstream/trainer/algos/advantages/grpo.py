@@ -6,7 +6,8 @@ prompt with rewards r_1..r_n,
     A_i = (r_i - mean(r)) / (std(r) + eps)        (norm_by_std=True, std with Bessel's correction)
     A_i =  r_i - mean(r)                          (norm_by_std=False: Dr. GRPO, Liu et al. arXiv 2503.20783)
 
-broadcast to every policy token of sample i. As in verl: a group of one sample gets mean 0 and std 1 (its
+broadcast to every policy token of sample i. The n are episodes: the segments of one agent episode
+(trained as sequences of their own) count once (``episode_weights``). As in verl: a group of one sample gets mean 0 and std 1 (its
 advantage is its reward), and a group whose rewards are all equal gets advantage 0 (std 0, so 0 / eps).
 """
 
@@ -19,6 +20,7 @@ from slipstream.trainer.algos.advantages import (
     AdvantageInputs,
     AdvantageOutput,
     broadcast_to_tokens,
+    episode_weights,
     group_stats,
 )
 
@@ -26,10 +28,11 @@ from slipstream.trainer.algos.advantages import (
 @ADVANTAGES.register("grpo")
 def grpo(inp: AdvantageInputs) -> AdvantageOutput:
     r = inp.rewards.float()
-    counts, mean = group_stats(r, inp.group_index)
+    w = episode_weights(inp)
+    counts, mean = group_stats(r, inp.group_index, w)
     dev = r - mean
     _, inv = torch.unique(inp.group_index, return_inverse=True)
-    sq = torch.zeros_like(r).index_add(0, inv, dev * dev)[inv]
+    sq = torch.zeros_like(r).index_add(0, inv, w * dev * dev)[inv]
     std = torch.sqrt(sq / (counts - 1).clamp(min=1))
     single = counts == 1
     mean = torch.where(single, torch.zeros_like(mean), mean)

@@ -17,6 +17,7 @@ from slipstream.trainer.algos.advantages import (
     AdvantageInputs,
     AdvantageOutput,
     broadcast_to_tokens,
+    episode_weights,
     group_stats,
 )
 from slipstream.trainer.algos.segments import masked_whiten
@@ -25,7 +26,7 @@ from slipstream.trainer.algos.segments import masked_whiten
 @ADVANTAGES.register("reinforce_plus_plus_baseline")
 def reinforce_plus_plus_baseline(inp: AdvantageInputs) -> AdvantageOutput:
     r = inp.rewards.float()
-    counts, mean = group_stats(r, inp.group_index)
+    counts, mean = group_stats(r, inp.group_index, episode_weights(inp))
     scores = r - torch.where(counts > 1, mean, torch.zeros_like(mean))
     tokens = broadcast_to_tokens(scores, inp)
     adv = masked_whiten(tokens, inp.loss_mask) * inp.loss_mask.float()

@@ -17,6 +17,7 @@ from slipstream.trainer.algos.advantages import (
     AdvantageInputs,
     AdvantageOutput,
     broadcast_to_tokens,
+    episode_weights,
     group_stats,
 )
 
@@ -24,7 +25,7 @@ from slipstream.trainer.algos.advantages import (
 @ADVANTAGES.register("rloo")
 def rloo(inp: AdvantageInputs) -> AdvantageOutput:
     r = inp.rewards.float()
-    counts, mean = group_stats(r, inp.group_index)
+    counts, mean = group_stats(r, inp.group_index, episode_weights(inp))
     scale = counts / (counts - 1).clamp(min=1)
     scores = torch.where(counts > 1, (r - mean) * scale, r)
     adv = broadcast_to_tokens(scores, inp)
