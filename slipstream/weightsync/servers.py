@@ -77,8 +77,8 @@ def _kind(adapter_cls: type[ServerAdapter]) -> ServerKind:
 
 async def colocated(adapters: Sequence[ServerAdapter], device) -> bool:
     """Whether every server runs on this host and, for a GPU ``device``, on the same physical GPU."""
-    from slipstream.weightsync.ipc_engine import colocated as pair
-    from slipstream.weightsync.ipc_engine import device_identity, host_identity
+    from slipstream.weightsync.ipc_memory import colocated as pair
+    from slipstream.weightsync.ipc_memory import device_identity, host_identity
 
     me = Rendezvous(backend="ipc", host=host_identity(), device=device_identity(torch.device(device)))
     try:

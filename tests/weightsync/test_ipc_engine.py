@@ -21,7 +21,7 @@ from wsync_helpers import digest, engine_receiver, mixed_tensors, pipe, recv, se
 from slipstream.weightsync.base import build_topology, make_transport
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.errors import TransferError
-from slipstream.weightsync.ipc_engine import colocated, host_identity
+from slipstream.weightsync.ipc_memory import colocated, host_identity
 from slipstream.weightsync.types import InitInfo, Rendezvous
 
 TIMEOUT_S = 120.0  # a bound, never reached: deaths are seen as the end of a connection

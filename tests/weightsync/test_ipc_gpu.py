@@ -15,7 +15,7 @@ from wsync_helpers import DictTarget, digest, mixed_tensors, pipe, recv, send, s
 
 from slipstream.weightsync.base import build_topology, make_transport, receive_version
 from slipstream.weightsync.config import WeightSyncConfig
-from slipstream.weightsync.ipc_engine import colocated, device_identity
+from slipstream.weightsync.ipc_memory import colocated, device_identity
 from slipstream.weightsync.types import InitInfo, Rendezvous
 
 pytestmark = pytest.mark.gpu
