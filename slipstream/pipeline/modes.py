@@ -217,6 +217,13 @@ def _check_pairing(cfg: Config) -> None:
             f"({' or '.join(takers)}, under their settings); rollout.backend {server} cannot take them"
             + (f" ({kind.send_less_missing})" if kind.send_less_missing else "")
         )
+    # A LoRA version is its adapters (or, to servers that cannot rebuild them, merged weights): the publisher
+    # never encodes it as a delta, so the setting would do nothing; say so rather than ignore it.
+    if cfg.weightsync.delta and cfg.trainer.lora.enabled:
+        raise ConfigError(
+            "weightsync.delta: a LoRA run (trainer.lora) pushes its adapters alone, not deltas of the whole "
+            "weights; set weightsync.delta=false"
+        )
     if kind.needs_gpus and cfg.cluster.gpus_per_server == 0 and not cfg.rollout.server_urls:
         if not kind.runs_without_gpus():
             raise ConfigError(

@@ -298,6 +298,19 @@ def test_lora_with_servers_that_cannot_rebuild_adapters_is_accepted_and_pushes_m
         check_config(delta, environment=False)
 
 
+def test_delta_in_a_lora_run_is_refused_rather_than_ignored():
+    """The LoRA preset's servers rebuild deltas, but a LoRA version is its adapters: a delta setting there
+    would do nothing, silently."""
+    from slipstream.config import ConfigError, load_config
+    from slipstream.pipeline.modes import check_config, prepare_config
+
+    cfg, _ = prepare_config(load_config(CONFIGS / "quickstart_lora.yaml", ["weightsync.delta=true"]))
+    with pytest.raises(
+        ConfigError, match=r"^weightsync.delta: a LoRA run \(trainer.lora\) pushes its adapters"
+    ):
+        check_config(cfg, environment=False)
+
+
 def test_a_publisher_refuses_send_less_pushes_its_servers_or_transport_cannot_carry():
     """SGLang reads every entry as a dense tensor, and the per-tensor `naive` calls name no entry kinds:
     delta and LoRA pushes to them are refused before a byte moves, not read as weights."""
