@@ -510,35 +510,12 @@ class TrainerRank:
         return StepReport(self.trainer.version, metrics, uids, self.queue.wait_s)
 
     def publish(self, version: int) -> PushReport:
-        """Push the current weights as ``version`` (rank 0 sends; the others drive the all-gathers)."""
-        from slipstream.trainer.trainer import push_dtype
-        from slipstream.weightsync.publisher import make_publish_fn
-
+        """Push the current weights as ``version`` (rank 0 sends; the others drive the all-gathers):
+        ``Trainer.push``, as a standalone trainer does every sync_every steps."""
         self._threads()
         t0 = time.monotonic()
-        dtype = push_dtype(self.settings)
-        lora = self.settings.trainer.lora
-        if lora.enabled:  # the adapters (with the base weights when a server lacks them), or merged weights
-            from slipstream.weightsync.delta import lora_scale
-            from slipstream.weightsync.publisher import publish_lora
-
-            trainer = self.trainer
-            lora_report = publish_lora(
-                self.publisher,
-                version,
-                lambda: self.engine.get_adapter_params(dtype),
-                lambda: self.engine.base_reference().get_per_tensor_param(dtype),
-                lora_scale(lora.alpha, lora.rank),
-                agree=lambda code: int(trainer._bcast_scalar(float(code))),  # rank 0 decides for all
-                # W + scale B A, for servers that cannot rebuild adapters (SGLang, vLLM's own nccl engine)
-                merged=lambda: self.engine.get_per_tensor_param(dtype),
-            )
-            return PushReport(lora_report, time.monotonic() - t0) if lora_report else PushReport()
-        if self.publisher is None:
-            make_publish_fn(None)(version, self.engine.get_per_tensor_param(dtype))
-            return PushReport()
-        report = self.publisher.publish(version, self.engine.get_per_tensor_param(dtype))
-        return PushReport(report, time.monotonic() - t0)
+        report = self.trainer.push(self.publisher, version)
+        return PushReport(report, time.monotonic() - t0) if report is not None else PushReport()
 
     def save(self, path: str) -> None:
         self._threads()

@@ -15,12 +15,13 @@ import torch
 import torch.distributed as dist
 
 from slipstream.trainer.engine import make_aux_engines, make_engine
-from slipstream.trainer.trainer import PublishFn, Trainer, latest_checkpoint
+from slipstream.trainer.trainer import Trainer, latest_checkpoint
 from slipstream.utils.logging import get_logger
 
 if TYPE_CHECKING:
     from slipstream.queue.base import QueueConsumer
     from slipstream.trainer.settings import TrainerSettings
+    from slipstream.weightsync.publisher import WeightPublisher
 
 log = get_logger(__name__)
 
@@ -32,7 +33,9 @@ def build_rank(
     master_addr: str,
     master_port: int,
     queue: QueueConsumer | None,
-    publish_fn: PublishFn | None = None,
+    *,
+    publish: bool = False,
+    publisher: WeightPublisher | None = None,
 ) -> Trainer:
     """Join the process group at ``master_addr:master_port`` (NCCL on CUDA, else gloo; the timeout covers a
     rank waiting for rank 0's batch), build and initialise the policy engine and the auxiliary engines
@@ -50,7 +53,9 @@ def build_rank(
     engine = make_engine(settings)
     engine.initialize()
     aux: dict[str, Any] = make_aux_engines(settings, policy=engine)
-    return Trainer(settings, engine, queue, rank=rank, world_size=world_size, publish_fn=publish_fn, **aux)
+    return Trainer(
+        settings, engine, queue, rank=rank, world_size=world_size, publish=publish, publisher=publisher, **aux
+    )
 
 
 def run_trainer_rank(
@@ -60,15 +65,18 @@ def run_trainer_rank(
     master_addr: str,
     master_port: int,
     queue_address: str | None,
-    publish_fn: PublishFn | None = None,
     *,
+    publish: bool = False,
+    publisher: WeightPublisher | None = None,
     num_steps: int | None = None,
     log_metrics: bool = True,
 ) -> list[dict[str, float]]:
     """Run this rank until ``num_steps`` (default ``run.total_steps``) trainer versions exist; return the
     metrics of the steps it ran. Rank 0 connects to the queue at ``queue_address`` (others may pass None).
     ``settings`` is ``trainer.settings.from_root(cfg)``; with ``log_metrics`` rank 0 writes the run's
-    metrics.jsonl and console progress (wandb, which logs the whole root config, is the pipeline's).
+    metrics.jsonl and console progress (wandb, which logs the whole root config, is the pipeline's). With
+    ``publish`` every rank takes part in a push every ``async.sync_every`` steps, rank 0 through its
+    ``publisher`` (``Trainer.push``).
     """
     run = settings.run
     queue = None
@@ -77,7 +85,9 @@ def run_trainer_rank(
 
         queue = QueueClient(queue_address)
     try:
-        trainer = build_rank(settings, rank, world_size, master_addr, master_port, queue, publish_fn)
+        trainer = build_rank(
+            settings, rank, world_size, master_addr, master_port, queue, publish=publish, publisher=publisher
+        )
         if run.resume and (ckpt := latest_checkpoint(trainer.checkpoint_root)) is not None:
             log.info("rank %d resuming from %s", rank, ckpt)
             trainer.resume(ckpt)

@@ -15,8 +15,8 @@ batch, so results do not depend on the number of ranks:
   4. ``trainer.epochs`` passes over ``trainer.mini_batches`` mini-batches of whole groups; each mini-batch is
      split over data-parallel replicas by token count and is one optimizer step, its loss normalised by its global counts;
   5. rank 0 acks the leases (with the dropped group ids); ``version`` += 1; every ``async.sync_every``
-     steps ``publish_fn(version, engine.get_per_tensor_param())`` runs on every rank (rank 0 sends, the
-     others drive the all-gathers); every ``checkpoint_every`` steps (``trainer.checkpoint_every``; 0 under
+     steps, when the trainer publishes (``publish=True``), :meth:`Trainer.push` runs on every rank (rank 0
+     sends through its ``publisher``, the others drive the all-gathers); every ``checkpoint_every`` steps (``trainer.checkpoint_every``; 0 under
      the pipeline, which writes them itself) a checkpoint is written.
 
 The trainer is built from :class:`~slipstream.trainer.settings.TrainerSettings` (``settings.from_root(cfg)``),
@@ -33,7 +33,8 @@ Worked example (one process; ``run_trainer_rank`` does the same for N processes)
 
     settings = from_root(cfg)
     engine = FSDPEngine(settings); engine.initialize()
-    trainer = Trainer(settings, engine, QueueClient(address), rank=0, world_size=1, publish_fn=push)
+    trainer = Trainer(settings, engine, QueueClient(address), rank=0, world_size=1, publish=True,
+                      publisher=WeightPublisher(settings.weightsync, server_urls, "vllm"))
     trainer.fit(100)           # or trainer.step() -> {"trainer/loss": ..., "trainer/staleness_versions_mean": ...}
 """
 
@@ -41,7 +42,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -60,10 +61,10 @@ from slipstream.utils.logging import get_logger
 if TYPE_CHECKING:
     from slipstream.queue.base import QueueConsumer
     from slipstream.trainer.settings import TrainerSettings
+    from slipstream.weightsync.publisher import PublishReport, WeightPublisher
 
 log = get_logger(__name__)
 
-PublishFn = Callable[[int, Iterator[tuple[str, torch.Tensor]]], None]
 # Uids rank 0 remembers having trained, to skip a group delivered again after a lease expiry; covers far more
 # than the groups leased within one lease_timeout_s at any realistic rate.
 _TRAINED_UIDS_KEPT = 1 << 18
@@ -88,7 +89,8 @@ class Trainer:
         *,
         rank: int,
         world_size: int,
-        publish_fn: PublishFn | None = None,
+        publish: bool = False,
+        publisher: WeightPublisher | None = None,
         critic: ModelEngine | None = None,
         reference: ModelEngine | None = None,
         collate_fn: Callable[[list], TensorDict] | None = None,
@@ -106,7 +108,8 @@ class Trainer:
         self.settings, self.engine, self.queue, self.critic = settings, engine, queue, critic
         self.reference = reference
         self.rank, self.world_size = rank, world_size
-        self.publish_fn = publish_fn
+        # Every sync_every steps, push (publish: on every rank; publisher: rank 0's, None on the others).
+        self.publish, self.publisher = publish or publisher is not None, publisher
         self._collate = collate_fn
         self.version = 0  # weight version = completed trainer steps
         self.last_batch_uids: list[str] = []  # rank 0: the samples the last step trained on
@@ -142,9 +145,9 @@ class Trainer:
             self._remember_trained(self.last_batch_uids)
         self.version += 1
         metrics["trainer/dropped_groups"] = float(self._bcast_scalar(sum(len(v) for v in dropped.values())))
-        if self.publish_fn is not None and self.version % self.settings.sync_every == 0:
+        if self.publish and self.version % self.settings.sync_every == 0:
             t_pub = time.perf_counter()
-            self.publish_fn(self.version, self.engine.get_per_tensor_param(push_dtype(self.settings)))
+            self.push(self.publisher, self.version)
             metrics["trainer/publish_s"] = time.perf_counter() - t_pub
         every = self.settings.checkpoint_every
         if every and self.version % every == 0:
@@ -381,6 +384,32 @@ class Trainer:
     def _barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()
+
+    def push(self, publisher: WeightPublisher | None, version: int) -> PublishReport | None:
+        """Push the weights as ``version``: the one way every trainer pushes (``step`` every sync_every steps,
+        the pipeline's ``TrainerRank.publish`` when the controller asks). Every rank calls it, rank 0 with
+        its publisher and the others with None (they drive the collectives that gather full tensors). A LoRA
+        run sends the adapters (with the base weights to a server that lacks them) or, to servers that
+        cannot rebuild adapters, merged whole weights: rank 0 decides and every rank follows
+        (``publish_lora``). Any other run sends the whole weights in ``weightsync.push_dtype``."""
+        from slipstream.weightsync.publisher import publish_lora, publish_whole
+
+        engine, dtype, lora = self.engine, push_dtype(self.settings), self.settings.trainer.lora
+        if not lora.enabled:
+            return publish_whole(publisher, version, engine.get_per_tensor_param(dtype))
+        from slipstream.weightsync.delta import lora_scale
+
+        return publish_lora(
+            publisher,
+            version,
+            lambda: engine.get_adapter_params(dtype),
+            lambda: engine.base_reference().get_per_tensor_param(dtype),
+            lora_scale(lora.alpha, lora.rank),
+            agree=lambda code: int(self._bcast_scalar(float(code))),  # rank 0 decides for all
+            merged=lambda: engine.get_per_tensor_param(
+                dtype
+            ),  # W + scale B A: SGLang, vLLM's own nccl engine
+        )
 
     def _bcast_scalar(self, value: float) -> float:
         if self.world_size == 1:

@@ -1,7 +1,7 @@
 """The trainer's side of weight sync: push every new version to every inference server.
 
-:class:`WeightPublisher` is what the pipeline wires into the trainer's publish hook (on rank 0; the other
-ranks only iterate, see :func:`make_publish_fn`). For each version it runs, for all servers at once, the
+:class:`WeightPublisher` is what rank 0's trainer pushes through (``Trainer.push``: the other ranks only
+iterate, see :func:`publish_whole` and :func:`publish_lora`). For each version it runs, for all servers at once, the
 adapter's control sequence around a transport (:mod:`~slipstream.weightsync.servers`: a
 :class:`~slipstream.weightsync.base.Transport` the servers joined), packing bucket *i+1* in a worker thread
 while bucket *i* is on the wire and the servers' blocking HTTP calls are in flight (the deadlock rule: a
@@ -577,18 +577,15 @@ def publish_lora(
     return report
 
 
-def make_publish_fn(publisher: WeightPublisher | None) -> Callable[[int, Iterable], None]:
-    """The trainer's publish hook: rank 0 passes its publisher; every other rank passes None and only
-    iterates (the iterator runs the collectives that gather full tensors on all ranks)."""
-
-    def publish(version: int, named_tensors: Iterable) -> None:
-        if publisher is None:
-            _drain(iter(named_tensors))
-            return
-        report = publisher.publish(version, named_tensors)
-        if report.failed:
-            log.warning(
-                "version %d reached %d of %d servers", version, len(report.ok), len(publisher.servers)
-            )
-
-    return publish
+def publish_whole(
+    publisher: WeightPublisher | None, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]
+) -> PublishReport | None:
+    """The trainer's whole-weights push, run on every rank: rank 0 passes its publisher; every other rank
+    passes None and only iterates (the iterator runs the collectives that gather full tensors on all ranks)."""
+    if publisher is None:
+        _drain(iter(named_tensors))
+        return None
+    report = publisher.publish(version, named_tensors)
+    if report.failed:
+        log.warning("version %d reached %d of %d servers", version, len(report.ok), len(publisher.servers))
+    return report

@@ -16,7 +16,7 @@ from slipstream.trainer.engine.lora import BaseModelReference, LoRALinear, lora_
 from slipstream.trainer.synthetic import make_packed_batch
 from slipstream.utils.net import free_port
 from slipstream.weightsync.delta import adapter_shapes, bits_view, is_adapter_name, merge_adapters
-from tests.trainer.conftest import trainer_config, trainer_settings
+from tests.trainer.conftest import RecordingPublisher, trainer_config, trainer_settings
 
 LORA = ("trainer.lora.rank=4", "trainer.lora.alpha=8")
 
@@ -267,12 +267,12 @@ def test_two_gloo_ranks_train_the_same_adapters_as_one(tiny_model_path, single_p
 
 
 # ------------------------------------------------------------------------------------------ trainer loop
-def test_trainer_steps_with_a_kl_reference_and_publishes_the_merged_model(
+def test_trainer_steps_with_a_kl_reference_and_publishes_the_adapters(
     tiny_model_path, single_process_group, tmp_path
 ):
     """A LoRA policy with a KL penalty against the base model runs whole trainer steps: the reference pass
-    reads the base weights (KL 0 at step 0, > 0 once the adapters moved), pushes carry merged HF tensors,
-    and a checkpoint taken by the loop resumes the adapters."""
+    reads the base weights (KL 0 at step 0, > 0 once the adapters moved), pushes carry the adapters (or
+    what the publisher asks for), and a checkpoint taken by the loop resumes the adapters."""
     from slipstream.trainer.trainer import Trainer, latest_checkpoint
     from tests.trainer.fake_queue import FakeQueue, collate, make_group
 
@@ -292,7 +292,7 @@ def test_trainer_steps_with_a_kl_reference_and_publishes_the_merged_model(
         queue.put(make_group(f"g{i}", 4, version=0, seed=i))
     engine = FSDPEngine(cfg)
     engine.initialize()
-    published = []
+    publisher = RecordingPublisher(lora_push="adapters")
     trainer = Trainer(
         cfg,
         engine,
@@ -300,7 +300,7 @@ def test_trainer_steps_with_a_kl_reference_and_publishes_the_merged_model(
         rank=0,
         world_size=1,
         collate_fn=collate,
-        publish_fn=lambda v, named: published.append((v, dict(named))),
+        publisher=publisher,
         **make_aux_engines(cfg, policy=engine),
     )
     assert isinstance(trainer.reference, BaseModelReference)
@@ -309,9 +309,26 @@ def test_trainer_steps_with_a_kl_reference_and_publishes_the_merged_model(
     assert kl_key in kls[0], sorted(kls[0])
     assert kls[0][kl_key] == pytest.approx(0.0, abs=1e-6)
     assert kls[2][kl_key] > 1e-6
-    assert [v for v, _ in published] == [1, 2, 3]
-    assert set(published[-1][1]) == {n for n, _ in engine.get_per_tensor_param()}
-    assert not any(is_adapter_name(n) for n in published[-1][1])
+    # a standalone trainer pushes as the pipeline's ranks do (Trainer.push): the adapters alone here
+    assert [(v, sent) for v, sent, _ in publisher.pushes] == [
+        (1, "adapters"),
+        (2, "adapters"),
+        (3, "adapters"),
+    ]
+    assert set(publisher.pushes[-1][2]) == {n for n, _ in engine.get_adapter_params()}
+    # with the base weights to servers that lack them; merged whole weights to servers that cannot rebuild
+    for how, names in [
+        (
+            "lora",
+            {n for n, _ in engine.get_adapter_params()}
+            | {n for n, _ in engine.base_reference().get_per_tensor_param()},
+        ),
+        ("merged", {n for n, _ in engine.get_per_tensor_param()}),
+    ]:
+        other = RecordingPublisher(lora_push=how)
+        trainer.push(other, 4)
+        assert [(v, sent) for v, sent, _ in other.pushes] == [(4, how)] and set(other.pushes[0][2]) == names
+    assert not any(is_adapter_name(n) for n in other.pushes[0][2])  # merged: plain HF names
 
     ckpt = latest_checkpoint(trainer.checkpoint_root)
     assert ckpt is not None and ckpt.name == "step_00000002"

@@ -9,7 +9,7 @@ import torch
 from slipstream.trainer.engine import make_aux_engines
 from slipstream.trainer.engine.fsdp import FSDPEngine
 from slipstream.trainer.trainer import Trainer, latest_checkpoint
-from tests.trainer.conftest import trainer_settings
+from tests.trainer.conftest import RecordingPublisher, trainer_settings
 from tests.trainer.fake_queue import FakeQueue, collate, make_group
 
 
@@ -126,16 +126,12 @@ def test_publish_every_sync_every_steps(tiny_model_path, single_process_group):
     cfg = trainer_settings(tiny_model_path, "trainer.batch_groups=1", "async.sync_every=2")
     queue = FakeQueue()
     _fill(queue, 4)
-    published = []
-
-    def publish(version, named):
-        published.append((version, {name: tuple(t.shape) for name, t in named}))
-
-    trainer = _trainer(cfg, queue, publish_fn=publish)
+    publisher = RecordingPublisher()
+    trainer = _trainer(cfg, queue, publisher=publisher)
     trainer.fit(4)
-    assert [v for v, _ in published] == [2, 4]
+    assert [(v, sent) for v, sent, _ in publisher.pushes] == [(2, "full"), (4, "full")]
     names = dict(trainer.engine.model.named_parameters())
-    assert set(published[0][1]) == set(names)
+    assert set(publisher.pushes[0][2]) == set(names)
 
 
 def test_resume_with_queue_snapshot_loses_and_repeats_nothing(

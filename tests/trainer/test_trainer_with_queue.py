@@ -4,6 +4,8 @@ sample exactly once (counted by uid)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.multiprocessing as mp
 
@@ -15,7 +17,7 @@ from slipstream.trainer.engine.fsdp import FSDPEngine
 from slipstream.trainer.launch import run_trainer_rank
 from slipstream.trainer.trainer import Trainer, latest_checkpoint
 from slipstream.utils.net import free_port
-from tests.trainer.conftest import trainer_settings
+from tests.trainer.conftest import RecordingPublisher, trainer_settings
 from tests.trainer.fake_queue import make_group
 
 
@@ -29,14 +31,13 @@ def _rank(rank, world, port, model_path, queue_address, out_dir):
     cfg = trainer_settings(
         model_path, "trainer.batch_groups=2", f"run.output_dir={out_dir}", "run.resume=false"
     )
-    published = []
-
-    def publish(version, named):
-        published.append((version, sum(t.numel() for _, t in named)))
-
+    publisher = RecordingPublisher() if rank == 0 else None  # the other ranks drive the gathers
     metrics = run_trainer_rank(
-        cfg, rank, world, "127.0.0.1", port, queue_address if rank == 0 else None, publish, num_steps=2
-    )
+        cfg, rank, world, "127.0.0.1", port, queue_address if rank == 0 else None,
+        publish=True, publisher=publisher, num_steps=2,
+    )  # fmt: skip
+    pushes = publisher.pushes if publisher else []
+    published = [(v, sum(math.prod(shape) for shape in shapes.values())) for v, _, shapes in pushes]
     torch.save({"metrics": metrics, "published": published}, f"{out_dir}/rank{rank}.pt")
 
 
@@ -53,8 +54,13 @@ def test_two_ranks_train_from_a_real_queue(tiny_model_path, tmp_path):
         server.stop()
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
     assert [m["trainer/loss"] for m in r0["metrics"]] == [m["trainer/loss"] for m in r1["metrics"]]
-    assert [v for v, _ in r0["published"]] == [1, 2] == [v for v, _ in r1["published"]]
-    assert r0["published"][0][1] == r1["published"][0][1] > 0  # every rank gathered full tensors
+    assert [v for v, _ in r0["published"]] == [1, 2] and r1[
+        "published"
+    ] == []  # rank 1 only drove the gathers
+    from transformers import AutoModelForCausalLM
+
+    whole = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model_path).parameters())
+    assert r0["published"][0][1] == whole  # full tensors, gathered from both ranks' shards
 
 
 def test_resume_on_a_fresh_server_trains_every_sample_once(tiny_model_path, single_process_group, tmp_path):

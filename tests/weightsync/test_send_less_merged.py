@@ -99,16 +99,16 @@ def test_a_lora_trainer_pushes_sglang_the_merged_model(sglang_url, tiny_model_pa
     """The FSDP2 LoRA engine, after training steps, pushed by the pipeline's ``TrainerRank.publish``: the
     server receives every HF weight, the adapted ones equal to ``merge_lora`` of the base weight and the
     engine's adapters, and never an adapter tensor."""
-    from types import SimpleNamespace
-
     from transformers import AutoModelForCausalLM
 
     from slipstream.pipeline.actors import TrainerRank
     from slipstream.trainer.engine.fsdp import FSDPEngine
     from slipstream.trainer.synthetic import make_packed_batch
+    from slipstream.trainer.trainer import Trainer
     from slipstream.utils.logging import get_logger
     from slipstream.weightsync.delta import lora_scale, merge_adapters
     from tests.trainer.conftest import trainer_settings
+    from tests.trainer.fake_queue import FakeQueue
 
     settings = trainer_settings(
         tiny_model_path, "trainer.lora.rank=4", "trainer.lora.alpha=8", "rollout.backend=sglang"
@@ -124,7 +124,7 @@ def test_a_lora_trainer_pushes_sglang_the_merged_model(sglang_url, tiny_model_pa
     rank = TrainerRank(settings, 0, 1, str(tmp_path), threads=0)
     for handler in set(get_logger("slipstream").handlers) - set(handlers):  # its run-directory log
         get_logger("slipstream").removeHandler(handler)
-    rank.engine, rank.trainer = engine, SimpleNamespace(_bcast_scalar=lambda value: value)  # one rank
+    rank.engine, rank.trainer = engine, Trainer(settings, engine, FakeQueue(), rank=0, world_size=1)
     rank.publisher = WeightPublisher(config(), [sglang_url], settings.server_kind)
     try:
         report = rank.publish(1).publish
