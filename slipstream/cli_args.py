@@ -10,7 +10,15 @@ Config keys become options in two spellings:
 * dotted (``slipstream train``, ``slipstream config show``): ``--trainer.lr 2e-5`` is the same as the
   positional override ``trainer.lr=2e-5`` (the value goes through the same parsing, so ``null``, lists
   ``[a, b]`` and every check behave alike); flags are applied after the positional overrides;
-* dashed and typed (``slipstream serve``): ``--max-model-len 2048`` for the fields of one section.
+* dashed and typed (``slipstream serve``, ``slipstream queue serve``): ``--max-model-len 2048`` for the
+  fields of one section; the value is checked against the field's type and bounds while parsing, and a bad
+  one is refused naming the key (``argument --port: port: expected int <= 65535, got '70000'``);
+  :func:`config_values` turns the given ones into the struct.
+
+A command that borrows a few keys of a run's config (a bench's ``--bucket-mb``, ``--max-staleness``) takes
+each with :func:`add_key_option`: the same typed, checked option, under the bench's own default when it
+has one, its help the key's description. Options that are no config key (bench sizes, ``--json``) stay
+hand-written, through the helpers here where they are common.
 
 Worked example::
 
@@ -22,13 +30,18 @@ Worked example::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
+import sys
 import textwrap
+import typing
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import msgspec
 from msgspec import inspect as mi
 
-from slipstream.config_doc import KeyDoc, sections, value_type
+from slipstream.config_doc import KeyDoc, format_default, sections, value_type
 
 __all__ = [
     "JSON_LAST_LINE",
@@ -38,10 +51,12 @@ __all__ = [
     "add_config_positionals",
     "add_device_flag",
     "add_json_flag",
+    "add_key_option",
     "add_seed_flag",
     "command_parser",
     "config_overrides",
     "config_parser",
+    "config_values",
     "doc_paragraph",
     "keys_epilog",
     "parse_bool",
@@ -60,10 +75,29 @@ def doc_paragraph(doc: str | None, index: int = 0) -> str:
 
 def command_parser(prog: str, description: str | None = None, **kwargs) -> argparse.ArgumentParser:
     """The parser of one command, named as users type it (``slipstream bench queue``)."""
-    return argparse.ArgumentParser(prog=prog, description=description, **kwargs)
+    return _Parser(prog=prog, description=description, **kwargs)
 
 
-class _KeyFlagParser(argparse.ArgumentParser):
+class _Parser(argparse.ArgumentParser):
+    """A generated bool option takes an optional value (``--journal``, ``--journal false``); followed by a
+    ``key=value`` override it means true and leaves the override alone, where argparse would take the
+    override as the flag's value."""
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        words = list(sys.argv[1:] if args is None else args)
+        bools = {
+            flag
+            for flag, action in self._option_string_actions.items()
+            if hasattr(action, "config_key") and action.nargs == "?"
+        }
+        for i in range(len(words) - 1, -1, -1):
+            following = words[i + 1] if i + 1 < len(words) else ""
+            if words[i] in bools and "=" in following and not following.startswith("-"):
+                words.insert(i + 1, "true")
+        return super().parse_known_args(words, namespace)
+
+
+class _KeyFlagParser(_Parser):
     """An unknown ``--section.key`` flag gets the hint an unknown ``section.key=value`` gets."""
 
     def error(self, message: str):  # type: ignore[override]
@@ -152,9 +186,10 @@ def add_config_options(
     """Add one option per key under ``root``, grouped by section, with the key's type, default and meaning
     as help, under ``title``; return ``{dest: dotted key}``.
 
-    Dotted options (the default) keep the value as text and leave it out of the namespace when not given;
-    :func:`config_overrides` turns the given ones into ``key=value`` overrides. ``dashed`` options
-    (``--max-model-len``) convert ints, floats and bools themselves and default to None (not given).
+    Dotted options (the default) keep the value as text; :func:`config_overrides` turns the given ones
+    into ``key=value`` overrides. ``dashed`` options (``--max-model-len``) convert and check the value
+    against the field's type and bounds while parsing; :func:`config_values` builds the struct from them.
+    Either kind is left out of the namespace when not given.
     """
     keys: dict[str, str] = {}
     for section in sections(root):
@@ -165,8 +200,9 @@ def add_config_options(
         for row in section.keys:
             dest = row.key.replace(".", "_") if dashed else row.key
             flag = "--" + (row.key.replace("_", "-") if dashed else row.key)
-            kwargs = _typed(row) if dashed else _text(row)
-            group.add_argument(flag, dest=dest, help=_help(row), **kwargs)
+            kwargs = _typed(row, field_type(root, row.key)) if dashed else _text(row)
+            action = group.add_argument(flag, dest=dest, help=_help(row), **kwargs)
+            action.config_key = row.key  # type: ignore[attr-defined]  # read by tests and config_values
             keys[dest] = row.key
     return keys
 
@@ -177,19 +213,144 @@ def config_overrides(ns: argparse.Namespace, keys: dict[str, str]) -> list[str]:
     return [f"{key}={given[dest]}" for dest, key in keys.items() if dest in given]
 
 
+def config_values(ns: argparse.Namespace, keys: dict[str, str]) -> dict[str, Any]:
+    """The dashed options given on the command line as a nested mapping of their (already checked) values,
+    ready for ``from_dict(values, root)`` (which adds the defaults and the cross-field checks)."""
+    given = vars(ns)
+    values: dict[str, Any] = {}
+    for dest, key in keys.items():
+        if dest in given:
+            *parents, leaf = key.split(".")
+            node = values
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = given[dest]
+    return values
+
+
+_CONFIG_DEFAULT: Any = object()
+
+
+def add_key_option(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    root: type[msgspec.Struct],
+    key: str,
+    *,
+    flags: Sequence[str] = (),
+    default: Any = _CONFIG_DEFAULT,
+    choices: Sequence[Any] | None = None,
+    note: str = "",
+    section: str = "",
+) -> argparse.Action:
+    """One option for the config key ``key`` of ``root`` (``Config``'s ``weightsync.bucket_mb``): typed and
+    checked as the key is (a bad value is refused naming it), its help the key's description plus ``note``.
+
+    ``flags`` default to the last part of the key, dashed (``--bucket-mb``); the dest is argparse's from the
+    first flag. ``default`` is the command's own when it differs from the config's (the help shows both);
+    ``choices`` narrows a key's literal choices to those the command supports. ``section`` is where
+    ``root`` sits in a run's config (``weightsync``), for a module that may not import the whole config:
+    help and errors then name the key as a run's config does (``weightsync.bucket_mb``).
+    """
+    row = key_doc(root, key)
+    tp = field_type(root, key)
+    flags = list(flags) or ["--" + row.name.replace("_", "-")]
+    kwargs = _typed(dataclasses.replace(row, key=f"{section}.{key}" if section else key), tp)
+    kwargs["default"] = _default_of(root, key) if default is _CONFIG_DEFAULT else default
+    key = f"{section}.{key}" if section else key
+    shown = format_default(kwargs["default"])
+    if shown != row.default:
+        shown += f" here; {row.default} in a run's config"
+    if choices is not None:
+        allowed = _literal_values(tp)
+        extra = [c for c in choices if c not in allowed]
+        if extra:
+            raise ValueError(f"{key}: choices {extra} are not values of the key ({allowed})")
+        kwargs["choices"] = list(choices)
+        kwargs["metavar"] = "{" + ",".join(str(c) for c in choices) + "}"
+    text = f"{row.description} [{key}: {row.type}; default {shown}]" + (f" {note}" if note else "")
+    action = parser.add_argument(*flags, help=text.replace("%", "%%"), **kwargs)
+    action.config_key = key  # type: ignore[attr-defined]
+    return action
+
+
+def key_doc(root: type[msgspec.Struct], key: str) -> KeyDoc:
+    """The documentation row of one dotted key of ``root`` (KeyError naming it when there is none)."""
+    for section in sections(root):
+        for row in section.keys:
+            if row.key == key:
+                return row
+    raise KeyError(f"{root.__name__} has no key {key!r}")
+
+
+def field_type(root: type[msgspec.Struct], key: str) -> Any:
+    """The annotated type of a dotted key of ``root``, bounds included (``Annotated[int, Meta(ge=1)]``)."""
+    tp: Any = root
+    for part in key.split("."):
+        tp = next(f.type for f in msgspec.structs.fields(tp) if f.encode_name == part)
+        tp = _struct_of(tp) or tp
+    return tp
+
+
+def _struct_of(tp: Any) -> type[msgspec.Struct] | None:
+    if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+        return tp
+    return None
+
+
+def _default_of(root: type[msgspec.Struct], key: str) -> Any:
+    *parents, leaf = key.split(".")
+    tp: Any = root
+    for part in parents:
+        tp = field_type(tp, part)
+    info = next(f for f in msgspec.structs.fields(tp) if f.encode_name == leaf)
+    return info.default if info.default_factory is msgspec.NODEFAULT else info.default_factory()
+
+
+def _literal_values(tp: Any) -> list[Any]:
+    if typing.get_origin(tp) is typing.Literal:
+        return list(typing.get_args(tp))
+    return [v for arg in typing.get_args(tp) for v in _literal_values(arg)]
+
+
 def _text(row: KeyDoc) -> dict:
     # Every dotted flag takes a value, bools too (`--run.resume false`): an optional value would swallow a
     # positional override that follows (`--run.resume trainer.lr=1`).
     return {"default": argparse.SUPPRESS, "metavar": _metavar(row)}
 
 
-def _typed(row: KeyDoc) -> dict:
+def _typed(row: KeyDoc, tp: Any) -> dict:
+    parse = _value_parser(row.key, tp)
     if isinstance(
         row.info, mi.BoolType
     ):  # `--flag` alone means true; `--flag false` as config_to_args writes
-        return {"type": parse_bool, "nargs": "?", "const": True, "metavar": "BOOL"}
-    kind = {mi.IntType: int, mi.FloatType: float}.get(type(row.info), str)
-    return {"type": kind, "default": None, "metavar": _metavar(row)}
+        return {"type": parse, "nargs": "?", "const": True, "metavar": "BOOL", "default": argparse.SUPPRESS}
+    return {"type": parse, "default": argparse.SUPPRESS, "metavar": _metavar(row)}
+
+
+def _value_parser(key: str, tp: Any) -> Callable[[str], Any]:
+    """Text to the key's value as an override reads it (``null``, ``[a, b]``, quoted strings; "" stays the
+    empty string), then converted and bound-checked by msgspec; an ArgumentTypeError names the key."""
+
+    def parse(text: str) -> Any:
+        from slipstream.config import override_value
+        from slipstream.config_base import check_finite
+
+        try:
+            value = override_value(key, text) if text.strip() else text
+            value = msgspec.convert(value, tp, strict=False)
+            check_finite(value, key)
+        except msgspec.ValidationError as err:
+            reason = str(err).split(" - at ")[0].split(", got ")[0].replace("`", "")
+            reason = reason[:1].lower() + reason[1:]
+            if reason.startswith("invalid enum value"):
+                reason = "expected one of " + ", ".join(map(str, _literal_values(tp)))
+            raise argparse.ArgumentTypeError(f"{key}: {reason}, got {text!r}") from None
+        except ValueError as err:  # ConfigError from the override's YAML or a nan/inf
+            raise argparse.ArgumentTypeError(str(err)) from None
+        return value
+
+    parse.__name__ = key
+    return parse
 
 
 def _metavar(row: KeyDoc) -> str:

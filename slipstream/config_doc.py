@@ -5,8 +5,9 @@ Each field of a :class:`~slipstream.config_base.ConfigStruct` carries its meanin
 (:func:`sections`) turns them into :class:`KeyDoc` rows (dotted key, type with bounds, default, meaning),
 which feed every place a person reads about keys:
 
-* ``--help`` of ``slipstream train``, ``slipstream config show`` and ``slipstream serve``
-  (:func:`slipstream.cli_args.add_config_options`);
+* ``--help`` of ``slipstream train``, ``slipstream config show``, ``slipstream serve`` and
+  ``slipstream queue serve`` (:func:`slipstream.cli_args.add_config_options`), and of the options a bench or
+  ``slipstream data make`` borrows from the config (:func:`slipstream.cli_args.add_key_option`);
 * docs/config.md, written by ``slipstream config docs`` (:func:`markdown`), which a test keeps current;
 * ``slipstream config schema``: msgspec's JSON schema, descriptions included, for editors' YAML checks.
 

@@ -127,15 +127,16 @@ def test_a_mistyped_key_flag_gets_a_hint(tmp_path, capsys):
     assert "unrecognized arguments: --trainer.lrr 1 (did you mean `--trainer.lr`?)" in capsys.readouterr().err
 
 
-def test_queue_serve_help_lists_the_keys_its_overrides_take(capsys):
+def test_queue_serve_help_explains_every_queue_key(capsys):
     from slipstream.queue.config import QueueConfig
     from slipstream.queue.server import main as queue_serve
 
     with pytest.raises(SystemExit):
         queue_serve(["--help"])
-    out = " ".join(capsys.readouterr().out.split())
+    out = capsys.readouterr().out
     for row in sections(QueueConfig)[0].keys:
-        assert f"{row.key}: {row.type} (default {row.default}) {row.description}" in out
+        line = _option_help(out, "--" + row.key.replace("_", "-"))
+        assert f"{row.description} [{row.type}; default {row.default}]" in line
 
 
 def _commands(table=None, prefix=()):

@@ -33,7 +33,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from slipstream.cli_args import add_seed_flag, command_parser, doc_paragraph
+from slipstream.cli_args import add_key_option, command_parser, doc_paragraph
 
 ARITHMETIC_PROMPT = "What is {a} + {b}? Reply with only the number."
 COUNTDOWN_PROMPT = (
@@ -156,17 +156,18 @@ def write_rows(rows: list[dict[str, Any]], out: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
+    from slipstream.config import DataGenConfig
+
     parser = command_parser("slipstream data make", doc_paragraph(__doc__))
+    # A positional (the generator's name), so hand-written; its choices are the registry's.
     parser.add_argument("task", choices=sorted(GENERATORS), help="which task to generate")
-    parser.add_argument("--n", type=int, required=True, help="number of prompts")
+    add_key_option(parser, DataGenConfig, "n", section="datagen")
     parser.add_argument("--out", type=Path, required=True, help="output file (.parquet or .jsonl)")
-    add_seed_flag(parser, "random seed (same seed, same dataset)")
+    add_key_option(parser, DataGenConfig, "seed", section="datagen")
     parser.add_argument(
         "--split", choices=SPLITS, default="all", help="held-out problems only, none of them, or any"
     )
     args = parser.parse_args(argv)
-    if args.n < 1:
-        parser.error("--n must be at least 1")
     try:
         write_rows(make_rows(args.task, args.n, args.seed, args.split), args.out)
     except ValueError as err:

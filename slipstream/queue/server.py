@@ -4,7 +4,8 @@ Three ways to run it, all the same :class:`QueueServer`:
 
 * a plain process: ``start_queue_server(cfg)`` spawns ``python -m slipstream.queue.server`` and returns a
   :class:`QueueServerHandle` (``.address``, ``.stop()``, ``.is_alive()``); from a shell,
-  ``slipstream queue serve --host 127.0.0.1 --port 5555 --num-storage-units 4 [key=value ...]``;
+  ``slipstream queue serve --host 127.0.0.1 --port 5555 --num-storage-units 4 [--key VALUE ...]`` (every
+  :class:`QueueConfig` field is an option, also a ``key=value`` override);
 * inside a Ray actor: ``ray.remote(QueueServerActor).remote(cfg)`` then
   ``ray.get(actor.address.remote())``; the server's threads live in the actor process, which Ray places
   (pin it to a node with a custom resource in a cluster). Clients talk to it over ZeroMQ as usual;
@@ -44,7 +45,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from slipstream.cli_args import command_parser, keys_epilog
+from slipstream.cli_args import add_config_options, command_parser, config_values
 from slipstream.queue import protocol as P
 from slipstream.queue.arena import HEADER_BYTES, Arena, shm_supported
 from slipstream.queue.auth import TOKEN_ENV, Gate, server_token, with_token
@@ -359,13 +360,13 @@ class QueueServerHandle:
 
 
 def config_args(cfg: QueueConfig) -> list[str]:
-    """``key=value`` arguments that rebuild ``cfg`` in ``slipstream queue serve`` (a literal auth token is
+    """The ``--key value`` options that rebuild ``cfg`` in ``slipstream queue serve`` (a literal auth token is
     left out: it goes through ``$SLIPSTREAM_QUEUE_TOKEN``, not the command line others can read)."""
-    return [
-        f"{k}={'true' if v is True else 'false' if v is False else v}"
-        for k, v in msgspec.to_builtins(cfg).items()
-        if k != "auth_token" or v in ("auto", "")
-    ]
+    args: list[str] = []
+    for k, v in msgspec.to_builtins(cfg).items():
+        if k != "auth_token" or v in ("auto", ""):
+            args += ["--" + k.replace("_", "-"), "true" if v is True else "false" if v is False else str(v)]
+    return args
 
 
 def start_queue_server(cfg: QueueConfig, *, timeout_s: float = 60.0) -> QueueServerHandle:
@@ -422,31 +423,41 @@ class QueueServerActor:
 
 
 # ---------------------------------------------------------------------------------------------- CLI
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, str]]:
+    """``slipstream queue serve``'s parser: one option per :class:`QueueConfig` field, generated from it
+    (``--num-storage-units 4``, ``--capacity-groups 512``; the help is the field's description, a bad value
+    is refused naming the key), plus the same keys as positional ``key=value`` overrides."""
+    parser = command_parser(
+        "slipstream queue serve",
+        "Run a TransferQueue server until SIGTERM or SIGINT.",
+        usage="slipstream queue serve [--key VALUE ...] [key=value ...]",
+    )
+    parser.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        help="the same keys as key=value (or queue.key=value) overrides, e.g. capacity_groups=512; the flags "
+        "win over them",
+    )
+    keys = add_config_options(
+        parser, QueueConfig, dashed=True, title="queue config (queue.* in a run's config)"
+    )
+    return parser, keys
+
+
 def main(argv: list[str] | None = None) -> int:
     """``slipstream queue serve``: run a server in the foreground until SIGTERM/SIGINT."""
     from slipstream.config import ConfigError, from_dict, override_value
 
-    parser = command_parser(
-        "slipstream queue serve",
-        "Run a TransferQueue server until SIGTERM or SIGINT.",
-        epilog=keys_epilog(QueueConfig, "keys of the overrides (key=value, or queue.key=value):"),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--host", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, help="controller port (default: a free one)")
-    parser.add_argument("--num-storage-units", type=int, help="storage units (default 2)")
-    parser.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("overrides", nargs="*", help="queue config overrides, e.g. capacity_groups=512")
-    args = parser.parse_args(argv)
+    parser, keys = build_parser()
+    args = parser.parse_intermixed_args(argv)
     raw: dict[str, Any] = {}
     for item in args.overrides:
         key, sep, value = item.partition("=")
         if not sep:
             parser.error(f"override {item!r}: expected key=value (keys of the `queue` config section)")
         raw[key.removeprefix("queue.")] = override_value(key, value) if value.strip() else ""
-    for key in ("host", "port", "num_storage_units"):
-        if getattr(args, key) is not None:
-            raw[key] = getattr(args, key)
+    raw.update(config_values(args, keys))
     if "auth_token" not in raw and os.environ.get(TOKEN_ENV):
         raw["auth_token"] = os.environ[TOKEN_ENV]
     try:

@@ -17,6 +17,7 @@ quickstart's arithmetic questions in the model's chat template.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -28,8 +29,15 @@ import time
 import torch
 
 from slipstream.agents.protocol import SamplingParams
-from slipstream.cli_args import JSON_ONLY, add_device_flag, add_json_flag, command_parser, doc_paragraph
-from slipstream.rollouter.config import EmbeddedServerConfig, RolloutConfig
+from slipstream.cli_args import (
+    JSON_ONLY,
+    add_device_flag,
+    add_json_flag,
+    add_key_option,
+    command_parser,
+    doc_paragraph,
+)
+from slipstream.rollouter.config import EmbeddedServerConfig, RolloutConfig, SamplingConfig
 
 QUESTION = "What is {a} + {b}? Reply with only the number."
 
@@ -149,9 +157,10 @@ def run_bench(
     fidelity_outs = vllm_outs = None
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
     log(f"starting the embedded server ({path})")
-    with launch_server("embedded", path, cfg=RolloutConfig(embedded=engine_cfg)) as server, _vllm_server(
-        backend, path, threads, dtype, max(concurrencies), log
-    ) as vllm:
+    with (
+        launch_server("embedded", path, cfg=RolloutConfig(embedded=engine_cfg)) as server,
+        _vllm_server(backend, path, threads, dtype, max(concurrencies), log) as vllm,
+    ):
         server.wait_healthy(600)
         # Each pair runs back to back, so a change in machine load affects both sides alike; with repeats,
         # each side keeps its best run (the one least disturbed by other work on the machine).
@@ -169,7 +178,9 @@ def run_bench(
                     outs, seconds = asyncio.run(_vllm_wave(vllm.url, prompts[:n], sampling))
                     tokens = sum(len(o.output_ids) for o in outs)
                     best_vllm = max(best_vllm, tokens / seconds)
-                    log(f"vllm      n={n} #{r}: {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.1f} tok/s")
+                    log(
+                        f"vllm      n={n} #{r}: {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.1f} tok/s"
+                    )
                     vllm_outs = vllm_outs or (prompts[:n], outs)
                 tokens, seconds = hf_generate_wave(model, tokenizer, prompts[:n], sampling)
                 best_generate = max(best_generate, tokens / seconds)
@@ -194,9 +205,13 @@ def run_bench(
         summary[f"speedup_{n}"] = round(results[f"embedded_tok_s_{n}"] / results[f"hf_generate_tok_s_{n}"], 3)
     if vllm_outs is not None:
         summary["vllm_tok_s"] = results[f"vllm_tok_s_{first}"]
-        summary["vllm_logprob_max_abs_err"] = logprob_max_abs_err(model, *vllm_outs, temperature=sampling.temperature)
+        summary["vllm_logprob_max_abs_err"] = logprob_max_abs_err(
+            model, *vllm_outs, temperature=sampling.temperature
+        )
         for n in concurrencies:
-            summary[f"vllm_vs_embedded_{n}"] = round(results[f"vllm_tok_s_{n}"] / results[f"embedded_tok_s_{n}"], 3)
+            summary[f"vllm_vs_embedded_{n}"] = round(
+                results[f"vllm_tok_s_{n}"] / results[f"embedded_tok_s_{n}"], 3
+            )
     return summary
 
 
@@ -216,10 +231,12 @@ def _vllm_server(backend: str, path, threads: int, dtype: str, max_seqs: int, lo
         yield server
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The bench's parser: ``--max-new-tokens``, ``--dtype`` and ``--backend`` are the run config's
+    ``rollout.*`` keys, generated from them; the rest are the bench's own sizes."""
     parser = command_parser("slipstream bench rollout", doc_paragraph(__doc__))
     parser.add_argument("--model", default="smollm2-135m-instruct", help="known model name or HF directory")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    add_key_option(parser, SamplingConfig, "max_new_tokens", section="rollout.sampling", default=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[32, 64])
     parser.add_argument(
         "--threads", type=int, default=os.cpu_count() or 1, help="torch threads for both sides"
@@ -228,16 +245,22 @@ def main(argv: list[str] | None = None) -> int:
         "--repeats", type=int, default=1, help="runs per side and concurrency; the best counts"
     )
     add_device_flag(parser, "where both sides run")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    parser.add_argument(
-        "--backend",
+    add_key_option(parser, EmbeddedServerConfig, "dtype", section="rollout.embedded")
+    add_key_option(
+        parser,
+        RolloutConfig,
+        "backend",
+        section="rollout",
         choices=["embedded", "vllm"],
-        default="embedded",
-        help="vllm: also run a vLLM server on the same prompts, between the other two (vllm_tok_s, "
-        "vllm_logprob_max_abs_err, vllm_vs_embedded_N)",
+        note="Here vllm also runs a vLLM server on the same prompts, between the other two (vllm_tok_s, "
+        "vllm_logprob_max_abs_err, vllm_vs_embedded_N).",
     )
     add_json_flag(parser, JSON_ONLY)
-    ns = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
     # A plain SIGTERM would skip the `with` blocks and leave the server process running.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
@@ -245,7 +268,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[bench rollout] {msg}", file=sys.stderr if ns.json else sys.stdout, flush=True)
 
     summary = run_bench(
-        ns.model, ns.max_new_tokens, ns.concurrency, ns.threads, log, ns.repeats, ns.device, ns.dtype, ns.backend
+        ns.model,
+        ns.max_new_tokens,
+        ns.concurrency,
+        ns.threads,
+        log,
+        ns.repeats,
+        ns.device,
+        ns.dtype,
+        ns.backend,
     )
     print(json.dumps(summary))
     return 0

@@ -26,7 +26,8 @@ import sys
 
 import msgspec
 
-from slipstream.cli_args import add_config_options, command_parser, doc_paragraph
+from slipstream.cli_args import add_config_options, command_parser, config_values, doc_paragraph
+from slipstream.config_doc import sections
 from slipstream.rollouter.config import EmbeddedServerConfig
 from slipstream.utils.http_auth import TOKEN_ENV, check_bind, env_token, new_token
 from slipstream.utils.net import LOOPBACK
@@ -36,12 +37,15 @@ def config_to_args(cfg: EmbeddedServerConfig) -> list[str]:
     """The flags that reproduce ``cfg`` on the command line (used by the launcher)."""
     args: list[str] = []
     for name, value in msgspec.structs.asdict(cfg).items():
-        args += ["--" + name.replace("_", "-"), str(value)]
+        text = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+        args += ["--" + name.replace("_", "-"), text]
     return args
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = command_parser("slipstream serve", doc_paragraph(__doc__))
+    # Hand-written: where this one process loads and binds, which no config field holds (a run places its
+    # servers itself); every EmbeddedServerConfig field is generated below.
     parser.add_argument("--model", required=True, help="HF checkpoint directory or a known model name")
     parser.add_argument("--host", default=LOOPBACK, help="address to bind (default loopback)")
     parser.add_argument("--port", type=int, default=30000)
@@ -65,8 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_config(ns: argparse.Namespace) -> EmbeddedServerConfig:
-    given = {f.name: getattr(ns, f.name) for f in msgspec.structs.fields(EmbeddedServerConfig)}
-    return msgspec.convert({k: v for k, v in given.items() if v is not None}, EmbeddedServerConfig)
+    """The server config from the generated options given (each already checked against its field);
+    ConfigError names the key when a cross-field rule refuses it."""
+    from slipstream.config import from_dict
+
+    keys = {row.key.replace(".", "_"): row.key for s in sections(EmbeddedServerConfig) for row in s.keys}
+    return from_dict(config_values(ns, keys), EmbeddedServerConfig)
 
 
 def control_token(ns: argparse.Namespace) -> str:

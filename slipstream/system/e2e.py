@@ -43,23 +43,27 @@ import time
 from pathlib import Path
 from typing import Any
 
-from slipstream.cli_args import add_json_flag, command_parser, doc_paragraph
+from slipstream.cli_args import add_json_flag, add_key_option, command_parser, doc_paragraph
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
 
 
 def _parser() -> argparse.ArgumentParser:
+    """``--batch-groups``, ``--n``, ``--max-new-tokens``, ``--staleness-threshold`` and ``--max-staleness``
+    are keys of the run config, generated from it under the bench's defaults; the rest are the bench's own."""
+    from slipstream.config import Config
+
     p = command_parser("slipstream bench e2e", doc_paragraph(__doc__))
     p.add_argument("--config", default=str(QUICKSTART), help="base preset (default: configs/quickstart.yaml)")
     p.add_argument("--steps", type=int, default=8, help="trainer steps per mode")
-    p.add_argument("--batch-groups", type=int, default=4, help="prompts per step")
-    p.add_argument("--n", type=int, default=8, help="samples per prompt")
-    p.add_argument("--max-new-tokens", type=int, default=384, help="response cap (the tail's end)")
+    add_key_option(p, Config, "trainer.batch_groups", default=4)
+    add_key_option(p, Config, "rollout.n", default=8)
+    add_key_option(p, Config, "rollout.sampling.max_new_tokens", default=384, note="The long tail's end.")
     p.add_argument("--sync-threads", type=int, default=2, help="server and trainer threads in sync mode")
     p.add_argument("--async-server-threads", type=int, default=1)
     p.add_argument("--async-trainer-threads", type=int, default=1)
-    p.add_argument("--staleness-threshold", type=float, default=2.0, help="fully_async's threshold")
-    p.add_argument("--max-staleness", type=int, default=4, help="fully_async's async.max_staleness")
+    add_key_option(p, Config, "async.staleness_threshold", default=2.0, note="Set in fully_async runs only.")
+    add_key_option(p, Config, "async.max_staleness", default=4, note="Set in fully_async runs only.")
     p.add_argument("--modes", default="sync,fully_async", help="comma-separated, run in this order")
     p.add_argument("--out", help="run directories go here (default: a temporary directory)")
     add_json_flag(p)

@@ -47,7 +47,7 @@ import tempfile
 import time
 from typing import Any
 
-from slipstream.cli_args import add_json_flag, command_parser, doc_paragraph
+from slipstream.cli_args import add_json_flag, add_key_option, command_parser, doc_paragraph
 from slipstream.queue.base import QueueProducer
 
 DEFAULT_SERVERS = [8, 32, 128, 256]
@@ -515,17 +515,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _parser() -> argparse.ArgumentParser:
+    """``--max-new-tokens``, ``--concurrency`` and ``--partial-rollout`` are keys of the run config,
+    generated from it under the bench's defaults; the rest size the simulated servers and trainers."""
+    from slipstream.config import Config
+
     p = command_parser("slipstream bench scale", doc_paragraph(__doc__))
     p.add_argument("--servers", type=lambda s: [int(x) for x in s.split(",")], default=DEFAULT_SERVERS,
                    help="server counts, comma-separated (default 8,32,128,256)")  # fmt: skip
     p.add_argument("--tokens-per-s", type=float, default=4.0, help="decode rate of one request")
     p.add_argument("--median-tokens", type=int, default=24, help="median response length")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--concurrency", type=int, default=4, help="rollout.max_concurrent_per_server")
+    add_key_option(p, Config, "rollout.sampling.max_new_tokens", default=64)
+    add_key_option(p, Config, "rollout.max_concurrent_per_server", flags=["--concurrency"], default=4)
     p.add_argument("--batch-per-server", type=int, default=1, help="trainer.batch_groups per server")
     p.add_argument("--consumers", type=int, default=4, help="simulated trainers leasing and acking")
     p.add_argument("--buckets", type=int, default=2, help="update calls per server and push")
-    p.add_argument("--partial-rollout", choices=["abort", "in_place"], default="abort")
+    add_key_option(p, Config, "async.partial_rollout", choices=["abort", "in_place"])
     p.add_argument("--servers-per-proc", type=int, default=128)
     p.add_argument("--warmup-s", type=float, default=20.0)
     p.add_argument("--seconds", type=float, default=30.0)

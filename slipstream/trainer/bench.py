@@ -26,8 +26,16 @@ from pathlib import Path
 
 import torch
 
-from slipstream.cli_args import add_device_flag, add_json_flag, add_seed_flag, command_parser, doc_paragraph
+from slipstream.cli_args import (
+    add_device_flag,
+    add_json_flag,
+    add_key_option,
+    add_seed_flag,
+    command_parser,
+    doc_paragraph,
+)
 from slipstream.trainer.algos import ADVANTAGES, AdvantageInputs, global_counts
+from slipstream.trainer.config import TrainerConfig
 from slipstream.trainer.loss import GlobalCounts, PolicyLoss
 from slipstream.trainer.synthetic import long_tail_lengths, make_packed_batch
 
@@ -40,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--median", type=int, default=48, help="median response length")
     p.add_argument("--max-len", type=int, default=384, help="response length cap (the long tail)")
-    p.add_argument("--micro-batch-tokens", type=int, default=2048)
+    add_key_option(p, TrainerConfig, "micro_batch_tokens", section="trainer", default=2048)
     p.add_argument("--steps", type=int, default=2, help="timed steps per mode (after one warm-up step)")
     p.add_argument("--threads", type=int, default=0, help="torch threads; 0 keeps torch's default")
     add_seed_flag(p)

@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from slipstream.cli_args import add_json_flag, add_seed_flag, command_parser, doc_paragraph
+from slipstream.cli_args import add_json_flag, add_key_option, add_seed_flag, command_parser, doc_paragraph
+from slipstream.trainer.config import TrainerConfig
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,7 +39,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=8192, help="tokens in the micro-batch")
     p.add_argument("--vocab", type=int, default=49152, help="vocabulary size (SmolLM2's 49152; Qwen 151936)")
     p.add_argument("--hidden", type=int, default=128, help="hidden size")
-    p.add_argument("--chunk", type=int, default=1024, help="rows per chunk of the chunked variant")
+    add_key_option(
+        p,
+        TrainerConfig,
+        "logits_chunk_tokens",
+        section="trainer",
+        flags=["--chunk"],
+        default=1024,
+        note="Here: rows per chunk of the chunked variant.",
+    )
     p.add_argument("--temperature", type=float, default=0.8)
     add_seed_flag(p)
     p.add_argument("--variant", choices=["full", "chunked"], help=argparse.SUPPRESS)

@@ -35,6 +35,7 @@ quickstart, 0.54 GB).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import multiprocessing as mp
@@ -45,7 +46,7 @@ import time
 import msgspec
 import torch
 
-from slipstream.cli_args import add_device_flag, add_json_flag, command_parser, doc_paragraph
+from slipstream.cli_args import add_device_flag, add_json_flag, add_key_option, command_parser, doc_paragraph
 from slipstream.utils.tensors import total_nbytes
 from slipstream.weightsync.base import SendStats, Transport, build_topology, make_transport
 from slipstream.weightsync.config import WeightSyncConfig
@@ -336,15 +337,18 @@ def _line(row: dict) -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The bench's parser: ``--bucket-mb`` and ``--timeout-s`` are the run config's ``weightsync.*`` keys,
+    generated from them; the rest are the bench's own sizes (receivers, tensor sets, repetitions)."""
     parser = command_parser("slipstream bench weightsync", doc_paragraph(__doc__))
     add_json_flag(parser)
-    parser.add_argument("--bucket-mb", type=int, default=64)
+    add_key_option(parser, WeightSyncConfig, "bucket_mb", section="weightsync", default=64)
     parser.add_argument("--receivers", default="1,3", help="comma-separated receiver counts")
     parser.add_argument("--sets", default=",".join(SETS), help=f"comma-separated, from {list(SETS)}")
     parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--timeout-s", type=float, default=120.0)
+    add_key_option(parser, WeightSyncConfig, "timeout_s", section="weightsync", default=120.0)
     add_device_flag(parser, "where the pushed tensors live")
+    # A list of transports to compare, so not the one weightsync.backend key.
     parser.add_argument(
         "--backends",
         default="",
@@ -358,6 +362,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--model", default="~/.cache/slipstream/models/smollm2-135m-instruct",
                         help="--send-less: the HF checkpoint (slipstream models prepare smollm2-135m-instruct)")  # fmt: skip
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.send_less:
         from pathlib import Path

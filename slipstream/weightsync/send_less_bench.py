@@ -28,7 +28,6 @@ adapter's share of the model's elements, the bound on ``lora_bytes_ratio`` in on
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -37,6 +36,8 @@ from collections.abc import Iterable
 
 import torch
 
+from slipstream.cli_args import add_json_flag, add_key_option, command_parser, doc_paragraph
+from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.delta import adapter_shapes, apply_delta, bits_view, compute_delta
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -133,13 +134,19 @@ def lora_bytes_ratio(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = command_parser("python -m slipstream.weightsync.send_less_bench", doc_paragraph(__doc__))
     parser.add_argument("--model", required=True, help="local HF model directory")
-    parser.add_argument("--lr", type=float, nargs="+", default=[1e-6, 2e-5])
+    # Several values of trainer.lr, one measurement each (and weightsync/ does not import the trainer's config).
+    parser.add_argument(
+        "--lr", type=float, nargs="+", default=[1e-6, 2e-5], help="learning rates, one run each"
+    )
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
+    add_key_option(
+        parser, WeightSyncConfig, "push_dtype", section="weightsync", flags=["--dtype"], choices=sorted(_DTYPES),
+        default="bfloat16", note="Here: the dtype the weights are compared in, as a server receives them.",
+    )  # fmt: skip
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--json", action="store_true", help="one JSON object per learning rate")
+    add_json_flag(parser, "one JSON object per learning rate")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     for lr in args.lr:
