@@ -92,6 +92,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
 
 def main(argv: list[str]) -> int:
     parser = command_parser("slipstream plot", doc_paragraph(__doc__))
+    # Hand-written: a run directory and where the PNGs go, no config key.
     parser.add_argument("run_dir", help="a run directory containing metrics.jsonl")
     parser.add_argument("--out", help="where to write the PNGs (default RUN_DIR/plots)")
     args = parser.parse_args(argv)

@@ -437,6 +437,7 @@ def render(p: Plan) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = command_parser("slipstream plan memory", doc_paragraph(__doc__))
     add_config_positionals(parser)
+    # Hand-written: the config comes as CONFIG key=value; the GPU's size is the question asked, no key.
     parser.add_argument("--gpu-mem", type=float, default=80.0, help="GiB of memory per GPU (default 80)")
     add_json_flag(parser, JSON_OBJECT)
     args = parser.parse_args(argv)

@@ -566,6 +566,7 @@ def main(argv: list[str] | None = None) -> int:
         "slipstream bench queue",
         "TransferQueue throughput and latency against memcpy and Ray's object store.",
     )
+    # Hand-written: payload sizes and the baselines to run are the bench's own, no config key.
     add_json_flag(parser)
     parser.add_argument("--sizes", type=str, help="comma-separated payload sizes in bytes")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")

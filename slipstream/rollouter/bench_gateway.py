@@ -152,6 +152,7 @@ def run_bench(model: str | None, requests: int, max_tokens: int, threads: int, l
 
 def main(argv: list[str] | None = None) -> int:
     parser = command_parser("slipstream bench gateway", doc_paragraph(__doc__))
+    # Hand-written: request counts and sizes of the measurement, no config key.
     parser.add_argument(
         "--model", default=None, help="known model name or HF directory (default: tiny random)"
     )

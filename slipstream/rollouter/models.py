@@ -165,6 +165,7 @@ def _say(enabled: bool, message: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     """`slipstream models prepare NAME [--force]`: print the prepared checkpoint's path."""
     parser = command_parser("slipstream models prepare", main.__doc__)
+    # Hand-written: a known model's name, no config key.
     parser.add_argument("name", help=f"one of: {', '.join(sorted(KNOWN_MODELS))}")
     parser.add_argument("--force", action="store_true", help="prepare again even if the cache has it")
     ns = parser.parse_args(argv)

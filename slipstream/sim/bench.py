@@ -348,6 +348,7 @@ def _same_fit(shipped: Profile, cal: Profile) -> bool:
 
 def main(argv: list[str]) -> int:
     p = command_parser("slipstream bench simulate", doc_paragraph(__doc__))
+    # Hand-written: which recorded runs to compare and how many steps to simulate, no config key.
     p.add_argument("--runs", help="recorded runs, one directory per mode beneath it (else made here)")
     p.add_argument("--out", help="where runs made here go (default: a temporary directory)")
     p.add_argument("--steps", type=int, default=5, help="steps of each real run made here")

@@ -224,6 +224,7 @@ def _floats(text: str) -> list[float]:
 def main(argv: list[str]) -> int:
     p = command_parser("slipstream plan capacity", doc_paragraph(__doc__, 1))
     add_config_positionals(p)
+    # Hand-written: the config comes as CONFIG key=value; these are the search (lists of candidates), no key.
     p.add_argument("--profile", required=True)
     p.add_argument("--gpus", type=int, required=True, help="GPUs for servers and trainer ranks together")
     p.add_argument("--png", help="draw the frontier here")

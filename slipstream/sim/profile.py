@@ -274,6 +274,7 @@ def _drift(steps: list[float], means: list[float]) -> float:
 def main(argv: list[str]) -> int:
     """`slipstream profile RUN_DIR [-o profile.yaml]`."""
     p = command_parser("slipstream profile", "Fit a performance profile to a run.")
+    # Hand-written: a run directory and the fit's settings, no config key.
     p.add_argument("run_dir")
     p.add_argument("-o", "--output", help="write the profile here (default: print it)")
     p.add_argument("--skip-first", type=int, default=1, help="warm-up steps left out of the rate fits")

@@ -516,6 +516,7 @@ def simulate(cfg: Config, profile: Profile, *, steps: int | None = None, seed: i
 def main(argv: list[str]) -> int:
     p = command_parser("slipstream simulate", doc_paragraph(__doc__))
     add_config_positionals(p)
+    # Hand-written: the config comes as CONFIG key=value; the profile and step count are the simulation's own.
     p.add_argument("--profile", required=True, help="profile YAML (slipstream profile RUN_DIR -o ...)")
     p.add_argument("--steps", type=int, help="trainer steps (default: run.total_steps, else 20)")
     add_seed_flag(p)

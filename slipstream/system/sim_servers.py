@@ -389,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m slipstream.system.sim_servers", description=__doc__.split("\n")[0]
     )
+    # Hand-written: the simulated servers' decode model, no config key.
     p.add_argument("--servers", type=int, default=8)
     p.add_argument("--tokens-per-s", type=float, default=20.0)
     p.add_argument("--median-tokens", type=int, default=32)

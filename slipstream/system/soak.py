@@ -77,6 +77,7 @@ _GROUP = re.compile(r"^e(\d+)-p(\d+)(?:-a\d+)?$")
 
 def _parser() -> argparse.ArgumentParser:
     p = command_parser("slipstream bench soak", doc_paragraph(__doc__))
+    # Hand-written: the kill schedule is the bench's own; config keys come as the positional overrides.
     p.add_argument("--config", default=str(QUICKSTART), help="base preset (default: configs/quickstart.yaml)")
     p.add_argument("--minutes", type=float, default=60.0, help="stop at the first settled step after this")
     p.add_argument(

@@ -77,6 +77,7 @@ def static_checks() -> tuple[list[str], float]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="scripts/gpu_check.sh --rehearse", description=__doc__.split("\n")[0])
+    # Hand-written: where the rehearsal builds and what it runs, no config key.
     p.add_argument("--dir", required=True)
     p.add_argument("--reuse-venv", action="store_true", help="run with this interpreter (no venv built)")
     p.add_argument("--only", default="", help="comma-separated stage-1 checks (default: all)")

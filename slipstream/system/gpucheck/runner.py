@@ -222,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m slipstream.system.gpucheck", description=__doc__.split("\n")[0]
     )
+    # Hand-written: which checks run where and for how long, no config key.
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--stage", type=int, choices=[1, 2], default=1)
     parser.add_argument("--only", default="", help="comma-separated checks (default: the stage's)")
