@@ -82,7 +82,7 @@ def _bench_parsers() -> list[tuple[str, Any]]:
 BENCH_KEYS = {
     "bench weightsync": {"weightsync.bucket_mb", "weightsync.timeout_s"},
     "bench rollout": {"rollout.sampling.max_new_tokens", "rollout.embedded.dtype", "rollout.backend"},
-    "bench train": {"trainer.micro_batch_tokens"},
+    "bench train": {"trainer.micro_batch_tokens", "rollout.n"},
     "bench logprob": {"trainer.logits_chunk_tokens"},
     "bench e2e": {
         "trainer.batch_groups",

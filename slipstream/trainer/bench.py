@@ -41,10 +41,12 @@ from slipstream.trainer.synthetic import long_tail_lengths, make_packed_batch
 
 
 def _parser() -> argparse.ArgumentParser:
+    from slipstream.config import Config  # rollout.n: the trainer's own config does not hold it
+
     p = command_parser("slipstream bench train", doc_paragraph(__doc__))
     p.add_argument("--model", help="HF checkpoint directory (default: a scaled-up tiny random Llama)")
     p.add_argument("--samples", type=int, default=48, help="samples in the batch")
-    p.add_argument("--group-size", type=int, default=8, help="samples per prompt")
+    add_key_option(p, Config, "rollout.n", flags=["--group-size"], default=8)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--median", type=int, default=48, help="median response length")
     p.add_argument("--max-len", type=int, default=384, help="response length cap (the long tail)")
