@@ -25,6 +25,10 @@ Worked example::
     parser, keys = config_parser("slipstream config show", "Validate a config.", Config)
     ns = parser.parse_intermixed_args(["run.yaml", "async.mode=sync", "--trainer.lr", "2e-5"])
     [*ns.overrides, *config_overrides(ns, keys)]     # ['async.mode=sync', 'trainer.lr=2e-5']
+
+    add_key_option(parser, WeightSyncConfig, "bucket_mb", section="weightsync", default=64)
+    parser.parse_args(["--bucket-mb", "0"])
+    # error: argument --bucket-mb: weightsync.bucket_mb: expected int >= 1, got '0'
 """
 
 from __future__ import annotations
@@ -33,7 +37,6 @@ import argparse
 import dataclasses
 import difflib
 import sys
-import textwrap
 import typing
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -58,8 +61,8 @@ __all__ = [
     "config_parser",
     "config_values",
     "doc_paragraph",
-    "keys_epilog",
-    "parse_bool",
+    "field_type",
+    "key_doc",
 ]
 
 JSON_LAST_LINE = "end with one JSON line of results"
@@ -145,17 +148,6 @@ def add_config_positionals(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def keys_epilog(root: type[msgspec.Struct], heading: str) -> str:
-    """Every key under ``root`` as plain text, for the epilog of a parser whose overrides are those keys
-    (use ``formatter_class=argparse.RawDescriptionHelpFormatter``)."""
-    lines = [heading]
-    for section in sections(root):
-        for row in section.keys:
-            lines.append(f"  {row.key}: {row.type} (default {row.default})")
-            lines += textwrap.wrap(row.description, 100, initial_indent="      ", subsequent_indent="      ")
-    return "\n".join(lines)
-
-
 def add_json_flag(parser: argparse.ArgumentParser, help: str = JSON_LAST_LINE) -> None:
     parser.add_argument("--json", action="store_true", help=help)
 
@@ -166,14 +158,6 @@ def add_device_flag(parser: argparse.ArgumentParser, help: str | None = None, de
 
 def add_seed_flag(parser: argparse.ArgumentParser, help: str | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0, help=help)
-
-
-def parse_bool(text: str) -> bool:
-    """``true``/``false``/``1``/``0``/``yes``/``no`` as config values accept them."""
-    try:
-        return msgspec.convert(text, bool, strict=False)
-    except msgspec.ValidationError:
-        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}") from None
 
 
 def add_config_options(
@@ -202,7 +186,7 @@ def add_config_options(
             flag = "--" + (row.key.replace("_", "-") if dashed else row.key)
             kwargs = _typed(row, field_type(root, row.key)) if dashed else _text(row)
             action = group.add_argument(flag, dest=dest, help=_help(row), **kwargs)
-            action.config_key = row.key  # type: ignore[attr-defined]  # read by tests and config_values
+            action.config_key = row.key  # type: ignore[attr-defined]  # which key made it (tests read it)
             keys[dest] = row.key
     return keys
 
