@@ -38,20 +38,56 @@ def test_a_server_that_cannot_start_fails_naming_its_log(tmp_path):
     assert not server.is_alive()
 
 
-def test_killed_server_is_seen_dead_and_serves_again_after_restart(vllm_server):
+def test_a_server_killed_mid_push_fails_that_version_and_takes_the_next_after_restart(
+    vllm_server, vllm_model
+):
+    """A crash (the API server and its engine at once) while a version is on the wire: the push reports that
+    server failed, in bounded time, instead of hanging; the dead server is seen dead; restarted, it serves
+    and the next version reaches it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from slipstream.weightsync.config import WeightSyncConfig
+    from slipstream.weightsync.publisher import WeightPublisher
+
+    model = AutoModelForCausalLM.from_pretrained(vllm_model, dtype=torch.float32)
+    weights = [(n, p.detach().clone()) for n, p in model.named_parameters()]
+    cfg = WeightSyncConfig(backend="torch_dist", bucket_mb=1, timeout_s=60, device="cpu", keep_last=False)
+
     async def go(url):
         c = VLLMClient(url, api="generate", timeout_s=120)
         try:
             healthy = await c.health()
-            out = await c.generate([1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True)) if healthy else None
+            out = (
+                await c.generate([1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True))
+                if healthy
+                else None
+            )
             return healthy, out
         finally:
             await c.aclose()
 
+    def killed_part_way():
+        for i, item in enumerate(weights):
+            if i == len(weights) // 2:  # the first buckets are on the server: crash it
+                os.killpg(vllm_server.process.pid, signal.SIGKILL)
+                vllm_server.process.popen.wait(timeout=60)
+            yield item
+
     old_url = vllm_server.url
-    os.killpg(vllm_server.process.pid, signal.SIGKILL)  # a crash: the API server and its engine at once
-    vllm_server.process.popen.wait(timeout=60)
+    pub = WeightPublisher(cfg, [old_url], "vllm")
+    try:
+        report = pub.publish(1, killed_part_way())
+    finally:
+        pub.close()
+    assert report.ok == [] and old_url in report.failed
     assert run(go(old_url))[0] is False
     vllm_server.restart()
     healthy, out = run(go(vllm_server.url))
     assert healthy and len(out.output_ids) == 4
+    pub = WeightPublisher(cfg, [vllm_server.url], "vllm")
+    try:
+        assert pub.publish(2, iter(weights)).ok == [vllm_server.url]
+    finally:
+        pub.close()
+    assert run(go(vllm_server.url))[1].versions == [2] * 4
