@@ -33,7 +33,10 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
         ),
         "weightsync": ("slipstream.weightsync.bench", "weight sync GB/s vs raw transport and naive"),
         "e2e": ("slipstream.system.e2e", "samples/s of fully_async vs sync on a long-tail workload"),
-        "soak": ("slipstream.system.soak", "a long run with servers and trainers killed: memory, lost groups"),
+        "soak": (
+            "slipstream.system.soak",
+            "a long run with servers and trainers killed: memory, lost groups",
+        ),
         "scale": ("slipstream.system.scale", "control plane (queue, rollouter, pushes) at 8-256 servers"),
         "simulate": ("slipstream.sim.bench", "simulated step times vs our runs and verl's figures"),
     },

@@ -67,7 +67,11 @@ class StalenessGate:
         """From the run's :class:`slipstream.config.Config` (``async.*`` with its mode's preset applied by
         ``AsyncConfig.with_preset``, ``trainer.batch_groups``)."""
         a, _ = cfg.async_.with_preset()
-        return cls(batch_groups=cfg.trainer.batch_groups, sync_every=a.sync_every, staleness_threshold=a.staleness_threshold)
+        return cls(
+            batch_groups=cfg.trainer.batch_groups,
+            sync_every=a.sync_every,
+            staleness_threshold=a.staleness_threshold,
+        )
 
     def budget_at(self, version: int) -> int:
         # The epsilon keeps e.g. (0 + 1 * 1.1) * 10 = 11.000000000000002 from flooring below 11.

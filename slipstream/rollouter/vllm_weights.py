@@ -66,7 +66,9 @@ def register() -> None:
     WeightTransferEngineFactory.register_engine(ENGINE_NAME, __name__, "SlipstreamWeightEngine")
 
 
-def checkpoint_specs(model_dir: str | Path, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def checkpoint_specs(
+    model_dir: str | Path, dtype: torch.dtype
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Every tensor of the HF checkpoint in ``model_dir`` by name, with its shape and the serving ``dtype``
     (vLLM fuses q/k/v and gate/up internally, so its own parameter names are not the trainer's)."""
     return {name: (shape, dtype) for name, (shape, _) in _checkpoint_index(model_dir).items()}
@@ -143,7 +145,9 @@ class VLLMTarget:
         for name in missing:
             weights[name] = self.held[name] if name in self.held else from_disk[name].to(dtype)
         with torch.no_grad(), set_current_vllm_config(self.vllm_config):
-            reload_weights(self.vllm_config, self.model, list(weights.items()), None, is_checkpoint_format=True)
+            reload_weights(
+                self.vllm_config, self.model, list(weights.items()), None, is_checkpoint_format=True
+            )
         for name, tensor in weights.items():
             if name not in self.held or self.held[name] is not tensor:
                 self.held[name] = tensor.detach().to("cpu", copy=True)

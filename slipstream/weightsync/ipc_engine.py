@@ -79,6 +79,7 @@ _encoder = msgspec.msgpack.Encoder()
 _HEADER = struct.Struct("!I")
 _MAX_FDS = 16
 
+
 class _SharedPool(BufferPool):
     """The sender's two shared buffers: fixed once shared, so a bucket that does not fit is an error."""
 

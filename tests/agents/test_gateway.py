@@ -403,7 +403,9 @@ def test_tool_choice_none_required_and_named(server, tok):
         forced = len(sent) - len(seg.prompt_ids)  # the server got the prompt plus the forced opening
         assert forced > 0 and seg.loss_mask[:forced] == [0] * forced
         assert seg.response_ids[:forced] == sent[len(seg.prompt_ids) :]
-        assert seg.response_ids[forced:] == out.output_ids and seg.loss_mask[forced:] == [1] * len(out.output_ids)
+        assert seg.response_ids[forced:] == out.output_ids and seg.loss_mask[forced:] == [1] * len(
+            out.output_ids
+        )
         assert tok.decode(seg.response_ids, skip_special_tokens=False).startswith(CALL)
 
 
@@ -418,7 +420,9 @@ def test_stop_strings_end_the_reply_and_the_record(server, tok):
             )
             history = [*QUESTION, first.choices[0].message.model_dump(exclude_none=True),
                        {"role": "user", "content": "Go on."}]  # fmt: skip
-            await client.chat.completions.create(model="p", messages=history, tools=[CALCULATOR], max_tokens=3)
+            await client.chat.completions.create(
+                model="p", messages=history, tools=[CALCULATOR], max_tokens=3
+            )
             return first.choices[0], await gw.close_session(session), rec.calls
         finally:
             await gw.stop()
@@ -431,7 +435,10 @@ def test_stop_strings_end_the_reply_and_the_record(server, tok):
     seg = episode.segments[0]
     assert len(episode.segments) == 1 and episode.divergences == 0  # the harness's echo extends the segment
     kept = tok.decode(seg.response_ids[: seg.loss_mask.index(0)], skip_special_tokens=True)
-    assert kept.endswith('"arguments"') and kept == tok.decode(out0.output_ids, skip_special_tokens=True)[: len(kept)]
+    assert (
+        kept.endswith('"arguments"')
+        and kept == tok.decode(out0.output_ids, skip_special_tokens=True)[: len(kept)]
+    )
     k = seg.loss_mask.index(0)
     assert sent1[: len(seg.prompt_ids) + k] == seg.prompt_ids + seg.response_ids[:k]
     assert len(out0.output_ids) > k  # the server sampled on; the record stops at the stop
@@ -449,7 +456,10 @@ def test_n_samples_concurrently_and_the_reply_sent_back_continues_the_segment(se
             )
             assert [c.index for c in many.choices] == [0, 1, 2]
             kept = many.choices[1]
-            history += [{"role": "assistant", "content": kept.message.content}, {"role": "user", "content": "More."}]
+            history += [
+                {"role": "assistant", "content": kept.message.content},
+                {"role": "user", "content": "More."},
+            ]
             await client.chat.completions.create(model="p", messages=history)
             return many, await gw.close_session(session), rec.calls
         finally:

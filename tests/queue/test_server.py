@@ -478,7 +478,9 @@ def test_a_header_nested_too_deeply_is_a_bad_request_logged_in_one_line(server, 
     finally:
         sock.close()
         ctx.term()
-    records = [r for r in caplog.records if r.name == "slipstream.queue.server" and r.levelno >= logging.WARNING]
+    records = [
+        r for r in caplog.records if r.name == "slipstream.queue.server" and r.levelno >= logging.WARNING
+    ]
     assert len(records) == 3 and not any(r.exc_info for r in records)
     assert all("\n" not in r.getMessage() for r in records)
     assert client_of(srv).put(make_group("after")) is True  # still serving

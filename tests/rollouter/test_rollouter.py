@@ -90,7 +90,9 @@ def test_sync_mode_admits_one_batch_per_version(tok):
 
         group = queue.groups["e0-p3"]
         assert group.uids == ["e0-p3-0", "e0-p3-1"]
-        assert group.meta.provenance == Provenance(prompt_index=3, epoch=0, attempt=0, data_source="arithmetic")
+        assert group.meta.provenance == Provenance(
+            prompt_index=3, epoch=0, attempt=0, data_source="arithmetic"
+        )
         trajectories = group.to_trajectories()
         assert all(t.versions == [1, 1, 1] and t.loss_mask == [1, 1, 1] for t in trajectories)
         assert all(t.reward == 1.0 and t.extra["data_source"] == "arithmetic" for t in trajectories)

@@ -204,7 +204,9 @@ def test_a_standalone_server_without_a_token_makes_one_unless_told_to_run_open(m
         token_for("--open")
 
 
-def test_the_launcher_runs_a_server_open_only_when_launched_without_a_token(tiny_model_path, tmp_path, monkeypatch):
+def test_the_launcher_runs_a_server_open_only_when_launched_without_a_token(
+    tiny_model_path, tmp_path, monkeypatch
+):
     from slipstream.rollouter.config import RolloutConfig
     from slipstream.rollouter.launch import launch_server
 

@@ -106,7 +106,9 @@ def vllm_server(vllm_model, tmp_path_factory):
 def metric(url: str, name: str) -> float:
     """A counter or gauge from the server's Prometheus ``/metrics`` (summed over its label sets)."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
+    values = [
+        float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    ]
     return sum(values)
 
 

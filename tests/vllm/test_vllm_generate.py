@@ -24,7 +24,9 @@ def test_generate_returns_tokens_logprobs_and_versions(vllm_server, route):
     async def go():
         c = client(vllm_server, route)
         try:
-            return await c.generate(PROMPT, SamplingParams(max_new_tokens=12, ignore_eos=True), rid=f"r-{route}")
+            return await c.generate(
+                PROMPT, SamplingParams(max_new_tokens=12, ignore_eos=True), rid=f"r-{route}"
+            )
         finally:
             await c.aclose()
 

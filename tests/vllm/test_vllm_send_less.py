@@ -19,7 +19,9 @@ PROMPT = [5, 17, 99, 3, 250, 42, 7, 8]
 
 
 def config(group: str, **kw) -> WeightSyncConfig:
-    return WeightSyncConfig(backend="torch_dist", bucket_mb=1, timeout_s=60, device="cpu", group_name=group, **kw)
+    return WeightSyncConfig(
+        backend="torch_dist", bucket_mb=1, timeout_s=60, device="cpu", group_name=group, **kw
+    )
 
 
 def served_version(url: str) -> int:

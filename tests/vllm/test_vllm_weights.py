@@ -174,7 +174,11 @@ def test_an_aborted_request_resumes_on_the_new_version(vllm_server, policy):
 
     report, out = run(go())
     assert report.ok == [vllm_server.url], report.failed
-    assert out.finish_reason == "abort" and out.num_resumes >= 1, (out.finish_reason, len(out.output_ids), out.num_resumes)
+    assert out.finish_reason == "abort" and out.num_resumes >= 1, (
+        out.finish_reason,
+        len(out.output_ids),
+        out.num_resumes,
+    )
     n = len(out.output_ids)
     switch = out.versions.index(old + 1)
     assert 0 < switch < n
