@@ -15,11 +15,10 @@ import httpx
 import pytest
 import torch
 from ipc_target_server import serve
-from wsync_helpers import digest, mixed_tensors, spawn
+from wsync_helpers import TargetServers, digest, mixed_tensors, served, spawn
 
 from slipstream.serverapi import EMBEDDED
-from slipstream.utils.net import free_port
-from slipstream.weightsync import ipc_engine
+from slipstream.weightsync import ipc_memory
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.errors import TransferError
 from slipstream.weightsync.publisher import WeightPublisher
@@ -33,41 +32,15 @@ def config(backend: str = "ipc", **kw) -> WeightSyncConfig:
     return WeightSyncConfig(backend=backend, bucket_mb=1, timeout_s=TIMEOUT_S, device="cpu", **kw)
 
 
-class Servers:
-    def __init__(self) -> None:
-        self.procs = []
-
-    def start(self, die_after_buckets: int | None = None) -> str:
-        port = free_port()
-        self.procs.append(spawn(serve, port, die_after_buckets))
-        url = f"http://127.0.0.1:{port}"
-        while True:  # until it answers (a server that exits fails the test at once)
-            assert self.procs[-1].is_alive(), f"server {url} exited while starting"
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    return url
-            except httpx.HTTPError:
-                time.sleep(0.1)
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            proc.kill()
-            proc.join(timeout=10)
-
-
 @pytest.fixture
 def servers():
-    s = Servers()
+    s = TargetServers(serve)
     yield s
     s.stop()
 
 
 def get(url: str, path: str) -> dict:
     return httpx.get(f"{url}{path}", timeout=30).json()
-
-
-def served(url: str) -> dict:
-    return get(url, "/digest")
 
 
 def test_auto_picks_ipc_on_this_host_and_versions_arrive_bit_exact_including_a_late_server(servers):
@@ -150,7 +123,7 @@ def test_a_trainer_killed_mid_sync_leaves_the_old_version_serving_with_staging_a
 
 
 def test_a_server_killed_mid_sync_fails_the_push_and_the_others_get_the_version(servers):
-    healthy, doomed = servers.start(), servers.start(die_after_buckets=1)
+    healthy, doomed = servers.start(), servers.start(1)  # dies after its first bucket
     pub = WeightPublisher(config(), [healthy, doomed], "embedded")
     try:
         report = pub.publish(1, iter(mixed_tensors(1)))
@@ -260,8 +233,8 @@ class _Stub:
 def test_the_transport_follows_the_backend_and_auto_picks_ipc_only_on_this_host_and_this_gpu(
     monkeypatch, backend, kind, receivers, want
 ):
-    monkeypatch.setattr(ipc_engine, "device_identity", lambda device: "cuda:GPU-a")  # the trainer's GPU
-    here = ipc_engine.host_identity()
+    monkeypatch.setattr(ipc_memory, "device_identity", lambda device: "cuda:GPU-a")  # the trainer's GPU
+    here = ipc_memory.host_identity()
     stubs = [
         _Stub(kind, here if host == "here" else "other/boot", device or "", fails=device is None)
         for host, device in receivers
@@ -273,7 +246,7 @@ def test_the_transport_follows_the_backend_and_auto_picks_ipc_only_on_this_host_
 
 
 def test_auto_with_a_host_memory_sender_picks_ipc_for_any_device_of_this_host():
-    here = ipc_engine.host_identity()
+    here = ipc_memory.host_identity()
     stubs = [_Stub("embedded", here, "cuda:GPU-z"), _Stub("embedded", here, "cpu")]
     got = asyncio.run(
         choose_transport(config("auto"), _adapter_class("embedded"), stubs, torch.device("cpu"))

@@ -14,10 +14,9 @@ import time
 import httpx
 import pytest
 import torch
-from wsync_helpers import digest, mixed_tensors, spawn
+from wsync_helpers import TargetServers, digest, mixed_tensors, served, spawn, status
 from wsync_target_server import serve
 
-from slipstream.utils.net import free_port
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.publisher import WeightPublisher, publish_whole
 
@@ -28,42 +27,11 @@ def config(backend: str = "torch_dist", **kw) -> WeightSyncConfig:
     return WeightSyncConfig(backend=backend, bucket_mb=1, timeout_s=TIMEOUT_S, device="cpu", **kw)
 
 
-class Servers:
-    def __init__(self) -> None:
-        self.procs = []
-
-    def start(self, die_on_update: int | None = None) -> str:
-        port = free_port()
-        self.procs.append(spawn(serve, port, die_on_update))
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    return url
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        raise TimeoutError(f"server {url} did not start")
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            proc.kill()
-            proc.join(timeout=10)
-
-
 @pytest.fixture
 def servers():
-    s = Servers()
+    s = TargetServers(serve)
     yield s
     s.stop()
-
-
-def served(url: str) -> dict:
-    return httpx.get(f"{url}/digest", timeout=10).json()
-
-
-def status(url: str) -> dict:
-    return httpx.get(f"{url}/weightsync/status", timeout=10).json()
 
 
 @pytest.mark.parametrize("backend", ["torch_dist", "nixl", "naive"])
@@ -87,7 +55,7 @@ def test_versions_reach_every_server_bit_exact_and_a_late_server_gets_the_curren
 
 
 def test_a_server_killed_mid_sync_is_dropped_and_the_others_get_the_version(servers):
-    healthy, doomed = servers.start(), servers.start(die_on_update=2)
+    healthy, doomed = servers.start(), servers.start(2)  # dies at its second update call
     pub = WeightPublisher(config(), [healthy, doomed], "embedded")
     try:
         start = time.monotonic()

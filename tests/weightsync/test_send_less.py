@@ -9,15 +9,11 @@ and the server never serves a mix.
 
 from __future__ import annotations
 
-import time
-
-import httpx
 import pytest
 import torch
-from wsync_helpers import digest, mixed_tensors, spawn
+from wsync_helpers import TargetServers, digest, mixed_tensors, served, status
 from wsync_target_server import serve
 
-from slipstream.utils.net import free_port
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.delta import merge_lora
 from slipstream.weightsync.publisher import WeightPublisher, publish_lora
@@ -31,57 +27,11 @@ def config(**kw) -> WeightSyncConfig:
     )
 
 
-class Servers:
-    def __init__(self) -> None:
-        self.procs: dict[int, object] = {}
-
-    def start(self, port: int | None = None) -> str:
-        port = port or free_port()
-        self.procs[port] = spawn(serve, port, None)
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    return url
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        raise TimeoutError(f"server {url} did not start")
-
-    def restart(self, url: str) -> None:
-        """Kill the server and start a fresh one on the same port: it lost everything it kept."""
-        port = int(url.rsplit(":", 1)[1])
-        proc = self.procs.pop(port)
-        proc.kill()
-        proc.join(timeout=10)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:  # the port is free again once the old process is gone
-            try:
-                self.start(port)
-                return
-            except (TimeoutError, OSError):
-                time.sleep(0.2)
-        raise TimeoutError(f"could not restart {url}")
-
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            proc.kill()
-            proc.join(timeout=10)
-
-
 @pytest.fixture
 def servers():
-    s = Servers()
+    s = TargetServers(serve)
     yield s
     s.stop()
-
-
-def served(url: str) -> dict:
-    return httpx.get(f"{url}/digest", timeout=10).json()
-
-
-def status(url: str) -> dict:
-    return httpx.get(f"{url}/weightsync/status", timeout=10).json()
 
 
 def nudged(base: list[tuple[str, torch.Tensor]], step: int) -> list[tuple[str, torch.Tensor]]:

@@ -1,5 +1,6 @@
-"""Shared pieces of the weight-sync tests: model-like tensor sets, digests, a dict-backed WeightTarget and
-the receiver process the engine tests drive over a pipe (msgpack messages, as everywhere else)."""
+"""Shared pieces of the weight-sync tests: model-like tensor sets, digests, a dict-backed WeightTarget, the
+receiver process the engine tests drive over a pipe (msgpack messages, as everywhere else) and the serving
+processes on loopback the publisher tests push to (:class:`TargetServers`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import asyncio
 import hashlib
 import multiprocessing as mp
 import os
+import time
 
+import httpx
 import msgspec
 import torch
 
@@ -147,3 +150,59 @@ async def _receive(engine, target: DictTarget, die_after: int | None) -> None:
         if die_after is not None and len(staged) >= die_after:
             os._exit(1)  # a receiver dying in the middle of a transfer
     target.apply_weights(staged.items(), stream.version)
+
+
+class TargetServers:
+    """Serving processes on loopback, each running ``serve(port, fault)`` of a target-server module
+    (``wsync_target_server``, ``ipc_target_server``; ``fault`` is that module's injected death, or None):
+    started, restarted on the same port (a server that lost everything it kept) and stopped."""
+
+    def __init__(self, serve) -> None:
+        self.serve = serve
+        self.procs: dict[int, mp.Process] = {}
+
+    def start(self, fault: int | None = None, *, port: int | None = None) -> str:
+        from slipstream.utils.net import free_port
+
+        port = port or free_port()
+        proc = self.procs[port] = spawn(self.serve, port, fault)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120  # a bound, never reached: a server that exits fails at once
+        while time.monotonic() < deadline:
+            assert proc.is_alive(), f"server {url} exited while starting"
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    return url
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        raise TimeoutError(f"server {url} did not start")
+
+    def restart(self, url: str) -> None:
+        """Kill the server and start a fresh one on the same port (free again once the old one is gone)."""
+        port = int(url.rsplit(":", 1)[1])
+        proc = self.procs.pop(port)
+        proc.kill()
+        proc.join(timeout=10)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                self.start(port=port)
+                return
+            except (AssertionError, TimeoutError, OSError):  # the port not yet free: the new one exited
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            proc.kill()
+            proc.join(timeout=10)
+
+
+def served(url: str) -> dict:
+    """What a target server serves: the digest of its tensors and its version."""
+    return httpx.get(f"{url}/digest", timeout=30).json()
+
+
+def status(url: str) -> dict:
+    return httpx.get(f"{url}/weightsync/status", timeout=30).json()
