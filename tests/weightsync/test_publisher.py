@@ -20,7 +20,10 @@ from wsync_target_server import serve
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.publisher import WeightPublisher, publish_whole
 
-TIMEOUT_S = 5.0
+TIMEOUT_S = 5.0  # how long a transfer waits for a peer: what detects a death where no connection ends
+HANG_S = (
+    120.0  # waits for a state that follows a death: a bound only a hang reaches, however loaded the machine
+)
 
 
 def config(backend: str = "torch_dist", **kw) -> WeightSyncConfig:
@@ -60,7 +63,7 @@ def test_a_server_killed_mid_sync_is_dropped_and_the_others_get_the_version(serv
     try:
         start = time.monotonic()
         report = pub.publish(1, iter(mixed_tensors(1)))
-        assert time.monotonic() - start < 6 * TIMEOUT_S  # nobody hangs
+        assert time.monotonic() - start < HANG_S  # nobody hangs
         assert doomed in report.failed and report.ok == [healthy] and report.retried
         assert pub.down.keys() == {doomed}
         assert served(healthy) == {"version": 1, "digest": digest(mixed_tensors(1))}
@@ -90,7 +93,7 @@ def test_a_trainer_killed_mid_sync_leaves_the_old_version_serving_and_a_new_trai
     trainer = spawn(_dying_trainer, [url])
     trainer.join(timeout=60)
     assert trainer.exitcode == 1
-    deadline = time.monotonic() + 3 * TIMEOUT_S
+    deadline = time.monotonic() + HANG_S
     while status(url)["failed_versions"] == 0 and time.monotonic() < deadline:
         time.sleep(0.2)  # the server notices within its timeout
     state = status(url)

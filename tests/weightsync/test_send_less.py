@@ -18,7 +18,9 @@ from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.delta import merge_lora
 from slipstream.weightsync.publisher import WeightPublisher, publish_lora
 
-TIMEOUT_S = 5.0
+TIMEOUT_S = (
+    60.0  # a bound no healthy push reaches: nobody dies mid-push here (a restart kills an idle server)
+)
 
 
 def config(**kw) -> WeightSyncConfig:
