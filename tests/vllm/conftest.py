@@ -121,6 +121,15 @@ async def wait_for_tokens(url: str, more_than: float, timeout_s: float = 120.0) 
         await asyncio.sleep(0.05)
 
 
+async def until(condition: Callable[[], bool], timeout_s: float = 120.0) -> None:
+    """Until ``condition()`` holds (checked between the event loop's other work)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not reached in {timeout_s} s: {condition}")
+        await asyncio.sleep(0.01)
+
+
 def generated(url: str) -> float:
     """Tokens the server has generated in all, since it started."""
     return metric(url, "vllm:generation_tokens_total")
