@@ -55,7 +55,8 @@ def make_prompts(tokenizer, n: int) -> list[list[int]]:
     return prompts
 
 
-async def _embedded_wave(url: str, prompts: list[list[int]], sampling: SamplingParams):
+async def embedded_wave(url: str, prompts: list[list[int]], sampling: SamplingParams):
+    """N concurrent requests to the embedded server at ``url`` (after one warm-up); (outputs, seconds)."""
     from slipstream.rollouter.clients import SGLangClient
 
     return await _wave(SGLangClient(url), prompts, sampling)
@@ -167,7 +168,7 @@ def run_bench(
         for n in concurrencies:
             best_embedded = best_generate = best_vllm = 0.0
             for r in range(repeats):
-                outs, seconds = asyncio.run(_embedded_wave(server.url, prompts[:n], sampling))
+                outs, seconds = asyncio.run(embedded_wave(server.url, prompts[:n], sampling))
                 tokens = sum(len(o.output_ids) for o in outs)
                 best_embedded = max(best_embedded, tokens / seconds)
                 log(

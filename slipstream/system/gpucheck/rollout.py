@@ -32,22 +32,6 @@ def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(24, 40))] for _ in range(n)]
 
 
-async def _wave(url: str, prompts, sampling):
-    from slipstream.agents.protocol import SamplingParams
-    from slipstream.rollouter.clients import SGLangClient
-
-    client = SGLangClient(url)
-    try:
-        await client.generate(prompts[0], SamplingParams(max_new_tokens=4))  # warm-up
-        start = time.perf_counter()
-        outs = await asyncio.gather(
-            *(client.generate(p, sampling, rid=f"gc-{i}") for i, p in enumerate(prompts))
-        )
-        return outs, time.perf_counter() - start
-    finally:
-        await client.aclose()
-
-
 def generate_wave(model, prompts, max_new_tokens: int, *, static: bool = False, pad: int = 1):
     """One left-padded ``generate`` batch (sampling at T=1); returns (generated tokens, seconds). With
     ``static`` the cache is transformers' static one, whose decode step it compiles on a GPU: the first call
@@ -108,6 +92,7 @@ def rollout(ctx: Context) -> dict:
     from transformers import AutoModelForCausalLM
 
     from slipstream.agents.protocol import SamplingParams
+    from slipstream.rollouter.bench import embedded_wave
     from slipstream.rollouter.config import EmbeddedServerConfig, RolloutConfig
     from slipstream.rollouter.launch import launch_server
 
@@ -130,7 +115,7 @@ def rollout(ctx: Context) -> dict:
     with launch_server("embedded", path, cfg=RolloutConfig(embedded=ecfg)) as server:
         server.wait_healthy(max(30.0, ctx.limit_s - 20))
         for n in counts:
-            outs, seconds = asyncio.run(_wave(server.url, prompts[:n], sampling))
+            outs, seconds = asyncio.run(embedded_wave(server.url, prompts[:n], sampling))
             tokens = sum(len(o.output_ids) for o in outs)
             figures[f"embedded_tok_s_{n}"] = round(tokens / seconds, 1)
             if key not in figures:  # fidelity first: a check cut short at its limit still reports it
@@ -168,6 +153,7 @@ def push(ctx: Context) -> dict:
     from slipstream.agents.protocol import SamplingParams
     from slipstream.config import load_config
     from slipstream.pipeline.modes import prepare_config
+    from slipstream.rollouter.bench import embedded_wave
     from slipstream.rollouter.launch import launch_server
     from slipstream.trainer.engine.fsdp import FSDPEngine
     from slipstream.trainer.settings import from_root
@@ -226,7 +212,9 @@ def push(ctx: Context) -> dict:
                        push_dtensor_params=seen["dtensors"])  # fmt: skip
         partial(ctx, "push", figures)
         prompts = _prompts(4, SHAPES[shape]["vocab_size"], seed=3)
-        outs, _ = asyncio.run(_wave(server.url, prompts, SamplingParams(max_new_tokens=16, temperature=1.0)))
+        outs, _ = asyncio.run(
+            embedded_wave(server.url, prompts, SamplingParams(max_new_tokens=16, temperature=1.0))
+        )
         served_version = asyncio.run(_version(server.url))
     errs = {}
     for label, path in (("new", new_weights), ("old", old_weights)):
