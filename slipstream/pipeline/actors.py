@@ -123,13 +123,16 @@ class ServerHost:
     def start(self) -> str:
         """Launch the server and wait until it answers ``/health``; return its URL."""
         from slipstream.rollouter.launch import ServerLaunchError, launch_server
+        from slipstream.serverkinds import server_kind
+        from slipstream.utils.cpu import usable_cores
         from slipstream.utils.net import free_port
 
         self.stop()
         rollout, host = self.rollout, self.server_host
-        threads = rollout.embedded.num_threads or os.cpu_count() or 1
-        # Ray sets OMP_NUM_THREADS=1 in actors that reserve no CPU; the server gets its own count.
-        env = {"OMP_NUM_THREADS": str(threads)}
+        # Ray sets OMP_NUM_THREADS=1 in actors that reserve no CPU; a server on a CPU gets its kind's count
+        # (0: one per core), a GPU server its kind's own environment.
+        threads = server_kind(rollout.backend).cpu_threads(rollout)
+        env = {"OMP_NUM_THREADS": str(threads or usable_cores())} if threads is not None else {}
         if self.token:
             from slipstream.utils.http_auth import TOKEN_ENV
 

@@ -143,7 +143,12 @@ class VLLMServerConfig(ConfigStruct):
     ] = "slipstream"
     dtype: Annotated[
         Literal["auto", "float32", "bfloat16", "float16"],
-        Meta(description="Weights and activations dtype (--dtype); `auto` takes the checkpoint's."),
+        Meta(
+            description="Weights and activations dtype (--dtype), and so the dtype pushes travel in. `auto`: "
+            "on GPUs vLLM's rule (a float32 checkpoint is served in bfloat16, others in their own dtype); on "
+            "the CPU build bfloat16 where the CPU computes it natively (AVX512-BF16 or AMX; Arm BF16), float32 "
+            'elsewhere, whichever decodes faster there (docs/benchmarks.md, "Served dtype").',
+        ),
     ] = "auto"
     max_model_len: (
         Annotated[

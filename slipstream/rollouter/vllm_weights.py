@@ -7,10 +7,21 @@ The trainer then drives vLLM with its usual dev-mode sequence, and each call lan
 
   ``/init_weight_transfer_engine {init_info}``  → join the trainer's group (gloo on CPU, NCCL on GPU)
   ``/start_weight_update``                      → start staging a version
-  ``/update_weights {update_info}``             → receive one bucket (our exact layout) into staging;
-                                                  the last one applies the whole version at once
+  ``/update_weights {update_info}``             → queue one bucket (our exact layout) for staging and
+                                                  return: it is received while vLLM keeps generating
+  ``/update_weights {"slipstream_switch": true}`` → (sent with generation paused) wait for the staged
+                                                  buckets and apply the whole version at once
   ``/finish_weight_update {weight_version}``    → vLLM publishes the version (a version not yet whole
                                                   is discarded here, and no version is published)
+
+Why staging runs beside generation: vLLM calls the engine from its engine loop, between two model steps,
+and no step runs until the call returns. Receiving a bucket inside the call would stop every running
+request for the whole transfer (27-32 s for the quickstart's fp32 model on a 2-core machine, measured
+before this engine staged in the background). Here each ``update_weights`` call hands its bucket to one
+staging thread (in order: one torch.distributed group, one receive at a time) and returns at once; the
+buckets then arrive while the engine decodes, and generation stops only for the switch (``docs/benchmarks.md``,
+"Pushes into vLLM"). A bucket that failed fails the next call that reaches the engine (a later bucket or the
+switch), which is where vLLM closes its update session.
 
 The receiving logic is the embedded server's (:class:`~slipstream.weightsync.http_receiver.WeightReceiver`):
 one implementation of staging, checks and atomic apply for every server kind. Why not vLLM's ``nccl``
@@ -18,10 +29,11 @@ engine: it loads each chunk into the live model as it arrives (layerwise reload)
 leaves layers of two versions, and it needs NCCL, which a CPU does not have. Here a version that fails
 part way is discarded and the old one keeps serving (vLLM's worker also closes its session).
 
-The version is applied with its last bucket, inside ``/update_weights``, rather than in
-``/finish_weight_update``: when an update call raises, vLLM's worker closes its update session, but when
-``finish_weight_update`` raises the session stays open and every later ``/start_weight_update`` is refused.
-An apply that fails therefore fails its ``/update_weights`` call, and a failed version never blocks the next.
+The version is applied by an ``/update_weights`` call (the switch), rather than in ``/finish_weight_update``:
+when an update call raises, vLLM's worker closes its update session, but when ``finish_weight_update`` raises
+the session stays open and every later ``/start_weight_update`` is refused. An apply that fails therefore
+fails its ``/update_weights`` call, and a failed version never blocks the next. (A sender that never switches
+gets its whole staged version applied by ``finish_weight_update``.)
 
 The engine runs the receiver on an event loop of its own (a daemon thread): vLLM calls the engine
 synchronously from its worker, while the receiver's waits and watchdog are asyncio.
@@ -32,8 +44,11 @@ Worked example (what ``serverkinds/vllm.py``'s ``VLLMAdapter`` sends when the se
          "rank_offset": 1, "world_size": 2, "group_name": "slipstream_weights", "backend": "gloo"}}
     POST /start_weight_update
     POST /update_weights {"update_info": {"names": [...], "dtypes": [...], "shapes": [...],
-         "group_name": "slipstream_weights", "slipstream_bucket": {...}}}        # x buckets
+         "group_name": "slipstream_weights", "slipstream_bucket": {...}}}        # x buckets, generating
+    POST /pause?mode=...
+    POST /update_weights {"update_info": {"slipstream_switch": true}}
     POST /finish_weight_update {"weight_version": "3"}
+    POST /resume
 """
 
 from __future__ import annotations
@@ -41,6 +56,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Coroutine, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -48,11 +64,15 @@ from typing import Any, TypeVar
 import msgspec
 import torch
 
+from slipstream.serverapi.vllm import SWITCH_UPDATE
 from slipstream.utils.logging import get_logger
 
 log = get_logger(__name__)
 
 ENGINE_NAME = "slipstream"
+# The ``update_info`` key of the switch call (serverapi.vllm.SWITCH_UPDATE): wait for the staged buckets, then
+# apply the version whole.
+SWITCH_KEY = next(iter(SWITCH_UPDATE))
 T = TypeVar("T")
 
 
@@ -205,6 +225,9 @@ class SlipstreamWeightEngine(_Base):  # type: ignore[misc, valid-type]
         self.target = VLLMTarget(model, vllm_config, specs)
         self.receiver = WeightReceiver(self.target, WeightSyncConfig(require_all_weights=False))
         self._loop = _Loop()
+        # One thread stages the buckets, in the order vLLM hands them over (module docstring).
+        self._stager = ThreadPoolExecutor(1, thread_name_prefix="slipstream-stage")
+        self._staging: list[Future[None]] = []
 
     def parse_init_info(self, init_dict: dict[str, Any]):
         from slipstream.weightsync.types import InitWeightsUpdateGroupReq
@@ -231,19 +254,28 @@ class SlipstreamWeightEngine(_Base):  # type: ignore[misc, valid-type]
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # No device synchronise afterwards (the base class's): the receiver waits for each bucket itself.
+        if update_info.get(SWITCH_KEY):
+            self.switch()
+            return
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info) -> None:
-        _raise_failed(self._loop.run(self.receiver.update(update_info)))
-        bucket = update_info.slipstream_bucket
-        if bucket is not None and bucket.last:
-            self._apply()  # module docstring: the version switches here, not in finish_weight_update
+        """Queue one bucket for the staging thread and return (module docstring); an earlier bucket's
+        failure is raised here instead."""
+        self._raise_failed_staging()
+        self._staging.append(self._stager.submit(self._stage, update_info))
+
+    def switch(self) -> None:
+        """Wait until every queued bucket is staged, then apply the version whole (the server is paused)."""
+        self._wait_staged()
+        self._apply()
 
     def finish_weight_update(self) -> None:
-        """Nothing left to do after a whole version (applied at its last bucket) or a version of which
-        nothing arrived; a version partly staged is incomplete, so it is discarded and this raises (vLLM
-        then publishes no version; its worker keeps the session open, which the adapter's next ``before``
+        """Nothing left to do after a switched version or a version of which nothing arrived; a version
+        whole but not switched is applied here; one partly staged is discarded and this raises (vLLM then
+        publishes no version; its worker keeps the session open, which the adapter's next ``before``
         closes)."""
+        self._wait_staged()  # a bucket that failed raises here: no version is published
         session = self.receiver.session
         if session is None:
             return
@@ -252,13 +284,34 @@ class SlipstreamWeightEngine(_Base):  # type: ignore[misc, valid-type]
             return
         self._apply()
 
+    def _stage(self, update_info) -> None:
+        _raise_failed(self._loop.run(self.receiver.update(update_info)))
+
+    def _raise_failed_staging(self) -> None:
+        done = [f for f in self._staging if f.done()]
+        self._staging = [f for f in self._staging if not f.done()]
+        for future in done:
+            future.result()  # raises a bucket's failure
+
+    def _wait_staged(self) -> None:
+        pending, self._staging = self._staging, []
+        errors = [f.exception() for f in pending]  # waits for each, in order
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
+
     def _apply(self) -> None:
         from slipstream.weightsync.types import EndWeightUpdateReq
 
         _raise_failed(self._loop.run(self.receiver.end(EndWeightUpdateReq())))
 
     def shutdown(self) -> None:
+        """The trainer left (vLLM keeps this engine for the next ``init_transfer_engine``, so the staging
+        thread stays)."""
         self.receiver.close()
+        for future in self._staging:
+            future.cancel()
+        self._staging = []
 
 
 def _convert(data: dict[str, Any], cls: type, what: str):

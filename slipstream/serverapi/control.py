@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -30,24 +31,33 @@ class ServerControl:
     """Pause, resume and abort on one server (see the module docstring).
 
     ``paused`` is the mode of the last pause this control sent and did not resume (None otherwise): a
-    failed push resumes only what its own pause stopped. A failed resume leaves it set.
+    failed push resumes only what its own pause stopped. A failed resume leaves it set. ``paused_s`` adds up
+    the time from each pause to its resume (the server generated nothing then), for the push metrics.
     """
 
     def __init__(self, api: ServerAPI, send: Send) -> None:
         self.api = api
         self._send = send
         self.paused: str | None = None
+        self.paused_s = 0.0
+        self._paused_at: float | None = None
 
     async def pause(self, mode: str) -> PauseMode:
         """Pause generation in ``mode`` (our name); ``ValueError`` for a mode the server lacks."""
         call = self.api.pause_call(mode)  # refuses an unknown mode before anything is sent
+        started = time.monotonic()
         await self._send(call)
         self.paused = mode
+        if self._paused_at is None:
+            self._paused_at = started
         return self.api.pause_mode(mode)
 
     async def resume(self) -> None:
         await self._send(self.api.resume_call())
         self.paused = None
+        if self._paused_at is not None:
+            self.paused_s += time.monotonic() - self._paused_at
+            self._paused_at = None
 
     async def abort(self, rid: str, route: str | None = None) -> None:
         """Stop request ``rid`` sent on generate route ``route``; its generate returns the partial output."""

@@ -14,13 +14,20 @@
   ours maps to ``abort`` (the rollouter re-submits the partial output, which has the same effect).
 * A version: pause → ``/start_weight_update`` → N × ``/update_weights {update_info}`` (after
   ``/init_weight_transfer_engine`` joined the NCCL group; ``/get_world_size`` counts its ranks) →
-  ``/finish_weight_update {weight_version}`` → resume.
+  ``/finish_weight_update {weight_version}`` → resume. With our ``slipstream`` engine the buckets stage
+  while vLLM generates, and the pause moves to the end: ``/start_weight_update`` → N × ``/update_weights``
+  → pause → ``/update_weights {SWITCH_UPDATE}`` → ``/finish_weight_update`` → resume.
 """
 
 from __future__ import annotations
 
 from slipstream.serverapi.sglang import get, post
 from slipstream.serverapi.spec import Call, GenerateRoute, PauseMode, ServerAPI, WeightUpdate
+
+# The ``update_info`` of the call that switches our weight-transfer engine (``rollouter/vllm_weights.py``) to
+# the version it staged while vLLM generated: sent with generation paused, between the buckets and
+# ``/finish_weight_update``.
+SWITCH_UPDATE = {"slipstream_switch": True}
 
 # Paused in abort or wait mode, 0.33 answers new requests 503 until resume (the client retries them); 0.32,
 # the CPU build, holds them instead (docs/contracts.md). In keep mode both hold them.

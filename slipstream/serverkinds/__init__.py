@@ -78,6 +78,10 @@ def _always(cfg: RolloutConfig) -> bool:
     return True
 
 
+def _no_cpu_threads(cfg: RolloutConfig) -> int | None:
+    return None
+
+
 _DTYPE_ALIASES = {"half": "float16", "bf16": "bfloat16", "float": "float32", "fp32": "float32"}
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -168,6 +172,10 @@ class ServerKind:
     (``--gpu-memory-utilization`` / ``--mem-fraction-static``, 0.9) as its limit and fills what its weights
     leave with cache."""
     on_gpu: Callable[[RolloutConfig], bool] = _always
+    cpu_threads: Callable[[RolloutConfig], int | None] = _no_cpu_threads
+    """(rollout config) -> the compute threads one of its servers runs on a CPU (0: one per core), what the
+    thread plan adds up (``planning/threads.py``) and the launcher puts in ``OMP_NUM_THREADS``; None where its
+    servers compute on a GPU under this config."""
     """(rollout config) -> whether its servers hold their weights on a GPU (the memory planner counts one)."""
 
     def __repr__(self) -> str:

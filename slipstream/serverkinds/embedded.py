@@ -124,6 +124,10 @@ def embedded_on_gpu(cfg: RolloutConfig) -> bool:
     return cfg.embedded.device == "cuda"
 
 
+def embedded_cpu_threads(cfg: RolloutConfig) -> int | None:
+    return None if embedded_on_gpu(cfg) else cfg.embedded.num_threads
+
+
 KIND = ServerKind(
     name="embedded",
     api=EMBEDDED,
@@ -142,4 +146,5 @@ KIND = ServerKind(
     served_dtype=embedded_dtype,
     kv_cache_tokens=embedded_kv_tokens,
     on_gpu=embedded_on_gpu,
+    cpu_threads=embedded_cpu_threads,
 )

@@ -52,6 +52,7 @@ import json
 import sys
 import time
 import uuid
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import msgspec
@@ -60,7 +61,9 @@ from slipstream.agents.protocol import GenerateOutput, SamplingParams
 from slipstream.rollouter import launch
 from slipstream.rollouter.clients.base import ServerClient, ServerError, expand_spans, parse_version
 from slipstream.serverapi import VLLM, ServerAPI
+from slipstream.serverapi.vllm import SWITCH_UPDATE
 from slipstream.serverkinds import ServerKind, args_or_checkpoint_dtype
+from slipstream.utils.cpu import native_bf16
 from slipstream.utils.logging import get_logger
 from slipstream.weightsync.adapters import GroupSpec, ServerAdapter, bucket_entries, slipstream_layout
 from slipstream.weightsync.errors import TransferError
@@ -352,10 +355,14 @@ class VLLMAdapter(ServerAdapter):
         await self.request(self.api.weights.destroy_group, json={})
 
     async def before(self, version: int) -> None:
-        """Pause, then open the update session; a session a previous trainer left open (it died mid-version)
-        is closed first, without a version, since vLLM refuses a start while one is open."""
+        """Open the update session: with our engine the server keeps generating while the buckets stage, and
+        pauses only around the switch (:meth:`after`); vLLM's ``nccl`` engine loads layers as they arrive, so
+        there the server is paused first. A session a previous trainer left open (it died mid-version) is
+        closed first, without a version, since vLLM refuses a start while one is open."""
+        if not self.staged:
+            await self.control.pause(self.cfg.pause_mode)
         try:
-            await super().before(version)
+            await self.request(self.api.weights.begin, json=self.begin_body(version))
         except TransferError as err:
             if "already active" not in str(err):
                 raise
@@ -364,6 +371,24 @@ class VLLMAdapter(ServerAdapter):
                 await self.request(self.api.weights.end, json={})
             await self.request(self.api.weights.begin, json=self.begin_body(version))
         self._session, self._loading = True, False
+
+    async def after(self, version: int) -> None:
+        """Switch to the staged version and publish it, paused only for that (our engine), then resume.
+
+        The pause (``weightsync.pause_mode``) is what the mode asks of requests in flight (``abort``: they
+        return their partial tokens; ``in_place``: they wait, KV kept), and it also keeps every token of
+        the new weights stamped with the new version: vLLM publishes the version only at
+        ``/finish_weight_update``, after the switch."""
+        if not self.staged:
+            await super().after(version)
+            return
+        await self.control.pause(self.cfg.pause_mode)
+        try:
+            await self.request(self.api.weights.update, json={"update_info": SWITCH_UPDATE})
+            await self.end(version)
+        finally:
+            if self.control.paused:
+                await self.control.resume()
 
     async def update(self, meta: BucketMeta) -> None:
         if not meta.entries:
@@ -447,7 +472,7 @@ def vllm_command(model: str, host: str, port: int, cfg: RolloutConfig) -> list[s
         )
     v = cfg.vllm
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host]
-    cmd += ["--port", str(port), "--logprobs-mode", "processed_logprobs", "--dtype", v.dtype]
+    cmd += ["--port", str(port), "--logprobs-mode", "processed_logprobs", "--dtype", vllm_dtype(cfg, model)]
     cmd += ["--max-num-seqs", str(v.max_num_seqs or cfg.max_concurrent_per_server)]
     if v.route == "generate":
         cmd.append("--enable-scale-out")  # mounts /inference/v1/generate (403 without it)
@@ -475,6 +500,10 @@ def _cpu_build() -> bool:
     return _build() == "cpu"
 
 
+def _cpu_threads(cfg: RolloutConfig) -> int | None:
+    return cfg.vllm.cpu_threads if _cpu_build() else None
+
+
 def _takes_send_less(cfg: RolloutConfig) -> bool:
     return cfg.vllm.weight_transfer == "slipstream"  # our engine rebuilds them in our receiver
 
@@ -483,13 +512,38 @@ def _transfer_setting(cfg: RolloutConfig) -> str:
     return f" with rollout.vllm.weight_transfer `{cfg.vllm.weight_transfer}`"
 
 
-def vllm_dtype(cfg: RolloutConfig, model_path: str, model_dtype: str) -> str:
-    """A ``--dtype`` in ``rollout.server_args`` (appended after ours, so it wins), else ``rollout.vllm.dtype``
-    (our ``--dtype``), else the checkpoint's (``auto``)."""
-    told = any(a.partition("=")[0] == "--dtype" for a in cfg.server_args)
-    if cfg.vllm.dtype != "auto" and not told:
+def vllm_dtype(cfg: RolloutConfig, model_path: str, model_dtype: str = "float32") -> str:
+    """The dtype vLLM serves: a ``--dtype`` in ``rollout.server_args`` (appended after ours, so it wins), else
+    ``rollout.vllm.dtype``, its ``auto`` resolved here (:func:`auto_dtype`) and passed to vLLM as our
+    ``--dtype``, so that what the trainer pushes is what the server holds."""
+    if any(a.partition("=")[0] == "--dtype" for a in cfg.server_args):
+        return args_or_checkpoint_dtype(cfg, model_path, model_dtype)
+    if cfg.vllm.dtype != "auto":
         return cfg.vllm.dtype
-    return args_or_checkpoint_dtype(cfg, model_path, model_dtype)
+    return auto_dtype(checkpoint_dtype(model_path), cpu=_build() == "cpu")
+
+
+def auto_dtype(checkpoint: str, *, cpu: bool, bf16: bool | None = None) -> str:
+    """``rollout.vllm.dtype: auto``. On GPUs, vLLM's own rule: a float32 checkpoint is served in bfloat16,
+    any other in its own dtype. On the CPU build, the faster of bfloat16 and float32 on this CPU, whatever the
+    checkpoint: bfloat16 where the CPU computes it natively (``bf16``, default: :func:`native_bf16`), float32
+    elsewhere. vLLM's own ``auto`` serves bfloat16 on every x86 CPU, which decodes the quickstart 4.5x slower
+    than float32 on an AVX2 CPU and about 1.5x faster on one with AMX (docs/benchmarks.md, "Served dtype")."""
+    if cpu:
+        return "bfloat16" if (native_bf16() if bf16 is None else bf16) else "float32"
+    return "bfloat16" if checkpoint == "float32" else checkpoint
+
+
+def checkpoint_dtype(model_path: str) -> str:
+    """The ``torch_dtype`` (``dtype`` in newer transformers) of the checkpoint's config.json; float32 (how
+    vLLM reads a config without one) when it names none or the path is no local checkpoint."""
+    config = Path(model_path).expanduser() / "config.json"
+    if config.is_file():
+        hf = json.loads(config.read_text())
+        found = hf.get("torch_dtype") or hf.get("dtype")
+        if found in ("float32", "bfloat16", "float16"):
+            return found
+    return "float32"
 
 
 KIND = ServerKind(
@@ -512,4 +566,5 @@ KIND = ServerKind(
     takes_send_less=_takes_send_less,
     transfer_setting=_transfer_setting,
     served_dtype=vllm_dtype,
+    cpu_threads=_cpu_threads,
 )

@@ -72,6 +72,9 @@ class PublishReport(msgspec.Struct, kw_only=True):
     base: int = -1
     changed_fraction: float = 0.0
     dense_bytes: int = 0
+    # The longest any server was paused by this push (it generated nothing then): the whole transfer for a
+    # server that pauses before it, the switch alone for one that stages while it generates.
+    paused_s: float = 0.0
 
 
 class Snapshot:
@@ -379,6 +382,7 @@ class WeightPublisher:
         adapters = [self.servers[u] for u in members]
         link = self._link
         start = time.perf_counter()
+        paused = [a.control.paused_s for a in adapters]
         for url in members:  # known again only once it applied this version
             self.held.pop(url, None)
         try:
@@ -388,6 +392,9 @@ class WeightPublisher:
         except BaseException:  # whatever failed, no server is left paused with its update session open
             await asyncio.gather(*(a.recover(version) for a in adapters), return_exceptions=True)
             raise
+        finally:
+            pauses = [a.control.paused_s - before for a, before in zip(adapters, paused, strict=True)]
+            report.paused_s = max(report.paused_s, *pauses)
         report.ok = members
         for url in members:
             self.held[url] = version
