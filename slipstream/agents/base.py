@@ -46,7 +46,7 @@ class AgentLoopOutput(msgspec.Struct, kw_only=True):
     metrics: dict[str, float] = {}
     # Set by loops whose episodes score themselves (the `external` loop: the harness's reward); the
     # rollouter then trains on it instead of calling the reward function. A non-empty `reward_error`
-    # records why the episode failed (the trajectory's extra carries it as reward_error).
+    # records why the episode failed (the trajectory carries it as `SampleOutcome.reward_error`).
     reward: float | None = None
     reward_components: dict[str, float] = {}
     reward_error: str = ""

@@ -19,7 +19,7 @@ trained as its own sequence in the episode's group with the episode's reward, fr
 Bad input costs one episode, never the run: a harness that crashes, is killed, hangs past
 ``timeout_s`` (its whole process group is killed), reports no or a malformed reward, or raises, ends its
 episode as *failed*: reward ``failure_reward``, every token ``loss_mask`` 0, and the reason in the
-trajectory's ``extra["reward_error"]`` (counted by the rollouter as a reward error) and in the log.
+trajectory's ``outcome.reward_error`` (counted by the rollouter as a reward error) and in the log.
 Malformed requests get a 400 from the gateway; what the harness does with it is up to it.
 ``max_concurrent`` bounds harnesses running at once.
 

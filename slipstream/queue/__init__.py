@@ -31,6 +31,7 @@ _EXPORTS = {
     "GroupMeta": "slipstream.queue.types",
     "SampleMeta": "slipstream.queue.types",
     "Provenance": "slipstream.queue.types",
+    "SampleOutcome": "slipstream.queue.types",
 }
 
 __all__ = sorted(_EXPORTS)

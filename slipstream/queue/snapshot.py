@@ -10,6 +10,11 @@ Each :class:`SnapGroup` says where its blob starts in the payload section and wh
 blob, exactly like an arena region (``TensorSpec.frame == 0``). Files live in the server's snapshot directory
 and are reached by name only (:mod:`slipstream.queue.snapdir`): written to a temporary name and renamed, so
 a crash mid-write leaves the previous snapshot intact and no temporary file behind a failed write.
+
+Older formats still load, upgraded as they are read (:func:`decode_header`): format 1 gave each group header
+a free-form ``extra`` map where format 2 has a typed ``Provenance`` (read through :class:`LegacyGroupMeta`).
+Sample headers need no such path: the slot of their retired ``extra`` map decodes into ``SampleOutcome``
+(``queue/types.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import msgspec
 from slipstream.queue import protocol as P
 from slipstream.queue.codec import ALIGN, WireError, blob_layout, bytes_view, spec_nbytes, validate_group
 from slipstream.queue.snapdir import SnapshotDir
-from slipstream.queue.types import GroupMeta, LegacyGroupMeta
+from slipstream.queue.types import GroupMeta, Provenance, SampleMeta
 
 MAGIC = b"SLIPSTQ1"
 # 2: group headers carry a typed Provenance; 1 (still read): a free-form ``extra`` map in its place.
@@ -59,6 +64,31 @@ class _FormatOnly(msgspec.Struct, array_like=True, gc=False):
     """The first field of every header format: which types the rest is read with."""
 
     version: int
+
+
+class LegacyGroupMeta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A group header as format 1 stored it, before ``Provenance``: read only, to load those snapshots
+    (:meth:`upgrade` gives today's header)."""
+
+    group_id: str
+    samples: list[SampleMeta]
+    extra: dict[str, Any] = {}
+
+    def upgrade(self) -> GroupMeta:
+        return GroupMeta(self.group_id, self.samples, self._provenance())
+
+    def _provenance(self) -> Provenance | None:
+        """The provenance the ``extra`` map carried (None if it names no prompt: not a rollouter's group)."""
+        extra = self.extra
+        if "prompt_index" not in extra:
+            return None
+        return Provenance(
+            prompt_index=int(extra["prompt_index"]),
+            epoch=int(extra.get("epoch", 0)),
+            attempt=int(extra.get("attempt", 0)),
+            data_source=str(extra.get("data_source", "")),
+            keep_stale=bool(extra.get("keep_stale", False)),
+        )
 
 
 class _SnapGroupV1(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -16,7 +16,11 @@ trainer reads ``keep_stale`` (``Trainer._lease_batch``) and the rollouter reads 
 drops the group (``Rollouter._collect_dropped``). It is versioned twice over: the struct carries its schema
 number as a tag (``PROVENANCE_SCHEMA``; fields are only ever appended, with defaults, so an older reader
 skips newer ones), and queue snapshots written before it existed, whose groups carried a free-form
-``extra`` map instead, are read through :class:`LegacyGroupMeta` (``queue/snapshot.py``).
+``extra`` map instead, are read through ``LegacyGroupMeta`` (``queue/snapshot.py``).
+
+A sample's :class:`SampleOutcome` is the per-sample counterpart: why its reward call failed and which
+earlier segment of an agent episode it is. It sits where sample headers once carried a free-form ``extra``
+map and is encoded as a map itself, so those older headers decode into it (its docstring says how).
 
 Invariants of a :class:`TrajectoryGroup` (checked by :meth:`TrajectoryGroup.validate`):
   * ``tensors["prompt_ids"]`` has ``sum(s.prompt_len)`` int32 entries;
@@ -53,6 +57,29 @@ COLUMN_DTYPES: dict[str, torch.dtype] = {
 }
 
 
+class SampleOutcome(msgspec.Struct, omit_defaults=True, frozen=True, gc=False):
+    """What became of one sample besides its reward; the default is a whole episode that scored normally.
+
+    The rollouter writes it (``Rollouter._trajectory``) and reads ``reward_error`` back when it filters
+    groups (``Rollouter._informative``). Unlike its neighbours it is encoded as a map, not an array: it
+    holds the slot of :class:`SampleMeta` that carried the free-form ``extra`` map before it, so a header
+    written then (a queue snapshot, an older client's put) decodes into it: the map's ``reward_error`` and
+    ``segment`` keys are these fields, and its other keys, ``data_source`` and ``prompt_index``, repeated the
+    group's :class:`Provenance` and are skipped. Fields are only ever added, with defaults; a sample that
+    has none but defaults costs one byte (``{}``).
+
+    Worked example: a sample whose reward call timed out is
+    ``SampleOutcome(reward_error="reward service: no score within reward.timeout_s=60")``; the first earlier
+    segment of an agent episode that scored normally is ``SampleOutcome(segment=0)``."""
+
+    # Why the reward could not be computed (``RewardResult.error``; "": it was); the sample's reward is then
+    # the failure score.
+    reward_error: str = ""
+    # Index of this earlier segment of its agent episode (``Trajectory.episode``); -1: not an earlier
+    # segment (a whole episode, or an episode's own trajectory, its last segment).
+    segment: int = -1
+
+
 class Trajectory(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     """One sample: a prompt and everything generated after it (all turns, tool output included)."""
 
@@ -73,8 +100,8 @@ class Trajectory(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     finish_reason: str = "stop"
     num_turns: int = 1
     metrics: dict[str, float] = {}
-    # Free-form msgpack-able data carried to the trainer (e.g. data_source); never tensors.
-    extra: dict[str, Any] = {}
+    # A failed reward call, an earlier segment of an episode; the default for a whole, normally scored one.
+    outcome: SampleOutcome = SampleOutcome()
     # An earlier segment of an agent episode (a harness that compacted or edited its history): the uid of the
     # episode's own trajectory, its last segment. Empty: this trajectory is a whole episode. Segments train as
     # sequences of their own, but group statistics count the episode once.
@@ -108,7 +135,7 @@ class SampleMeta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     finish_reason: str = "stop"
     num_turns: int = 1
     metrics: dict[str, float] = {}
-    extra: dict[str, Any] = {}
+    outcome: SampleOutcome = SampleOutcome()  # where older headers have their ``extra`` map (SampleOutcome)
     episode: str = ""  # Trajectory.episode (last: headers stored before it decode with the default)
 
 
@@ -133,19 +160,6 @@ class Provenance(msgspec.Struct, array_like=True, omit_defaults=True, frozen=Tru
     # Dropped ``max_stale_drops`` times already: the trainer trains it whatever its staleness.
     keep_stale: bool = False
 
-    @classmethod
-    def from_legacy(cls, extra: dict[str, Any]) -> Provenance | None:
-        """The provenance an older group's ``extra`` map carried (None when it names no prompt)."""
-        if "prompt_index" not in extra:
-            return None
-        return cls(
-            prompt_index=int(extra["prompt_index"]),
-            epoch=int(extra.get("epoch", 0)),
-            attempt=int(extra.get("attempt", 0)),
-            data_source=str(extra.get("data_source", "")),
-            keep_stale=bool(extra.get("keep_stale", False)),
-        )
-
 
 class GroupMeta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Header of one group: its id, its samples, and where it came from (None: not made by a rollouter,
@@ -158,18 +172,6 @@ class GroupMeta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     @property
     def keep_stale(self) -> bool:
         return self.provenance is not None and self.provenance.keep_stale
-
-
-class LegacyGroupMeta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """A group header as queue snapshots of format 1 stored it, before :class:`Provenance`: read only, to
-    load those snapshots (``upgrade`` gives today's header)."""
-
-    group_id: str
-    samples: list[SampleMeta]
-    extra: dict[str, Any] = {}
-
-    def upgrade(self) -> GroupMeta:
-        return GroupMeta(self.group_id, self.samples, Provenance.from_legacy(self.extra))
 
 
 @dataclass
@@ -212,7 +214,7 @@ class TrajectoryGroup:
                     finish_reason=t.finish_reason,
                     num_turns=t.num_turns,
                     metrics=t.metrics,
-                    extra=t.extra,
+                    outcome=t.outcome,
                     episode=t.episode,
                 )
             )
@@ -244,7 +246,7 @@ class TrajectoryGroup:
                     finish_reason=s.finish_reason,
                     num_turns=s.num_turns,
                     metrics=s.metrics,
-                    extra=s.extra,
+                    outcome=s.outcome,
                     episode=s.episode,
                 )
             )

@@ -67,7 +67,7 @@ from slipstream.agents.rewards.overlong import shape
 from slipstream.agents.rewards.runner import RewardResult, RewardRunner
 from slipstream.queue.base import QueueProducer
 from slipstream.queue.errors import QueueFull
-from slipstream.queue.types import Provenance, Trajectory, TrajectoryGroup
+from slipstream.queue.types import Provenance, SampleOutcome, Trajectory, TrajectoryGroup
 from slipstream.rollouter.evaluation import Evaluator
 from slipstream.rollouter.gate import StalenessGate
 from slipstream.rollouter.partial import PartialRolloutClient
@@ -395,9 +395,9 @@ class Rollouter:
             scores = [tg.create_task(self._score(sample, o)) for o in outputs]
         trajectories = []
         for i, (out, score) in enumerate(zip(outputs, scores, strict=True)):
-            trajectories.append(self._trajectory(gid, i, sample, out, score.result()))
+            trajectories.append(self._trajectory(gid, i, out, score.result()))
             for k, seg in enumerate(out.earlier_segments):  # same reward and group; its own sequence
-                trajectories.append(self._trajectory(gid, i, sample, seg, score.result(), segment=k))
+                trajectories.append(self._trajectory(gid, i, seg, score.result(), segment=k))
         cfg = self.settings
         provenance = Provenance(
             prompt_index=work.ref.index,
@@ -417,7 +417,7 @@ class Rollouter:
         )
 
     def _trajectory(
-        self, gid: str, i: int, sample: Sample, out: AgentLoopOutput, score: RewardResult, segment: int = -1
+        self, gid: str, i: int, out: AgentLoopOutput, score: RewardResult, segment: int = -1
     ) -> Trajectory:
         out.validate()
         rcfg = self.settings.reward
@@ -444,11 +444,6 @@ class Rollouter:
                 num_turns=out.num_turns,
                 finish_reason=out.finish_reason,
             )
-        extra: dict[str, Any] = {"data_source": sample.data_source, "prompt_index": sample.index}
-        if score.error:
-            extra["reward_error"] = score.error
-        if segment >= 0:
-            extra["segment"] = segment
         return Trajectory(
             uid=f"{gid}-{i}" if segment < 0 else f"{gid}-{i}-seg{segment}",
             episode="" if segment < 0 else f"{gid}-{i}",
@@ -463,7 +458,7 @@ class Rollouter:
             finish_reason=out.finish_reason,
             num_turns=out.num_turns,
             metrics=metrics,
-            extra=extra,
+            outcome=SampleOutcome(reward_error=score.error, segment=segment),
         )
 
     async def _put(self, group: TrajectoryGroup) -> None:
@@ -497,7 +492,7 @@ class Rollouter:
                 values.add(score)
             elif ds.metric in s.reward_components:
                 values.add(s.reward_components[ds.metric])
-            elif "reward_error" in s.extra:  # a failed reward call has no components; it scored 0
+            elif s.outcome.reward_error:  # a failed reward call has no components; it scored 0
                 values.add(score)
             else:
                 raise KeyError(

@@ -177,8 +177,8 @@ def test_rollouter_trains_on_the_harness_reward_and_keeps_a_failure_reason(serve
     one failed trajectory of the group (its reason kept, nothing of it trained), not a failed group."""
     (group,), metrics = _through_rollouter(server, tok, "harness_plugins:first_sample_wins", n=2)
     won, crashed = group.to_trajectories()
-    assert won.reward == 0.75 and "reward_error" not in won.extra and 1 in won.loss_mask
-    assert crashed.reward == 0.0 and "harness bug" in crashed.extra["reward_error"]
+    assert won.reward == 0.75 and won.outcome.reward_error == "" and 1 in won.loss_mask
+    assert crashed.reward == 0.0 and "harness bug" in crashed.outcome.reward_error
     assert crashed.loss_mask == [0] * len(crashed.response_ids)
     assert metrics["rollouter/reward_errors"] == 1 and metrics["rollouter/failed_episodes"] == 1
     assert metrics["rollouter/gateway_sessions"] == 2 and metrics["rollouter/gateway_requests"] == 1
@@ -209,8 +209,9 @@ def test_a_harness_that_compacts_its_history_twice_trains_all_three_segments(ser
     ]  # fmt: skip
     assert {t.reward for t in trajectories} == {0.25} and all(1 in t.loss_mask for t in trajectories)
     seg = next(t for t in trajectories if t.uid.endswith("-1-seg1"))
-    assert seg.episode == f"{group.group_id}-1" and seg.extra["segment"] == 1
-    assert next(t for t in trajectories if t.uid.endswith("-1")).episode == ""  # the episode's own trajectory
+    assert seg.episode == f"{group.group_id}-1" and seg.outcome.segment == 1
+    last = next(t for t in trajectories if t.uid.endswith("-1"))  # the episode's own trajectory
+    assert last.episode == "" and last.outcome.segment == -1
     batch = collate([group])
     episodes = dict(zip(batch["uids"], batch["episode_index"].tolist(), strict=True))
     assert len(set(episodes.values())) == 2  # six sequences, two episodes

@@ -171,6 +171,8 @@ def test_a_failed_reward_call_does_not_need_the_filter_component(tok):
             await finish_all(client)
         await asyncio.wait_for(task, 10)
         assert set(queue.groups) == {"e0-p0"}  # 0 (failed) and 1: informative, not a crash
+        outcomes = [s.outcome for s in queue.groups["e0-p0"].meta.samples]
+        assert sorted(o.reward_error for o in outcomes) == ["", "timeout"]
 
     asyncio.run(main())
 

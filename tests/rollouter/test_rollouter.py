@@ -11,7 +11,7 @@ from rollouter_fakes import ControlledClient, InlineRewards, RecordingQueue, set
 
 from slipstream.agents.data import PromptSource, Sample
 from slipstream.config import load_config
-from slipstream.queue.types import Provenance
+from slipstream.queue.types import Provenance, SampleOutcome
 from slipstream.rollouter.rollouter import Rollouter
 from slipstream.rollouter.settings import from_root
 from slipstream.utils.tiny_models import make_tiny_tokenizer
@@ -95,7 +95,7 @@ def test_sync_mode_admits_one_batch_per_version(tok):
         )
         trajectories = group.to_trajectories()
         assert all(t.versions == [1, 1, 1] and t.loss_mask == [1, 1, 1] for t in trajectories)
-        assert all(t.reward == 1.0 and t.extra["data_source"] == "arithmetic" for t in trajectories)
+        assert all(t.reward == 1.0 and t.outcome == SampleOutcome() for t in trajectories)
         metrics = rollouter.metrics()
         assert metrics["rollouter/groups_put"] == 5 and metrics["rollouter/gate_budget"] == 6
         assert metrics["rollouter/reward_mean"] == 1.0 and metrics["rollouter/trajectories"] == 10

@@ -325,7 +325,7 @@ class RewardService:
     def _failed(self, reason: str) -> RewardResult:
         self.failures += 1
         now = time.monotonic()
-        if now >= self._next_warning:  # the reason reaches the log, not only the trajectory's extra
+        if now >= self._next_warning:  # the reason reaches the log, not only the trajectory's outcome
             self._next_warning = now + WARN_EVERY_S
             log.warning("reward service: %d samples scored failure_score so far; the latest: %s",
                         self.failures, reason[:300])  # fmt: skip
