@@ -26,7 +26,7 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
             "slipstream.rollouter.bench_gateway",
             "agent gateway latency overhead and exact recording",
         ),
-        "train": ("slipstream.trainer.bench", "training tokens/s, packed vs padded"),
+        "train": ("slipstream.system.bench_train", "training tokens/s, packed vs padded"),
         "logprob": (
             "slipstream.trainer.bench_logprob",
             "logprob+entropy peak memory, full logits vs chunked",

@@ -316,8 +316,7 @@ def _value_parser(key: str, tp: Any) -> Callable[[str], Any]:
     empty string), then converted and bound-checked by msgspec; an ArgumentTypeError names the key."""
 
     def parse(text: str) -> Any:
-        from slipstream.config import override_value
-        from slipstream.config_base import check_finite
+        from slipstream.config_base import check_finite, override_value
 
         try:
             value = override_value(key, text) if text.strip() else text

@@ -4,38 +4,51 @@ Each role keeps the config of its own parts next to its code (``slipstream/<role
 assembles them into the root :class:`Config`, loads YAML presets, applies dotted ``key=value`` overrides
 and turns every validation failure into one :class:`ConfigError` that names the key and what was expected.
 Every field says what it means in ``Meta(description=...)``; config_doc.py reads those for ``--help``,
-docs/config.md and the JSON schema.
+docs/config.md and the JSON schema. No role imports this module: :func:`rollouter_settings` and
+:func:`trainer_settings` build each role's typed settings from the tree, and the pipeline hands them down.
 
 Why msgspec rather than a hand-written validator: ``msgspec.convert`` already checks types, ``Literal``
 choices and ``Meta`` bounds, rejects unknown keys (``forbid_unknown_fields``) and reports the exact path of
-the first problem; we only reword its message for people and add a "did you mean" hint. What it lets through
-we check here: ``inf``/``nan`` floats (:func:`~slipstream.config_base.check_finite`), and in presets a key
-written twice (PyYAML keeps the last one silently) or an empty file.
+the first problem; we only reword its message for people and add a "did you mean" hint
+(:func:`~slipstream.config_base.validate`). What it lets through we check: ``inf``/``nan`` floats
+(:func:`~slipstream.config_base.check_finite`), and in presets a key written twice (PyYAML keeps the last
+one silently) or an empty file.
 
 Worked example::
 
     cfg = load_config("configs/quickstart.yaml", ["trainer.lr=2e-5", "async.mode=sync"])
     cfg.trainer.lr            # 2e-05
+    trainer_settings(cfg).sampling_temperature   # rollout.sampling.temperature, typed for the trainer
     load_config(None, ["trainer.lrr=1"])
     # ConfigError: trainer.lrr: unknown key; did you mean `lr`? (valid keys under `trainer`: ...)
 """
 
 from __future__ import annotations
 
-import difflib
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args, get_origin
+from typing import Annotated, Any, Literal
 
 import msgspec
 import yaml
 from msgspec import Meta
 
-from slipstream.agents.config import AgentConfig, DataConfig, RewardConfig
-from slipstream.config_base import ConfigError, ConfigStruct, check_finite
+from slipstream.agents.config import AgentConfig, DataConfig, DataGenConfig, RewardConfig
+from slipstream.config_base import (
+    ConfigError,
+    ConfigStruct,
+    ModelConfig,
+    RunConfig,
+    checked,
+    override_value,
+    validate,
+)
 from slipstream.queue.config import QueueConfig
 from slipstream.rollouter.config import EvalConfig, RolloutConfig
+from slipstream.rollouter.settings import RollouterSettings
 from slipstream.trainer.config import TrainerConfig
+from slipstream.trainer.settings import TrainerSettings
+from slipstream.utils.versions import versions_behind
 from slipstream.weightsync.config import WeightSyncConfig
 
 __all__ = [
@@ -43,20 +56,21 @@ __all__ = [
     "Config",
     "ConfigError",
     "ConfigStruct",
+    "DataGenConfig",
+    "ModelConfig",
+    "RunConfig",
     "load_config",
+    "override_value",
+    "rollouter_settings",
     "served_dtype",
     "to_dict",
     "to_yaml",
+    "trainer_settings",
+    "versions_behind",
 ]
 
 
 Mode = Literal["sync", "one_step_off", "fully_async"]
-
-
-def versions_behind(trainer_step: int, min_version: int, sync_every: int) -> int:
-    """Weight versions (pushes, one every ``sync_every`` steps) between tokens stamped ``min_version`` and the
-    trainer at ``trainer_step``: the staleness every cap and metric counts."""
-    return max(0, trainer_step - min_version) // sync_every
 
 
 class AsyncConfig(ConfigStruct):
@@ -149,87 +163,6 @@ MODE_PRESETS: dict[str, dict[str, Any]] = {
     "one_step_off": {"staleness_threshold": 1.0, "sync_every": 1},
     "fully_async": {},
 }
-
-
-class RunConfig(ConfigStruct):
-    """Identity and bookkeeping of one run."""
-
-    name: Annotated[
-        str,
-        Meta(description="Name of the run: its files go under output_dir/name, and it names the wandb run."),
-    ] = "run"
-    output_dir: Annotated[
-        str, Meta(description="Every run writes metrics.jsonl, checkpoints and logs under output_dir/name.")
-    ] = "runs"
-    seed: Annotated[
-        int,
-        Meta(
-            description="Seed of the prompt order (each epoch is shuffled from it) and of the Megatron "
-            "engine's random state.",
-        ),
-    ] = 0
-    total_steps: Annotated[
-        int, Meta(ge=0, description="Trainer steps to run; 0 means one pass over the training data.")
-    ] = 0
-    resume: Annotated[
-        bool, Meta(description="Resume from the latest checkpoint under output_dir/name when one exists.")
-    ] = True
-    record_uids: Annotated[
-        bool,
-        Meta(
-            description="Append the uids each trainer step trained on to "
-            "output_dir/name/trained_uids.jsonl: an audit that no sample is lost or trained twice across "
-            "restarts (one line per step, about 20 bytes per sample).",
-        ),
-    ] = False
-
-
-class DataGenConfig(ConfigStruct):
-    """Training files made offline before a run starts (`slipstream data make`), so a preset such as the
-    quickstart runs on a fresh clone. Only files of `data.train_files` and `data.val_files` that do not exist
-    are made. With `data.val_files` set, the training files leave out a fixed tenth of the problems and the
-    validation files hold only those (agents/datagen.py, `--split`), so the evaluation is on held-out data."""
-
-    task: Annotated[
-        Literal["arithmetic", "multiply", "countdown"] | None,
-        Meta(
-            description="Generator of agents/datagen.py (`arithmetic`, `multiply`, `countdown`); null never "
-            "makes a file (a missing file is then a config error).",
-        ),
-    ] = None
-    n: Annotated[int, Meta(ge=1, description="Prompts per file.")] = 2000
-    seed: Annotated[
-        int, Meta(description="Seed of the training files (the same seed makes the same problems).")
-    ] = 0
-    val_n: Annotated[
-        int, Meta(ge=1, description="Prompts per file of data.val_files (made with seed + 1).")
-    ] = 32
-
-
-class ModelConfig(ConfigStruct):
-    """The policy model: a local HF checkpoint directory or a name known to `slipstream models`."""
-
-    path: Annotated[
-        str,
-        Meta(
-            description="The policy: a local HF checkpoint directory or a model name known to `slipstream "
-            "models prepare`.",
-        ),
-    ] = "smollm2-135m-instruct"
-    dtype: Annotated[
-        Literal["float32", "bfloat16", "float16"],
-        Meta(
-            description="Dtype the trainer loads the weights in without mixed precision, and the servers' "
-            "default when no server dtype is given.",
-        ),
-    ] = "float32"
-    trust_remote_code: Annotated[
-        bool,
-        Meta(
-            description="Let transformers run the checkpoint's own modelling code (tokenizer and model); "
-            "only for checkpoints you trust.",
-        ),
-    ] = False
 
 
 class WandbConfig(ConfigStruct):
@@ -404,6 +337,58 @@ class Config(ConfigStruct):
     cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
 
 
+# ------------------------------------------------------------------------------------- role settings
+# Each role is built from a settings struct of its own (rollouter/settings.py, trainer/settings.py), never
+# from this tree: the functions below are the one place that says which root value reaches which role.
+# The queue and weight sync take their own section (cfg.queue, cfg.weightsync) as it is.
+
+
+def rollouter_settings(cfg: Config) -> RollouterSettings:
+    """The rollouter's settings: its sections whole, and the values of other roles it needs (the ``async``
+    knobs with their mode's preset applied, ``AsyncConfig.with_preset``, so a config the pipeline did not
+    prepare gives the same gate)."""
+    knobs = cfg.async_.with_preset()[0]
+    return checked(
+        RollouterSettings(
+            rollout=cfg.rollout,
+            data=cfg.data,
+            agent=cfg.agent,
+            reward=cfg.reward,
+            eval_=cfg.eval_,
+            model=cfg.model,
+            seed=cfg.run.seed,
+            mode=knobs.mode,
+            staleness_threshold=knobs.staleness_threshold,
+            sync_every=knobs.sync_every,
+            stale_policy=knobs.stale_policy,
+            max_stale_drops=knobs.max_stale_drops,
+            batch_groups=cfg.trainer.batch_groups,
+            put_timeout_s=cfg.queue.put_timeout_s,
+            restart_servers=cfg.cluster.restart_servers,
+            health_interval_s=cfg.cluster.health_interval_s,
+        )
+    )
+
+
+def trainer_settings(cfg: Config) -> TrainerSettings:
+    """A trainer rank's settings: its sections whole, and the values of other roles it needs."""
+    return checked(
+        TrainerSettings(
+            trainer=cfg.trainer,
+            model=cfg.model,
+            run=cfg.run,
+            weightsync=cfg.weightsync,
+            sampling_temperature=cfg.rollout.sampling.temperature,
+            loss_scale_tokens=cfg.rollout.sampling.max_new_tokens,
+            max_staleness=cfg.async_.max_staleness,
+            stale_policy=cfg.async_.stale_policy,
+            sync_every=cfg.async_.sync_every,
+            server_kind=cfg.rollout.backend,
+            checkpoint_every=cfg.trainer.checkpoint_every,
+        )
+    )
+
+
 # ----------------------------------------------------------------------------------------------- loading
 
 
@@ -432,13 +417,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 
 def from_dict(raw: dict[str, Any], cls: type[msgspec.Struct] = Config) -> Any:
-    """Validate a plain mapping into ``cls``; raise :class:`ConfigError` naming the key on failure."""
-    try:
-        cfg = msgspec.convert(raw, cls, strict=False)
-    except msgspec.ValidationError as err:
-        raise ConfigError(_explain(str(err), cls)) from None
-    check_finite(cfg)
-    return cfg
+    """Validate a plain mapping into ``cls`` (the root by default); raise :class:`ConfigError` naming the key
+    on failure (:func:`~slipstream.config_base.validate`)."""
+    return validate(raw, cls)
 
 
 def to_dict(cfg: msgspec.Struct) -> dict[str, Any]:
@@ -536,27 +517,6 @@ def _parse_override(item: str) -> tuple[str, Any]:
     return key, override_value(key, text)
 
 
-def override_value(key: str, text: str) -> Any:
-    """The value of a ``key=text`` override: YAML's null, a list or mapping, a quoted string (quotes
-    removed: ``auth_token=""`` is the empty string, not two quote characters), else the text itself."""
-    text = text.strip()
-    if text in ("null", "~"):  # YAML's null: `cluster.ray_address=null` clears a preset's value
-        return None
-    if text[:1] in "[{":  # the empty text too: YAML reads it as null, as before
-        try:
-            return yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{key}: value `{text}` is not a valid YAML list/mapping: {err}") from None
-    if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
-        try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{key}: value `{text}` is not a valid quoted string: {err}") from None
-        if isinstance(value, str):
-            return value
-    return text
-
-
 def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
     node = raw
     parts = key.split(".")
@@ -569,55 +529,3 @@ def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
             )
         node = child
     node[parts[-1]] = value
-
-
-_PATH_RE = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
-_UNKNOWN_RE = re.compile(r"Object contains unknown field `(?P<field>[^`]+)`")
-
-
-def _explain(message: str, root: type[msgspec.Struct]) -> str:
-    match = _PATH_RE.match(message)
-    msg, path = (match.group("msg"), match.group("path") or "") if match else (message, "")
-    parts = [p for p in re.split(r"\.|\[(\d+)\]", path) if p]
-    unknown = _UNKNOWN_RE.search(msg)
-    if unknown:
-        field = unknown.group("field")
-        where = ".".join(parts)
-        valid = _field_names(root, parts)
-        hint = difflib.get_close_matches(field, valid, n=1)
-        tip = f"; did you mean `{hint[0]}`?" if hint else ""
-        section = f"under `{where}`" if where else "at the top level"
-        full = f"{where}.{field}" if where else field
-        return f"{full}: unknown key{tip} (valid keys {section}: {', '.join(valid)})"
-    key = ".".join(parts) or "<root>"
-    if msg.startswith("Invalid enum value"):
-        choices = [repr(c) for c in _literal_choices(_field_type(root, parts))]
-        return f"{key}: {msg[len('Invalid enum value ') :]} is not one of {', '.join(choices)}"
-    msg = msg.replace("Expected", "expected").replace("`", "")
-    return f"{key}: {msg}"
-
-
-def _field_type(root: type[msgspec.Struct], parts: list[str]) -> Any:
-    """The annotated type at a dotted path, or None when the path leaves the struct tree."""
-    tp: Any = root
-    for part in parts:
-        if not (isinstance(tp, type) and issubclass(tp, msgspec.Struct)):
-            return None
-        info = {f.encode_name: f for f in msgspec.structs.fields(tp)}.get(part)
-        if info is None:
-            return None
-        tp = info.type
-    return tp
-
-
-def _literal_choices(tp: Any) -> list[Any]:
-    if get_origin(tp) is Literal:
-        return list(get_args(tp))
-    return [c for arg in get_args(tp) for c in _literal_choices(arg)]
-
-
-def _field_names(root: type[msgspec.Struct], parts: list[str]) -> list[str]:
-    tp = _field_type(root, parts)
-    if not (isinstance(tp, type) and issubclass(tp, msgspec.Struct)):
-        return []
-    return [f.encode_name for f in msgspec.structs.fields(tp)]

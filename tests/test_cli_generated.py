@@ -63,15 +63,14 @@ STRUCT_COMMANDS = [
 
 def _bench_parsers() -> list[tuple[str, Any]]:
     from slipstream.rollouter import bench as rollout_bench
-    from slipstream.system import e2e, scale
-    from slipstream.trainer import bench as train_bench
+    from slipstream.system import bench_train, e2e, scale
     from slipstream.trainer import bench_logprob
     from slipstream.weightsync import bench as weightsync_bench
 
     return [
         ("bench weightsync", weightsync_bench.build_parser),
         ("bench rollout", rollout_bench.build_parser),
-        ("bench train", train_bench._parser),
+        ("bench train", bench_train._parser),
         ("bench logprob", bench_logprob._parser),
         ("bench e2e", e2e._parser),
         ("bench scale", scale._parser),

@@ -1,6 +1,9 @@
 """The import graph of ``slipstream/``: no module imports another that imports it back (directly or through
 others, at module level or inside a function; ``TYPE_CHECKING`` imports aside), no shipped code imports
-the tests, and no role imports the whole-system tools in ``slipstream/system/`` (they import the roles)."""
+the tests, no role imports the whole-system tools in ``slipstream/system/`` (they import the roles), and no
+role imports the root config ``slipstream/config.py`` (it builds each role's settings and hands them down;
+``TYPE_CHECKING`` imports count here). An ``importlib.import_module("a.b")`` with a literal name is an import
+like any other."""
 
 from __future__ import annotations
 
@@ -25,8 +28,21 @@ def _is_type_checking(node: ast.If) -> bool:
     )
 
 
-def _imports(path: Path) -> set[str]:
-    """Every module ``path`` imports (``from a.b import c`` counts as ``a.b`` and ``a.b.c``)."""
+def _imported_by_name(node: ast.Call) -> str | None:
+    """The module a call ``importlib.import_module("a.b")`` (or ``import_module``, ``__import__``) names, when
+    the name is a literal."""
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+    if name not in ("import_module", "__import__") or not node.args:
+        return None
+    first = node.args[0]
+    return first.value if isinstance(first, ast.Constant) and isinstance(first.value, str) else None
+
+
+def _imports(path: Path, typing_too: bool = False) -> set[str]:
+    """Every module ``path`` imports (``from a.b import c`` counts as ``a.b`` and ``a.b.c``), by statement or
+    by a literal name given to ``importlib.import_module``; ``TYPE_CHECKING`` imports only with
+    ``typing_too``."""
     tree = ast.parse(path.read_text())
     typing_only = {
         id(sub) for node in ast.walk(tree) if isinstance(node, ast.If) and _is_type_checking(node)
@@ -34,13 +50,15 @@ def _imports(path: Path) -> set[str]:
     }  # fmt: skip
     found: set[str] = set()
     for node in ast.walk(tree):
-        if id(node) in typing_only:
+        if id(node) in typing_only and not typing_too:
             continue
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
             found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Call) and (name := _imported_by_name(node)):
+            found.add(name)
     return found
 
 
@@ -118,3 +136,40 @@ def test_no_role_imports_the_whole_system_tools():
         if name.startswith(roles) and any(d.startswith("slipstream.system") for d in deps)
     )
     assert importers == []
+
+
+ROLES = ("queue", "rollouter", "trainer", "weightsync", "agents", "serverapi")
+
+
+def _config_importers(modules: dict[str, Path]) -> list[str]:
+    roles = tuple(f"slipstream.{r}" for r in ROLES)
+    return sorted(
+        name
+        for name, path in modules.items()
+        if name.startswith(roles) and "slipstream.config" in _imports(path, typing_too=True)
+    )
+
+
+def test_no_role_imports_the_root_config():
+    # `from slipstream import config` counts as slipstream.config too (a.b.c for `from a.b import c`).
+    assert _config_importers(_modules()) == []
+
+
+def test_the_config_check_sees_typing_and_importlib_imports(tmp_path):
+    sources = {
+        "typed": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from slipstream.config import Config\n",
+        "by_name": "import importlib\ncfg = importlib.import_module('slipstream.config')\n",
+        "package": "def f():\n    from slipstream import config\n",
+        "base": "from slipstream.config_base import ConfigStruct\n",
+    }
+    modules = {}
+    for name, text in sources.items():
+        path = tmp_path / f"{name}.py"
+        path.write_text(text)
+        modules[f"slipstream.queue.{name}"] = path
+    modules["slipstream.pipeline.typed"] = tmp_path / "typed.py"  # above the roles: allowed
+    assert _config_importers(modules) == [
+        "slipstream.queue.by_name",
+        "slipstream.queue.package",
+        "slipstream.queue.typed",
+    ]

@@ -1,4 +1,5 @@
-"""Config of the data, the agent loops, their tools and the reward functions."""
+"""Config of the data (and of the files `slipstream data make` generates), the agent loops, their tools and the
+reward functions."""
 
 from __future__ import annotations
 
@@ -41,6 +42,28 @@ class DataConfig(ConfigStruct):
         int,
         Meta(ge=1, description="Passes over the training prompts (the run also stops at run.total_steps)."),
     ] = 1
+
+
+class DataGenConfig(ConfigStruct):
+    """Training files made offline before a run starts (`slipstream data make`), so a preset such as the
+    quickstart runs on a fresh clone. Only files of `data.train_files` and `data.val_files` that do not exist
+    are made. With `data.val_files` set, the training files leave out a fixed tenth of the problems and the
+    validation files hold only those (agents/datagen.py, `--split`), so the evaluation is on held-out data."""
+
+    task: Annotated[
+        Literal["arithmetic", "multiply", "countdown"] | None,
+        Meta(
+            description="Generator of agents/datagen.py (`arithmetic`, `multiply`, `countdown`); null never "
+            "makes a file (a missing file is then a config error).",
+        ),
+    ] = None
+    n: Annotated[int, Meta(ge=1, description="Prompts per file.")] = 2000
+    seed: Annotated[
+        int, Meta(description="Seed of the training files (the same seed makes the same problems).")
+    ] = 0
+    val_n: Annotated[
+        int, Meta(ge=1, description="Prompts per file of data.val_files (made with seed + 1).")
+    ] = 32
 
 
 class RewardServerLaunchConfig(ConfigStruct):

@@ -33,6 +33,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+from slipstream.agents.config import DataGenConfig
 from slipstream.cli_args import add_key_option, command_parser, doc_paragraph
 
 ARITHMETIC_PROMPT = "What is {a} + {b}? Reply with only the number."
@@ -156,8 +157,6 @@ def write_rows(rows: list[dict[str, Any]], out: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from slipstream.config import DataGenConfig
-
     parser = command_parser("slipstream data make", doc_paragraph(__doc__))
     # A positional (the generator's name), so hand-written; its choices are the registry's.
     parser.add_argument("task", choices=sorted(GENERATORS), help="which task to generate")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 
-from slipstream.config import Config
+from slipstream.config import Config, rollouter_settings
 from slipstream.pipeline import checkpoint as ckpt
 from slipstream.pipeline.checkpoint import CheckpointCoordinator
 from slipstream.pipeline.cluster import (
@@ -32,7 +32,6 @@ from slipstream.pipeline.cluster import (
 from slipstream.pipeline.launcher import Parts
 from slipstream.pipeline.supervisor import Supervisor
 from slipstream.pipeline.types import PushReport, StepReport
-from slipstream.rollouter.settings import from_root as rollouter_settings
 from slipstream.utils.logging import get_logger
 
 log = get_logger(__name__)

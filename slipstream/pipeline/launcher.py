@@ -24,14 +24,12 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from slipstream.config import Config, ConfigError
+from slipstream.config import Config, ConfigError, rollouter_settings, trainer_settings
 from slipstream.pipeline.actors import RolloutWorker, ServerHost, TrainerRank, wait_for_own_children
 from slipstream.pipeline.cluster import Cluster, PartFailed, Pending, RayCluster, ask, first_line
 from slipstream.pipeline.handles import QueueHandle, RolloutHandle, ServerHandle, TrainerGroup
 from slipstream.pipeline.types import RankSetup, RolloutStart
-from slipstream.rollouter.settings import from_root as rollouter_settings
 from slipstream.rollouter.state import RolloutState
-from slipstream.trainer.settings import from_root as trainer_settings
 from slipstream.utils.http_auth import new_token
 from slipstream.utils.logging import get_logger
 

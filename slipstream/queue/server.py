@@ -46,6 +46,7 @@ import msgspec
 import zmq
 
 from slipstream.cli_args import add_config_options, command_parser, config_values
+from slipstream.config_base import ConfigError, override_value, validate
 from slipstream.queue import protocol as P
 from slipstream.queue.arena import HEADER_BYTES, Arena, shm_supported
 from slipstream.queue.auth import TOKEN_ENV, Gate, server_token, with_token
@@ -447,8 +448,6 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, str]]:
 
 def main(argv: list[str] | None = None) -> int:
     """``slipstream queue serve``: run a server in the foreground until SIGTERM/SIGINT."""
-    from slipstream.config import ConfigError, from_dict, override_value
-
     parser, keys = build_parser()
     args = parser.parse_intermixed_args(argv)
     raw: dict[str, Any] = {}
@@ -461,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     if "auth_token" not in raw and os.environ.get(TOKEN_ENV):
         raw["auth_token"] = os.environ[TOKEN_ENV]
     try:
-        cfg = from_dict(raw, QueueConfig)
+        cfg = validate(raw, QueueConfig)
         server = QueueServer(cfg)
     except (ConfigError, ValueError) as err:
         print(f"config error: {err}", file=sys.stderr)

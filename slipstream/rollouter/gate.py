@@ -33,7 +33,10 @@ from __future__ import annotations
 
 import asyncio
 import math
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from slipstream.rollouter.settings import RollouterSettings
 
 
 class StalenessGate:
@@ -63,14 +66,12 @@ class StalenessGate:
         self._waiters: list[asyncio.Future[None]] = []
 
     @classmethod
-    def from_config(cls, cfg: Any) -> StalenessGate:
-        """From the run's :class:`slipstream.config.Config` (``async.*`` with its mode's preset applied by
-        ``AsyncConfig.with_preset``, ``trainer.batch_groups``)."""
-        a, _ = cfg.async_.with_preset()
+    def from_settings(cls, settings: RollouterSettings) -> StalenessGate:
+        """From the rollouter's settings (their ``async`` values hold the mode's preset already)."""
         return cls(
-            batch_groups=cfg.trainer.batch_groups,
-            sync_every=a.sync_every,
-            staleness_threshold=a.staleness_threshold,
+            batch_groups=settings.batch_groups,
+            sync_every=settings.sync_every,
+            staleness_threshold=settings.staleness_threshold,
         )
 
     def budget_at(self, version: int) -> int:

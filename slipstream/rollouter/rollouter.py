@@ -39,7 +39,7 @@ in fact put).
 
 Worked example (the controller's side)::
 
-    settings = from_root(cfg)             # rollouter/settings.py
+    settings = rollouter_settings(cfg)    # slipstream/config.py
     rollouter = Rollouter(settings, balancer, queue, tokenizer, PromptSource.from_config(settings.data))
     task = asyncio.create_task(rollouter.run())
     ...                                   # trainer steps; every sync_every steps:
@@ -131,7 +131,7 @@ class Rollouter:
         self.agent = make_agent_loop(settings.agent, self.client, tokenizer)
         self.rewards = RewardRunner(settings.reward)
         self.rewards.check({s.data_source for s in prompts.samples})
-        # The settings hold the mode's preset already (rollouter/settings.py: from_root).
+        # The settings hold the mode's preset already (slipstream/config.py: rollouter_settings).
         self.gate = StalenessGate(
             batch_groups=settings.batch_groups,
             sync_every=settings.sync_every,

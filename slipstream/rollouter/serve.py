@@ -27,6 +27,7 @@ import sys
 import msgspec
 
 from slipstream.cli_args import add_config_options, command_parser, config_values, doc_paragraph
+from slipstream.config_base import validate
 from slipstream.config_doc import sections
 from slipstream.rollouter.config import EmbeddedServerConfig
 from slipstream.utils.http_auth import TOKEN_ENV, check_bind, env_token, new_token
@@ -71,10 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_config(ns: argparse.Namespace) -> EmbeddedServerConfig:
     """The server config from the generated options given (each already checked against its field);
     ConfigError names the key when a cross-field rule refuses it."""
-    from slipstream.config import from_dict
-
     keys = {row.key.replace(".", "_"): row.key for s in sections(EmbeddedServerConfig) for row in s.keys}
-    return from_dict(config_values(ns, keys), EmbeddedServerConfig)
+    return validate(config_values(ns, keys), EmbeddedServerConfig)
 
 
 def control_token(ns: argparse.Namespace) -> str:

@@ -3,13 +3,13 @@
 The rollouter owns the sections of what it runs (``rollout``: servers and sampling, ``data``, ``agent``,
 ``reward``, ``eval``) and the shared ``model``; from other roles it needs the admission budget (the
 ``async`` knobs and ``trainer.batch_groups``), the queue's put timeout and how the pipeline watches servers.
-:func:`from_root` is the one place that maps root keys to the rollouter, so which keys reach it is visible
-here and tested (tests/rollouter/test_rollouter_settings.py), and the pipeline hands the rollouter's actor this
-struct (msgspec Structs travel through Ray), never the whole config.
+The rollouter never sees the root config: :func:`slipstream.config.rollouter_settings` builds this struct
+from it, field by field (tested in tests/rollouter/test_rollouter_settings.py), and the pipeline hands the
+rollouter's actor the struct (msgspec Structs travel through Ray), never the whole config.
 
 Worked example::
 
-    settings = from_root(load_config("configs/quickstart.yaml"))
+    settings = rollouter_settings(load_config("configs/quickstart.yaml"))   # slipstream.config
     settings.batch_groups                # trainer.batch_groups
     rollouter = Rollouter(settings, balancer, queue, tokenizer, PromptSource.from_config(settings.data))
 """
@@ -22,30 +22,13 @@ import msgspec
 from msgspec import Meta
 
 from slipstream.agents.config import AgentConfig, DataConfig, RewardConfig
-from slipstream.config import Config, ModelConfig
-from slipstream.config_base import settings_from_root
+from slipstream.config_base import ModelConfig
 from slipstream.rollouter.config import EvalConfig, RolloutConfig
-
-# Root key of every field that is not a whole section; from_root reads exactly these.
-ROOT_KEYS = {
-    "seed": "run.seed",
-    "mode": "async.mode",
-    "staleness_threshold": "async.staleness_threshold",
-    "sync_every": "async.sync_every",
-    "stale_policy": "async.stale_policy",
-    "max_stale_drops": "async.max_stale_drops",
-    "batch_groups": "trainer.batch_groups",
-    "put_timeout_s": "queue.put_timeout_s",
-    "restart_servers": "cluster.restart_servers",
-    "health_interval_s": "cluster.health_interval_s",
-}
 
 
 class RollouterSettings(msgspec.Struct, kw_only=True):
-    """The rollouter's config: its sections, and named values from other roles (root key in ``ROOT_KEYS``).
-
-    Error messages name the root key (``rollout.n``, ``trainer.batch_groups``), which is what users write.
-    """
+    """The rollouter's config: its sections, and named values from other roles (the root key each comes from
+    is in :func:`slipstream.config.rollouter_settings`). The ``async`` values hold their mode's preset."""
 
     rollout: RolloutConfig
     data: DataConfig
@@ -74,10 +57,3 @@ class RollouterSettings(msgspec.Struct, kw_only=True):
         formula: ``Rollouter.drain`` gives up after it, the controller waits for it plus its call margin)."""
         per_episode = self.rollout.request_timeout_s * self.agent.max_turns
         return per_episode + self.reward.timeout_s + self.put_timeout_s
-
-
-def from_root(cfg: Config) -> RollouterSettings:
-    """The rollouter's settings from the root config: its sections whole, every other value from its ROOT_KEYS key
-    (the ``async`` values with their mode's preset applied: ``AsyncConfig.with_preset``)."""
-    cfg = msgspec.structs.replace(cfg, async_=cfg.async_.with_preset()[0])
-    return settings_from_root(RollouterSettings, cfg, ROOT_KEYS)

@@ -22,7 +22,7 @@ import statistics
 import time
 from collections import Counter
 
-from slipstream.config import versions_behind
+from slipstream.utils.versions import versions_behind
 
 TOTALS = (
     "groups_put",

@@ -65,7 +65,7 @@ from slipstream.cli_args import (
     command_parser,
     doc_paragraph,
 )
-from slipstream.config import Config, ConfigError, load_config
+from slipstream.config import Config, ConfigError, load_config, rollouter_settings
 from slipstream.pipeline.modes import prepare_config
 from slipstream.rollouter.balancer import LoadBalancer
 from slipstream.rollouter.gate import StalenessGate
@@ -181,7 +181,7 @@ class Simulation:
         self.cap = cfg.rollout.max_concurrent_per_server
         self.max_len = cfg.rollout.sampling.max_new_tokens
         self.ranks = cfg.trainer.num_ranks
-        self.gate = StalenessGate.from_config(cfg)
+        self.gate = StalenessGate.from_settings(rollouter_settings(cfg))
         self.rng = random.Random(seed)
         num_servers = len(cfg.rollout.server_urls) or cfg.rollout.num_servers
         self.servers = [_Server() for _ in range(num_servers)]

@@ -4,6 +4,8 @@
   workload, the pipeline launched as ``slipstream train`` launches it;
 * ``scale.py`` — ``slipstream bench scale``: the control plane (queue, rollouter, balancer, pushes) at 8 to
   256 inference servers, simulated by ``sim_servers.py``;
+* ``bench_train.py`` — ``slipstream bench train``'s command: the measurement is ``trainer/bench.py``, the
+  options and each mode's settings come from a run's config, which no role imports;
 * ``soak.py`` — ``slipstream bench soak``: a long run with servers and trainer ranks killed, memory and lost
   groups accounted;
 * ``sim_servers.py`` — many model-less SGLang-style HTTP servers in one process, for ``scale.py`` and tests;

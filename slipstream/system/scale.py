@@ -367,12 +367,12 @@ class _Versions:
 
 
 async def _row(n: int, args: argparse.Namespace, tokenizer: Any) -> dict[str, Any]:
+    from slipstream.config import rollouter_settings
     from slipstream.queue.client import AsyncQueueClient
     from slipstream.queue.config import QueueConfig
     from slipstream.queue.server import start_queue_server
     from slipstream.rollouter.balancer import balancer_from_config
     from slipstream.rollouter.rollouter import Rollouter
-    from slipstream.rollouter.settings import from_root
 
     cfg = _config(n, args)
     handle = start_queue_server(QueueConfig(num_storage_units=2, shm_bytes_per_unit=32 << 20))
@@ -400,7 +400,7 @@ async def _row(n: int, args: argparse.Namespace, tokenizer: Any) -> dict[str, An
             raise RuntimeError("the trainers' process exited before it was ready")
         queue = _TimedQueue(AsyncQueueClient(handle.address))
         balancer = balancer_from_config(cfg.rollout, urls)
-        rollouter = Rollouter(from_root(cfg), balancer, queue, tokenizer, _prompts())
+        rollouter = Rollouter(rollouter_settings(cfg), balancer, queue, tokenizer, _prompts())
         foreign = {handle.proc.pid, trainers.pid, publisher.pid, *(p.pid for p in sims)}
         usage = _Usage(handle.proc.pid, foreign)
         pusher = _Versions(rollouter, publisher, cfg.trainer.batch_groups)

@@ -1,5 +1,7 @@
-"""``slipstream bench train``: training tokens/s with packed sequences vs padding to the longest sample, and
-with each group's shared prompt run once (``trainer.share_prompt_prefix``) vs once per sample.
+"""The measurement of ``slipstream bench train``: training tokens/s with packed sequences vs padding to the
+longest sample, and with each group's shared prompt run once (``trainer.share_prompt_prefix``) vs once per
+sample. The command (its options, and each mode's trainer settings from a run's config, which no role
+imports) is ``slipstream/system/bench_train.py``.
 
 All modes train the same model from the same initial weights on the same long-tail batch (log-normal
 response lengths capped at ``--max-len``, the shape RL rollouts have; the ``--group-size`` samples of a group
@@ -11,7 +13,7 @@ without "remove padding"; shared ones are packed micro-batches whose groups keep
 training steps (forward, backward, optimizer), after one warm-up step per mode; the modes' timed steps
 alternate, so a change of machine load during the run affects them alike.
 
-The last line of ``--json`` output is one JSON object: ``{"packed_tok_s", "padded_tok_s", "speedup",
+:func:`run` returns the command's JSON object: ``{"packed_tok_s", "padded_tok_s", "speedup",
 "shared_tok_s", "shared_speedup", "real_tokens", "padded_tokens", "samples", ...}`` (``speedup``: packed
 over padded; ``shared_speedup``: shared over packed).
 """
@@ -19,44 +21,19 @@ over padded; ``shared_speedup``: shared over packed).
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from slipstream.cli_args import (
-    add_device_flag,
-    add_json_flag,
-    add_key_option,
-    add_seed_flag,
-    command_parser,
-    doc_paragraph,
-)
 from slipstream.trainer.algos import ADVANTAGES, AdvantageInputs, global_counts
-from slipstream.trainer.config import TrainerConfig
 from slipstream.trainer.loss import GlobalCounts, PolicyLoss
+from slipstream.trainer.settings import TrainerSettings
 from slipstream.trainer.synthetic import long_tail_lengths, make_packed_batch
 
-
-def _parser() -> argparse.ArgumentParser:
-    from slipstream.config import Config  # rollout.n: the trainer's own config does not hold it
-
-    p = command_parser("slipstream bench train", doc_paragraph(__doc__))
-    p.add_argument("--model", help="HF checkpoint directory (default: a scaled-up tiny random Llama)")
-    p.add_argument("--samples", type=int, default=48, help="samples in the batch")
-    add_key_option(p, Config, "rollout.n", flags=["--group-size"], default=8)
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--median", type=int, default=48, help="median response length")
-    p.add_argument("--max-len", type=int, default=384, help="response length cap (the long tail)")
-    add_key_option(p, TrainerConfig, "micro_batch_tokens", section="trainer", default=2048)
-    p.add_argument("--steps", type=int, default=2, help="timed steps per mode (after one warm-up step)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads; 0 keeps torch's default")
-    add_seed_flag(p)
-    add_device_flag(p, "where the trainer runs")
-    add_json_flag(p)
-    return p
+MODES = ("packed", "padded", "shared")
 
 
 def _model_path(arg: str | None, workdir: Path) -> str:
@@ -73,22 +50,6 @@ def _model_path(arg: str | None, workdir: Path) -> str:
             num_kv_heads=4,
             intermediate_size=688,
         )
-    )
-
-
-def _config(model_path: str, args: argparse.Namespace, mode: str):
-    from slipstream.config import load_config
-
-    return load_config(
-        None,
-        [
-            f"model.path={model_path}",
-            f"trainer.device={args.device}",
-            f"trainer.micro_batch_tokens={args.micro_batch_tokens}",
-            f"trainer.pack_sequences={str(mode != 'padded').lower()}",
-            f"trainer.share_prompt_prefix={str(mode == 'shared').lower()}",
-            f"run.seed={args.seed}",
-        ],
     )
 
 
@@ -109,15 +70,14 @@ def _batch(args: argparse.Namespace, vocab_size: int):
     return batch, responses
 
 
-def _make_runner(cfg, batch):
+def _make_runner(settings: TrainerSettings, batch):
     """A closure running one full training step of one mode (a fresh engine from the same weights)."""
     from slipstream.trainer.engine.fsdp import FSDPEngine
-    from slipstream.trainer.settings import from_root
 
-    engine = FSDPEngine(from_root(cfg))
+    engine = FSDPEngine(settings)
     engine.initialize()
     tokens, seqs = global_counts(batch["loss_mask"], batch["cu_seqlens"])
-    loss = PolicyLoss(cfg.trainer.algorithm, GlobalCounts(tokens, seqs, 1.0))
+    loss = PolicyLoss(settings.trainer.algorithm, GlobalCounts(tokens, seqs, 1.0))
 
     def step() -> int:
         out = engine.forward_backward_batch(batch, loss)
@@ -143,7 +103,9 @@ def _time_modes(runners: dict, steps: int) -> dict[str, tuple[float, int]]:
     return {mode: (spent[mode] / steps, micro[mode]) for mode in runners}
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, settings_for: Callable[[str, str], TrainerSettings]) -> dict:
+    """Time every mode; ``settings_for(model_path, mode)`` is a mode's trainer settings (``mode`` one of
+    :data:`MODES`: ``packed``, ``padded``, ``shared``)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -154,9 +116,7 @@ def run(args: argparse.Namespace) -> dict:
         batch, responses = _batch(args, vocab)
         lengths = [args.prompt_len + r for r in responses]
         real = sum(lengths)
-        runners = {
-            m: _make_runner(_config(model_path, args, m), batch) for m in ("packed", "padded", "shared")
-        }
+        runners = {m: _make_runner(settings_for(model_path, m), batch) for m in MODES}
         results = _time_modes(runners, args.steps)
         flops = runners["packed"].flops(lengths)
         for mode, (sec, micro) in results.items():
@@ -204,15 +164,3 @@ def _mfu(flops: float, seconds: float, device: str) -> dict:
     peak = _lookup_peak_tflops(torch.cuda.get_device_name())
     achieved = flops / seconds / 1e12
     return {"tflops": round(achieved, 1), "mfu": round(achieved / peak, 4) if peak else None}
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    result = run(args)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(
-            f"packed {result['packed_tok_s']} tok/s vs padded {result['padded_tok_s']} tok/s: {result['speedup']}x"
-        )
-    return 0

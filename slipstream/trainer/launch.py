@@ -73,7 +73,7 @@ def run_trainer_rank(
 ) -> list[dict[str, float]]:
     """Run this rank until ``num_steps`` (default ``run.total_steps``) trainer versions exist; return the
     metrics of the steps it ran. Rank 0 connects to the queue at ``queue_address`` (others may pass None).
-    ``settings`` is ``trainer.settings.from_root(cfg)``; with ``log_metrics`` rank 0 writes the run's
+    ``settings`` is ``slipstream.config.trainer_settings(cfg)``; with ``log_metrics`` rank 0 writes the run's
     metrics.jsonl and console progress (wandb, which logs the whole root config, is the pipeline's). With
     ``publish`` every rank takes part in a push every ``async.sync_every`` steps, rank 0 through its
     ``publisher`` (``Trainer.push``).

@@ -1,14 +1,14 @@
 """What a trainer rank is built from: its own config sections plus the few values it takes from other roles.
 
-The root :class:`~slipstream.config.Config` holds every role's section; a trainer rank needs only
-``trainer``, ``model`` and ``run``, the weight-sync section of the publisher its rank 0 owns, and five values
-that other roles' sections decide. :func:`from_root` is the one place that maps root keys to a trainer, so
-which keys reach it is visible here and tested (tests/trainer/test_trainer_settings.py), and the pipeline hands each
-rank this struct (msgspec Structs travel through Ray), never the whole config.
+The root config holds every role's section; a trainer rank needs only ``trainer``, ``model`` and ``run``,
+the weight-sync section of the publisher its rank 0 owns, and a few values that other roles' sections
+decide. The trainer never sees the root config: :func:`slipstream.config.trainer_settings` builds this
+struct from it, field by field (tested in tests/trainer/test_trainer_settings.py), and the pipeline hands each
+rank the struct (msgspec Structs travel through Ray), never the whole config.
 
 Worked example::
 
-    settings = from_root(load_config("configs/quickstart.yaml"))
+    settings = trainer_settings(load_config("configs/quickstart.yaml"))   # slipstream.config
     settings.sampling_temperature        # rollout.sampling.temperature
     engine = FSDPEngine(settings); trainer = Trainer(settings, engine, queue, rank=0, world_size=1)
     # the pipeline writes the checkpoints itself, so its ranks never do:
@@ -22,29 +22,15 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from slipstream.config import Config, ModelConfig, RunConfig, versions_behind
-from slipstream.config_base import settings_from_root
+from slipstream.config_base import ModelConfig, RunConfig
 from slipstream.trainer.config import TrainerConfig
+from slipstream.utils.versions import versions_behind
 from slipstream.weightsync.config import WeightSyncConfig
-
-# Root key of every field that is not a whole section; from_root reads exactly these.
-ROOT_KEYS = {
-    "sampling_temperature": "rollout.sampling.temperature",
-    "loss_scale_tokens": "rollout.sampling.max_new_tokens",
-    "max_staleness": "async.max_staleness",
-    "stale_policy": "async.stale_policy",
-    "sync_every": "async.sync_every",
-    "server_kind": "rollout.backend",
-    "checkpoint_every": "trainer.checkpoint_every",
-}
 
 
 class TrainerSettings(msgspec.Struct, kw_only=True):
-    """A trainer rank's config: its sections, and named values from other roles (root key in ``ROOT_KEYS``).
-
-    Error messages name the root key (``trainer.lr``, ``rollout.sampling.temperature``), which is what
-    users write.
-    """
+    """A trainer rank's config: its sections, and named values from other roles (the root key each comes from
+    is in :func:`slipstream.config.trainer_settings`)."""
 
     trainer: TrainerConfig
     model: ModelConfig
@@ -67,8 +53,3 @@ class TrainerSettings(msgspec.Struct, kw_only=True):
     def staleness(self, trainer_step: int, min_version: int) -> int:
         """Weight versions (pushes) between a group's oldest token and the trainer at ``trainer_step``."""
         return versions_behind(trainer_step, min_version, self.sync_every)
-
-
-def from_root(cfg: Config) -> TrainerSettings:
-    """The trainer's settings from the root config: its sections whole, every other value from its ROOT_KEYS key."""
-    return settings_from_root(TrainerSettings, cfg, ROOT_KEYS)

@@ -19,7 +19,7 @@ batch, so results do not depend on the number of ranks:
      sends through its ``publisher``, the others drive the all-gathers); every ``checkpoint_every`` steps (``trainer.checkpoint_every``; 0 under
      the pipeline, which writes them itself) a checkpoint is written.
 
-The trainer is built from :class:`~slipstream.trainer.settings.TrainerSettings` (``settings.from_root(cfg)``),
+The trainer is built from :class:`~slipstream.trainer.settings.TrainerSettings` (``slipstream.config.trainer_settings(cfg)``),
 which names the few values it takes from other roles (the sampling temperature and token budget, the
 staleness cap, the push cadence), never from the root config.
 
@@ -31,7 +31,7 @@ recently or already holds for this batch.
 
 Worked example (one process; ``run_trainer_rank`` does the same for N processes)::
 
-    settings = from_root(cfg)
+    settings = trainer_settings(cfg)
     engine = FSDPEngine(settings); engine.initialize()
     trainer = Trainer(settings, engine, QueueClient(address), rank=0, world_size=1, publish=True,
                       publisher=WeightPublisher(settings.weightsync, server_urls, "vllm"))

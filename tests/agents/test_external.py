@@ -141,9 +141,8 @@ class _Queue(QueueProducer):
 def _through_rollouter(server, tok, harness: str, n: int):
     """One group of ``n`` episodes of ``harness`` through a real Rollouter: (what it put, its metrics)."""
     from slipstream.agents.data import PromptSource
-    from slipstream.config import load_config
+    from slipstream.config import load_config, rollouter_settings
     from slipstream.rollouter.rollouter import Rollouter
-    from slipstream.rollouter.settings import from_root
 
     overrides = {
         "agent.name": "external",
@@ -160,7 +159,9 @@ def _through_rollouter(server, tok, harness: str, n: int):
 
     async def main():
         client = SGLangClient(server.url)
-        rollouter = Rollouter(from_root(cfg), client, queue, tok, PromptSource([SAMPLE], shuffle=False))
+        rollouter = Rollouter(
+            rollouter_settings(cfg), client, queue, tok, PromptSource([SAMPLE], shuffle=False)
+        )
         try:
             await rollouter.run()
             return rollouter.metrics()

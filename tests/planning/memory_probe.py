@@ -12,10 +12,9 @@ import threading
 import psutil
 import torch
 
-from slipstream.config import load_config
+from slipstream.config import load_config, trainer_settings
 from slipstream.planning.memory import GIB, plan
 from slipstream.trainer.engine.fsdp import FSDPEngine
-from slipstream.trainer.settings import from_root
 from slipstream.trainer.synthetic import make_packed_batch
 from slipstream.utils.net import free_port
 from slipstream.utils.tiny_models import make_tiny_model
@@ -52,7 +51,7 @@ def main(workdir: str, checkpointing: str, vocab: int = 0) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     cfg = load_config(None, [f"model.path={path}", "trainer.device=cpu", f"trainer.micro_batch_tokens={tokens}",
                              f"trainer.activation_checkpointing={checkpointing}", *extra])  # fmt: skip
-    engine = FSDPEngine(from_root(cfg))
+    engine = FSDPEngine(trainer_settings(cfg))
     engine.initialize()
     batch = make_packed_batch([16] * 16, [tokens // 16 - 16] * 16, vocab_size=200, seed=0, group_size=16)
     engine.forward_backward_batch(batch, nll)

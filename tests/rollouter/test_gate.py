@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slipstream.config import load_config
+from slipstream.config import load_config, rollouter_settings
 from slipstream.rollouter.gate import StalenessGate
 
 
@@ -21,15 +21,17 @@ def test_budget_formula_and_sync_mode():
     assert gate.budget == 20
     assert StalenessGate(batch_groups=10, sync_every=1, staleness_threshold=0.1).budget == 11
 
-    sync = StalenessGate.from_config(
-        load_config(
-            None,
-            [
-                "async.mode=sync",
-                "async.staleness_threshold=3",
-                "async.sync_every=4",
-                "trainer.batch_groups=6",
-            ],
+    sync = StalenessGate.from_settings(
+        rollouter_settings(
+            load_config(
+                None,
+                [
+                    "async.mode=sync",
+                    "async.staleness_threshold=3",
+                    "async.sync_every=4",
+                    "trainer.batch_groups=6",
+                ],
+            )
         )
     )
     assert (sync.staleness_threshold, sync.sync_every, sync.budget) == (0.0, 1, 6)
@@ -126,12 +128,11 @@ def test_gate_never_admits_more_than_its_budget(batch_groups, sync_every, thresh
 )
 def test_every_gate_takes_its_modes_preset_from_the_one_table(mode, threshold, sync_every):
     from slipstream.pipeline.modes import prepare_config
-    from slipstream.rollouter.settings import from_root
 
     cfg = load_config(None, [f"async.mode={mode}", "async.staleness_threshold=3", "async.sync_every=4"])
     prepared = prepare_config(cfg)[0].async_
-    settings = from_root(cfg)  # a rollouter built from a config the pipeline did not prepare
-    simulated = StalenessGate.from_config(cfg)
+    settings = rollouter_settings(cfg)  # a rollouter built from a config the pipeline did not prepare
+    gate = StalenessGate.from_settings(settings)  # as the simulator builds its gate
     assert (prepared.staleness_threshold, prepared.sync_every) == (threshold, sync_every)
     assert (settings.staleness_threshold, settings.sync_every) == (threshold, sync_every)
-    assert (simulated.staleness_threshold, simulated.sync_every) == (threshold, sync_every)
+    assert (gate.staleness_threshold, gate.sync_every) == (threshold, sync_every)

@@ -10,10 +10,9 @@ from hypothesis import strategies as st
 from rollouter_fakes import ControlledClient, InlineRewards, RecordingQueue, settle
 
 from slipstream.agents.data import PromptSource, Sample
-from slipstream.config import load_config
+from slipstream.config import load_config, rollouter_settings
 from slipstream.queue.types import Provenance, SampleOutcome
 from slipstream.rollouter.rollouter import Rollouter
-from slipstream.rollouter.settings import from_root
 from slipstream.utils.tiny_models import make_tiny_tokenizer
 
 
@@ -46,7 +45,7 @@ def config(**overrides):
         "agent.name": "single_turn",
     }
     base.update(overrides)
-    return from_root(load_config(None, [f"{k}={v}" for k, v in base.items()]))
+    return rollouter_settings(load_config(None, [f"{k}={v}" for k, v in base.items()]))
 
 
 def make(tok, cfg, source, client=None, queue=None) -> tuple[Rollouter, ControlledClient, RecordingQueue]:

@@ -31,7 +31,7 @@ from slipstream.agents.protocol import SamplingParams
 from slipstream.agents.registry import make_agent_loop
 from slipstream.agents.tools import make_tools
 from slipstream.agents.tools.sandbox import sandbox_problem
-from slipstream.config import load_config
+from slipstream.config import load_config, rollouter_settings
 from slipstream.queue.client import AsyncQueueClient
 from slipstream.queue.config import QueueConfig
 from slipstream.queue.server import QueueServer
@@ -41,7 +41,6 @@ from slipstream.rollouter.config import EmbeddedServerConfig, RolloutConfig
 from slipstream.rollouter.launch import launch_server
 from slipstream.rollouter.partial import PartialRolloutClient
 from slipstream.rollouter.rollouter import Rollouter
-from slipstream.rollouter.settings import from_root
 
 QUESTION = [{"role": "user", "content": "What is 6 * 7? Use python."}]
 CALL = '<tool_call>{"name": "python", "arguments": {"code": "print(6 * 7)"}}</tool_call>'
@@ -214,7 +213,9 @@ def test_rollouter_streams_scored_groups_into_a_real_queue(taught_server, tok, t
         client = SGLangClient(taught_server.url)
         queue = AsyncQueueClient(queue_server.address)
         balancer = LoadBalancer([client], max_concurrent_per_server=cfg.rollout.max_concurrent_per_server)
-        rollouter = Rollouter(from_root(cfg), balancer, queue, tok, PromptSource(samples, shuffle=False))
+        rollouter = Rollouter(
+            rollouter_settings(cfg), balancer, queue, tok, PromptSource(samples, shuffle=False)
+        )
         try:
             await asyncio.wait_for(rollouter.run(), 90)
             lease = await queue.lease(2, timeout_s=30)

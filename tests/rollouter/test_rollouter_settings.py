@@ -1,16 +1,30 @@
-"""The rollouter is built from its own sections plus named values from other roles, each mapped by
-``from_root`` from the root key ``ROOT_KEYS`` documents."""
+"""The rollouter is built from its own sections plus named values from other roles, each assigned by
+``slipstream.config.rollouter_settings`` from one root key."""
 
 from __future__ import annotations
 
 import msgspec
 import pytest
 
-from slipstream.config import Config, load_config
-from slipstream.rollouter.settings import ROOT_KEYS, RollouterSettings, from_root
+from slipstream.config import Config, ConfigError, load_config, rollouter_settings
+from slipstream.rollouter.settings import RollouterSettings
 
 # Sections of the root config the rollouter holds whole; every other section stays out.
 OWN_SECTIONS = {"rollout", "data", "agent", "reward", "eval_", "model"}
+
+# Each value the rollouter takes from another role's section, and the root key it comes from.
+FROM_OTHER_ROLES = {
+    "seed": "run.seed",
+    "mode": "async.mode",
+    "staleness_threshold": "async.staleness_threshold",
+    "sync_every": "async.sync_every",
+    "stale_policy": "async.stale_policy",
+    "max_stale_drops": "async.max_stale_drops",
+    "batch_groups": "trainer.batch_groups",
+    "put_timeout_s": "queue.put_timeout_s",
+    "restart_servers": "cluster.restart_servers",
+    "health_interval_s": "cluster.health_interval_s",
+}
 
 
 def _root_value(cfg: Config, key: str):
@@ -25,10 +39,10 @@ def test_settings_hold_no_other_roles_section():
     sections = {f.name for f in msgspec.structs.fields(Config)}
     assert fields & sections == OWN_SECTIONS
     assert not {"trainer", "async_", "queue", "weightsync", "cluster", "run", "wandb"} & fields
-    assert fields == OWN_SECTIONS | set(ROOT_KEYS)
+    assert fields == OWN_SECTIONS | set(FROM_OTHER_ROLES)
 
 
-def test_from_root_maps_each_value_from_its_documented_key():
+def test_each_value_comes_from_its_root_key():
     cfg = load_config(
         None,
         [
@@ -46,24 +60,24 @@ def test_from_root_maps_each_value_from_its_documented_key():
             "eval.every=4",
         ],
     )
-    settings = from_root(cfg)
-    for field, key in ROOT_KEYS.items():
+    settings = rollouter_settings(cfg)
+    for field, key in FROM_OTHER_ROLES.items():
         assert getattr(settings, field) == _root_value(cfg, key), (field, key)
     assert (settings.batch_groups, settings.put_timeout_s, settings.seed) == (9, 12.0, 7)
     assert settings.rollout.n == 3 and settings.eval_.every == 4
+    for section in OWN_SECTIONS:
+        assert getattr(settings, section) is getattr(cfg, section)
 
 
 def test_settings_travel_as_msgspec():
-    settings = from_root(load_config(None, ["trainer.batch_groups=3"]))
+    settings = rollouter_settings(load_config(None, ["trainer.batch_groups=3"]))
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(settings), type=RollouterSettings)
     assert back == settings
 
 
-def test_settings_are_validated_and_a_bad_value_names_its_root_key():
-    from slipstream.config import ConfigError
-
+def test_settings_are_validated_and_a_bad_value_names_its_field():
     cfg = load_config(None, [])
     # msgspec.structs.replace checks nothing: only the settings' own validation can catch this.
     broken = msgspec.structs.replace(cfg, queue=msgspec.structs.replace(cfg.queue, put_timeout_s=0.0))
-    with pytest.raises(ConfigError, match=r"queue\.put_timeout_s: Expected `float` > 0"):
-        from_root(broken)
+    with pytest.raises(ConfigError, match=r"RollouterSettings\.put_timeout_s: Expected `float` > 0"):
+        rollouter_settings(broken)

@@ -10,9 +10,9 @@ import torch
 
 def trainer_settings(model_path, *overrides: str):
     """``TrainerSettings`` from a root config of the tiny model plus dotted root-key ``overrides``."""
-    from slipstream.trainer.settings import from_root
+    from slipstream import config
 
-    return from_root(trainer_config(model_path, *overrides))
+    return config.trainer_settings(trainer_config(model_path, *overrides))
 
 
 def trainer_config(model_path, *overrides: str):

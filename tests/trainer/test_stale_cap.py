@@ -3,9 +3,8 @@ rollouter marked ``keep_stale`` (a prompt already dropped ``async.max_stale_drop
 
 from __future__ import annotations
 
-from slipstream.config import load_config
+from slipstream.config import load_config, trainer_settings
 from slipstream.queue.types import Provenance
-from slipstream.trainer.settings import from_root
 from slipstream.trainer.trainer import Trainer
 from tests.trainer.fake_queue import FakeQueue, make_group
 
@@ -16,7 +15,7 @@ def lease_with(step: int, groups, *overrides: str) -> FakeQueue:
     for group in groups:
         queue.put(group)
     trainer = Trainer(
-        from_root(cfg), engine=None, queue=queue, rank=0, world_size=1
+        trainer_settings(cfg), engine=None, queue=queue, rank=0, world_size=1
     )  # leasing needs no engine
     trainer.version = step
     _, dropped, held = trainer._lease_groups()
@@ -25,7 +24,7 @@ def lease_with(step: int, groups, *overrides: str) -> FakeQueue:
 
 
 def test_staleness_is_counted_in_pushes_when_sync_every_spans_several_steps():
-    settings = from_root(load_config(None, ["async.sync_every=4"]))
+    settings = trainer_settings(load_config(None, ["async.sync_every=4"]))
     assert [settings.staleness(step, 8) for step in (8, 11, 12, 15, 16)] == [0, 0, 1, 1, 2]
     # A group from version 0 at step 12 is 12 steps but 3 pushes old: within a cap of 3 versions.
     queue = lease_with(12, [make_group("old", 2, version=0)], "async.sync_every=4", "async.max_staleness=3")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from slipstream.trainer import bench
+from slipstream.system import bench_train as bench
 
 
 def test_bench_train_json_line(capsys, single_process_group):

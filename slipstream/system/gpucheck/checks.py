@@ -269,12 +269,11 @@ def _train_case(ctx: Context, name: str, tokens: int, *, packed: bool, checkpoin
     MFU, peak memory, and how many logit chunks the output layer ran (chunked logprobs exercised)."""
     import torch
 
-    from slipstream.config import load_config
+    from slipstream.config import load_config, trainer_settings
     from slipstream.trainer import logprobs as lp
     from slipstream.trainer.algos import ADVANTAGES, AdvantageInputs, global_counts
     from slipstream.trainer.engine.fsdp import FSDPEngine
     from slipstream.trainer.loss import GlobalCounts, PolicyLoss
-    from slipstream.trainer.settings import from_root
     from slipstream.trainer.synthetic import long_tail_lengths, make_packed_batch
 
     shape = "small" if ctx.small else "1b"
@@ -302,7 +301,7 @@ def _train_case(ctx: Context, name: str, tokens: int, *, packed: bool, checkpoin
     adv = ADVANTAGES.get("grpo")(AdvantageInputs(batch["rewards"], batch["group_index"], batch["loss_mask"],
                                                  batch["cu_seqlens"]))  # fmt: skip
     batch["advantages"] = adv.advantages
-    engine = FSDPEngine(from_root(cfg))
+    engine = FSDPEngine(trainer_settings(cfg))
     engine.initialize()
     counted = {"chunks": 0}
     original = lp._chunk_logits

@@ -151,12 +151,11 @@ def push(ctx: Context) -> dict:
     from transformers import AutoModelForCausalLM
 
     from slipstream.agents.protocol import SamplingParams
-    from slipstream.config import load_config
+    from slipstream.config import load_config, trainer_settings
     from slipstream.pipeline.modes import prepare_config
     from slipstream.rollouter.bench import embedded_wave
     from slipstream.rollouter.launch import launch_server
     from slipstream.trainer.engine.fsdp import FSDPEngine
-    from slipstream.trainer.settings import from_root
     from slipstream.trainer.trainer import push_dtype
     from slipstream.utils.net import free_port
     from slipstream.weightsync.publisher import WeightPublisher
@@ -183,7 +182,7 @@ def push(ctx: Context) -> dict:
         ],
     )  # fmt: skip  (weightsync.push_dtype stays `auto`: the run's own resolution is what is checked)
     cfg, _ = prepare_config(cfg)
-    settings = from_root(cfg)
+    settings = trainer_settings(cfg)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     figures: dict = {"push_dtype_resolved": cfg.weightsync.push_dtype}
     seen = {"bytes": 0, "numel": 0, "dtensors": 0, "dtypes": set()}

@@ -85,7 +85,7 @@ class FSDPEngine(ModelEngine):
 
     Example (one process; ``initialize`` starts a 1-rank group when none exists)::
 
-        engine = FSDPEngine(settings)        # trainer/settings.py: from_root(cfg)
+        engine = FSDPEngine(settings)        # slipstream.config.trainer_settings(cfg)
         engine.initialize()
         out = engine.forward_backward_batch(batch, loss_fn)
         grad_norm = engine.optimizer_step()
