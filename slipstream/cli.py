@@ -31,7 +31,10 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
             "slipstream.trainer.bench_logprob",
             "logprob+entropy peak memory, full logits vs chunked",
         ),
-        "weightsync": ("slipstream.weightsync.bench", "weight sync GB/s vs raw transport and naive"),
+        "weightsync": (
+            "slipstream.system.bench_weightsync",
+            "weight sync GB/s vs raw transport and naive; --target vllm: a push into a generating vLLM",
+        ),
         "e2e": ("slipstream.system.e2e", "samples/s of fully_async vs sync on a long-tail workload"),
         "soak": (
             "slipstream.system.soak",

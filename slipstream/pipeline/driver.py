@@ -101,6 +101,8 @@ class StepDriver:
         window = max(now - self.last_step_end, 1e-9)
         metrics = dict(head.metrics)
         metrics["trainer/idle_ratio"] = min(1.0, head.lease_wait_s / window)
+        metrics["time/trainer_wait_s"] = head.lease_wait_s
+        metrics["time/trainer_compute_s"] = max(0.0, metrics.get("trainer/step_s", 0.0) - head.lease_wait_s)
         metrics["perf/step_wall_s"] = window
         metrics["perf/samples_per_s"] = metrics.get("trainer/samples", 0.0) / window
         metrics["perf/trained_tokens_per_s"] = metrics.get("trainer/tokens", 0.0) / window
@@ -117,6 +119,7 @@ class StepDriver:
             self.parts.rollouter.finish_eval(self.parts.published, self.cfg.cluster.step_timeout_s)
         metrics.update(self._side_metrics())
         self.last_step_end = time.monotonic()
+        metrics.update(step_time_split(metrics, self.last_step_end - (now - window)))
         return metrics
 
     # ------------------------------------------------------------------ weights
@@ -144,6 +147,8 @@ class StepDriver:
             "sync/servers_ok": float(len(report.ok)),
             "sync/servers_failed": float(len(report.failed)),
             "sync/bytes": float(report.publish.bytes if report.publish is not None else 0),
+            # the servers generated nothing for this long (the whole push on a server paused before it)
+            "sync/paused_s": report.publish.paused_s if report.publish is not None else 0.0,
         })  # fmt: skip
         return out
 
@@ -169,4 +174,20 @@ class StepDriver:
         return rollouter_settings(self.cfg).drain_timeout_s + 60
 
 
-__all__ = ["StepDriver"]
+def step_time_split(metrics: dict[str, float], wall_s: float) -> dict[str, float]:
+    """Where a step's wall time went, from the trainer's side (``time/*``, each in seconds): waiting for a
+    batch (the rollouter was behind), computing, pushing the new version (of which the servers were paused
+    ``time/servers_paused_s``), and the rest (checkpoints, evaluation, metrics). Generation overlaps all of
+    them; how fast it ran is ``server/*`` (each server's own counters) and ``rollouter/*``."""
+    wait = metrics.get("time/trainer_wait_s", 0.0)
+    compute = metrics.get("time/trainer_compute_s", 0.0)
+    push = metrics.get("sync/publish_s", 0.0)
+    return {
+        "time/step_s": wall_s,
+        "time/push_s": push,
+        "time/servers_paused_s": metrics.get("sync/paused_s", 0.0),
+        "time/other_s": max(0.0, wall_s - wait - compute - push),
+    }
+
+
+__all__ = ["StepDriver", "step_time_split"]

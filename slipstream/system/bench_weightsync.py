@@ -171,10 +171,12 @@ def _trainer_tensors(path: Path, dtype: str) -> list[tuple[str, Any]]:
 def _raw_s(cfg: WeightSyncConfig, nbytes: int, reps: int) -> float:
     import torch
 
-    from slipstream.weightsync.bench import Bench
+    from slipstream.weightsync.bench import Bench, Cmd
 
     bench = Bench(cfg, receivers=1)
     try:
+        bench.command(Cmd(op="setup", set="tiny-fp32", nbytes=nbytes))  # the receiver's buffer of nbytes
+        bench.replies()
         buf = torch.empty(nbytes, dtype=torch.uint8)
         bench.raw(buf)  # warm-up
         return statistics.median(bench.raw(buf) for _ in range(reps))
