@@ -20,15 +20,15 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
         "run the embedded inference server: slipstream serve --model PATH",
     ),
     "bench": {
-        "queue": ("slipstream.queue.bench", "TransferQueue throughput and latency vs Ray and memcpy"),
-        "rollout": ("slipstream.rollouter.bench", "embedded server tokens/s vs transformers generate"),
+        "queue": ("slipstream.system.bench_queue", "TransferQueue throughput and latency vs Ray and memcpy"),
+        "rollout": ("slipstream.system.bench_rollout", "embedded server tokens/s vs transformers generate"),
         "gateway": (
-            "slipstream.rollouter.bench_gateway",
+            "slipstream.system.bench_gateway",
             "agent gateway latency overhead and exact recording",
         ),
         "train": ("slipstream.system.bench_train", "training tokens/s, packed vs padded"),
         "logprob": (
-            "slipstream.trainer.bench_logprob",
+            "slipstream.system.bench_logprob",
             "logprob+entropy peak memory, full logits vs chunked",
         ),
         "weightsync": (

@@ -62,10 +62,9 @@ STRUCT_COMMANDS = [
 
 
 def _bench_parsers() -> list[tuple[str, Any]]:
-    from slipstream.rollouter import bench as rollout_bench
-    from slipstream.system import bench_train, e2e, scale
-    from slipstream.trainer import bench_logprob
-    from slipstream.weightsync import bench as weightsync_bench
+    from slipstream.system import bench_logprob, bench_train, e2e, scale
+    from slipstream.system import bench_rollout as rollout_bench
+    from slipstream.system import bench_transport as weightsync_bench
 
     return [
         ("bench weightsync", weightsync_bench.build_parser),
@@ -195,7 +194,7 @@ def test_a_bench_takes_the_config_keys_it_borrows_from_the_config(name, capsys):
 
 
 def test_a_bench_default_is_its_own_and_the_help_shows_the_configs():
-    from slipstream.weightsync import bench
+    from slipstream.system import bench_transport as bench
 
     parser = bench.build_parser()
     assert parser.parse_args([]).bucket_mb == 64

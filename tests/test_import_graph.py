@@ -1,9 +1,10 @@
 """The import graph of ``slipstream/``: no module imports another that imports it back (directly or through
 others, at module level or inside a function; ``TYPE_CHECKING`` imports aside), no shipped code imports
-the tests, no role imports the whole-system tools in ``slipstream/system/`` (they import the roles), and no
-role imports the root config ``slipstream/config.py`` (it builds each role's settings and hands them down;
-``TYPE_CHECKING`` imports count here). An ``importlib.import_module("a.b")`` with a literal name is an import
-like any other."""
+the tests, no role imports the whole-system tools in ``slipstream/system/`` (they import the roles), no
+role imports the root config ``slipstream/config.py`` (it builds each role's settings and hands them down),
+each role imports only the roles design.md §2 allows it, and no role holds a bench command (they live in
+``system/``; a role may keep a measurement its own code never imports). ``TYPE_CHECKING`` imports count for
+all but the cycles. An ``importlib.import_module("a.b")`` with a literal name is an import like any other."""
 
 from __future__ import annotations
 
@@ -128,12 +129,23 @@ def test_shipped_code_never_imports_the_tests():
 
 def test_no_role_imports_the_whole_system_tools():
     roles = tuple(
-        f"slipstream.{r}" for r in ("queue", "rollouter", "agents", "trainer", "weightsync", "pipeline")
+        f"slipstream.{r}"
+        for r in (
+            "queue",
+            "rollouter",
+            "agents",
+            "trainer",
+            "weightsync",
+            "serverapi",
+            "serverkinds",
+            "pipeline",
+        )
     )
     importers = sorted(
         name
-        for name, deps in _graph().items()
-        if name.startswith(roles) and any(d.startswith("slipstream.system") for d in deps)
+        for name, path in _modules().items()
+        if name.startswith(roles)
+        and any(d.startswith("slipstream.system") for d in _imports(path, typing_too=True))
     )
     assert importers == []
 
@@ -172,4 +184,96 @@ def test_the_config_check_sees_typing_and_importlib_imports(tmp_path):
         "slipstream.queue.by_name",
         "slipstream.queue.package",
         "slipstream.queue.typed",
+    ]
+
+
+# design.md §2, "Imports flow one way": the roles each role may import (utilities and config_base aside).
+ALLOWED_ROLES = {
+    "queue": set(),
+    "weightsync": set(),
+    "agents": set(),
+    "rollouter": {"agents", "queue", "weightsync"},
+    "trainer": {"queue", "weightsync"},
+}
+
+
+def _role_of(name: str) -> str | None:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in ALLOWED_ROLES else None
+
+
+def _role_crossings(modules: dict[str, Path]) -> list[str]:
+    """``module -> imported`` for every import from one role into another that design.md §2 does not allow."""
+    known = set(_modules()) | set(modules)  # `from a.b import c` also yields a.b.c: keep the modules
+    found = []
+    for name, path in modules.items():
+        role = _role_of(name)
+        if role is None:
+            continue
+        for dep in sorted(_imports(path, typing_too=True) & known):
+            other = _role_of(dep)
+            if other is not None and other != role and other not in ALLOWED_ROLES[role]:
+                found.append(f"{name} -> {dep}")
+    return found
+
+
+def test_roles_import_only_the_roles_design_allows():
+    assert _role_crossings(_modules()) == []
+
+
+def test_the_role_check_sees_a_forbidden_import(tmp_path):
+    (tmp_path / "a.py").write_text("def f():\n    from slipstream.rollouter.config import RolloutConfig\n")
+    (tmp_path / "b.py").write_text("from slipstream.queue.types import GroupMeta\n")
+    modules = {"slipstream.weightsync.a": tmp_path / "a.py", "slipstream.rollouter.b": tmp_path / "b.py"}
+    assert _role_crossings(modules) == ["slipstream.weightsync.a -> slipstream.rollouter.config"]
+
+
+BENCH_ROLES = ("queue", "rollouter", "trainer", "weightsync", "agents", "serverapi", "serverkinds")
+
+
+def _bench_problems(modules: dict[str, Path]) -> list[str]:
+    """Role modules that build a ``slipstream bench`` command, and bench modules a role keeps (``bench*.py``)
+    that have a ``main`` or are imported by their own role's code."""
+    roles = tuple(f"slipstream.{r}." for r in BENCH_ROLES)
+    found = []
+    for name, path in modules.items():
+        if not name.startswith(roles):
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Call)
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and str(node.args[0].value).startswith("slipstream bench")
+            ):
+                found.append(f"{name}: builds the `{node.args[0].value}` command")
+        leaf = name.rsplit(".", 1)[1]
+        if leaf.startswith("bench") or leaf.endswith("_bench"):
+            if any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body):
+                found.append(f"{name}: a bench with a main")
+            role = ".".join(name.split(".")[:2]) + "."
+            found += [
+                f"{name}: imported by {other}"
+                for other, other_path in modules.items()
+                if other.startswith(role) and name in _imports(other_path, typing_too=True)
+            ]
+    return sorted(found)
+
+
+def test_no_role_holds_a_bench_command():
+    assert _bench_problems(_modules()) == []
+
+
+def test_the_bench_check_sees_a_bench_command(tmp_path):
+    (tmp_path / "bench.py").write_text("def main():\n    command_parser('slipstream bench x', '')\n")
+    (tmp_path / "user.py").write_text("from slipstream.trainer import bench\n")
+    modules = {
+        "slipstream.trainer.bench": tmp_path / "bench.py",
+        "slipstream.trainer.user": tmp_path / "user.py",
+    }
+    assert _bench_problems(modules) == [
+        "slipstream.trainer.bench: a bench with a main",
+        "slipstream.trainer.bench: builds the `slipstream bench x` command",
+        "slipstream.trainer.bench: imported by slipstream.trainer.user",
     ]

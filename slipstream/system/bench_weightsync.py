@@ -1,5 +1,5 @@
 """``slipstream bench weightsync``: the transports between processes (``--target processes``, the default:
-``slipstream.weightsync.bench``), or a version pushed into a real vLLM server while it generates
+``slipstream.system.bench_transport``), or a version pushed into a real vLLM server while it generates
 (``--target vllm``).
 
 ``--target vllm`` launches vLLM (its CPU build here) on the quickstart model, served in the dtype
@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
     target.add_argument("--target", choices=TARGETS, default="processes")
     known, rest = target.parse_known_args(argv)
     if known.target == "processes":
-        from slipstream.weightsync.bench import main as processes_main
+        from slipstream.system.bench_transport import main as processes_main
 
         return processes_main(rest)
     return vllm_main(rest)
@@ -171,7 +171,7 @@ def _trainer_tensors(path: Path, dtype: str) -> list[tuple[str, Any]]:
 def _raw_s(cfg: WeightSyncConfig, nbytes: int, reps: int) -> float:
     import torch
 
-    from slipstream.weightsync.bench import Bench, Cmd
+    from slipstream.system.bench_transport import Bench, Cmd
 
     bench = Bench(cfg, receivers=1)
     try:

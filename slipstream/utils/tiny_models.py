@@ -1,7 +1,7 @@
 """Tiny, random-initialised models for benchmarks and tests: nothing is ever downloaded.
 
-A shared utility (``utils/``), so benchmarks inside the roles (``trainer/bench.py``,
-``rollouter/bench_gateway.py``), the whole-system ones (``system/``) and the tests all take it from here.
+A shared utility (``utils/``), so a role's measurement (``trainer/bench.py``), the bench commands
+(``system/``) and the tests all take it from here.
 
 :func:`make_tiny_model` writes a normal HF checkpoint directory (config, safetensors weights, tokenizer with a
 ChatML chat template that understands tools) that every part of Slipstream accepts as a model path. The

@@ -373,8 +373,8 @@ def test_a_journalled_server_holding_large_groups_stops_on_sigterm(server_proces
 
 
 def test_a_failed_server_stop_never_masks_the_bench_results(monkeypatch):
-    from slipstream.queue import bench
     from slipstream.queue import server as server_mod
+    from slipstream.system import bench_queue as bench
 
     real = server_mod.start_queue_server
 

@@ -242,7 +242,7 @@ def test_peft_adapter_config_fields() -> None:
 
 # ------------------------------------------------------------------------------------------ measurement
 def test_changed_fraction_measurement_grows_with_the_learning_rate(tiny_model_path) -> None:
-    from slipstream.weightsync.send_less_bench import measure_changed_fraction
+    from slipstream.system.bench_send_less import measure_changed_fraction
 
     small = measure_changed_fraction(str(tiny_model_path), 1e-6, 2, batch=2, seq_len=16)
     large = measure_changed_fraction(str(tiny_model_path), 1e-2, 2, batch=2, seq_len=16)
@@ -256,9 +256,9 @@ def test_changed_fraction_measurement_grows_with_the_learning_rate(tiny_model_pa
 
 
 def test_adapter_shapes_and_the_smollm2_adapter_share() -> None:
-    from slipstream.weightsync.bench import SMOLLM2_135M, model_shapes
+    from slipstream.system.bench_send_less import lora_bytes_ratio
+    from slipstream.system.bench_transport import SMOLLM2_135M, model_shapes
     from slipstream.weightsync.delta import adapter_shapes
-    from slipstream.weightsync.send_less_bench import lora_bytes_ratio
 
     base = [("m.layers.0.q_proj.weight", (8, 6)), ("m.layers.0.q_proj.bias", (8,)), ("m.norm.weight", (6,))]
     assert adapter_shapes(base, 2, ["q_proj", "norm"]) == [

@@ -92,9 +92,9 @@ def rollout(ctx: Context) -> dict:
     from transformers import AutoModelForCausalLM
 
     from slipstream.agents.protocol import SamplingParams
-    from slipstream.rollouter.bench import embedded_wave
     from slipstream.rollouter.config import EmbeddedServerConfig, RolloutConfig
     from slipstream.rollouter.launch import launch_server
+    from slipstream.system.bench_rollout import embedded_wave
 
     gpu = not ctx.small
     shape = "1b" if gpu else "small"
@@ -153,8 +153,8 @@ def push(ctx: Context) -> dict:
     from slipstream.agents.protocol import SamplingParams
     from slipstream.config import load_config, trainer_settings
     from slipstream.pipeline.modes import prepare_config
-    from slipstream.rollouter.bench import embedded_wave
     from slipstream.rollouter.launch import launch_server
+    from slipstream.system.bench_rollout import embedded_wave
     from slipstream.trainer.engine.fsdp import FSDPEngine
     from slipstream.trainer.trainer import push_dtype
     from slipstream.utils.net import free_port

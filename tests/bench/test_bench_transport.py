@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from slipstream.weightsync.bench import SMOLLM2_135M, main, model_shapes
+from slipstream.system.bench_transport import SMOLLM2_135M, main, model_shapes
 
 KEYS = {
     "receivers",

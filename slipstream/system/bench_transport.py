@@ -358,7 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--send-less",
         action="store_true",
         help="full vs delta (weightsync.delta) vs LoRA adapter-only pushes of the quickstart model through the "
-        "publisher to an embedded server (send_less_bench.send_less_figures)",
+        "publisher to an embedded server (bench_send_less.send_less_figures)",
     )
     parser.add_argument("--model", default="~/.cache/slipstream/models/smollm2-135m-instruct",
                         help="--send-less: the HF checkpoint (slipstream models prepare smollm2-135m-instruct)")  # fmt: skip
@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.send_less:
         from pathlib import Path
 
-        from slipstream.weightsync.send_less_bench import send_less_figures
+        from slipstream.system.bench_send_less import send_less_figures
 
         res = send_less_figures(str(Path(args.model).expanduser()))
         print(json.dumps(res) if args.json else json.dumps(res, indent=1))

@@ -97,7 +97,7 @@ def _run_variant(args: argparse.Namespace) -> None:
 
 
 def _spawn(args: argparse.Namespace, variant: str, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "slipstream.trainer.bench_logprob", "--variant", variant, "--out", str(out)]
+    cmd = [sys.executable, "-m", "slipstream.system.bench_logprob", "--variant", variant, "--out", str(out)]
     for key in ("tokens", "vocab", "hidden", "chunk", "temperature", "seed"):
         cmd += [f"--{key}", str(getattr(args, key))]
     subprocess.run(cmd, check=True)

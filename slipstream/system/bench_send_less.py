@@ -18,7 +18,7 @@ between two bf16 values (20.7% exactly on one); the first step's nudge breaks th
 half of them, so step 1 changes several times more elements than the steps after it (measured here at lr
 1e-6: 4.5% at step 1, about 0.6% per step after). A checkpoint trained in fp32 or bf16 has no such ties.
 
-    python -m slipstream.weightsync.send_less_bench --model ~/.cache/slipstream/models/smollm2-135m-instruct \
+    python -m slipstream.system.bench_send_less --model ~/.cache/slipstream/models/smollm2-135m-instruct \
         --lr 1e-6 2e-5 --steps 10 --json
 
 ``measure_changed_fraction`` is what ``slipstream bench weightsync --send-less`` reports as
@@ -134,7 +134,7 @@ def lora_bytes_ratio(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = command_parser("python -m slipstream.weightsync.send_less_bench", doc_paragraph(__doc__))
+    parser = command_parser("python -m slipstream.system.bench_send_less", doc_paragraph(__doc__))
     parser.add_argument("--model", required=True, help="local HF model directory")
     # Several values of trainer.lr, one measurement each (and weightsync/ does not import the trainer's config).
     parser.add_argument(

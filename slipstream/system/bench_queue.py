@@ -243,7 +243,7 @@ class _Child:
     """A bench worker process driven by JSON lines."""
 
     def __init__(self, role: str, address: str) -> None:
-        cmd = [sys.executable, "-m", "slipstream.queue.bench", "--role", role, "--address", address]
+        cmd = [sys.executable, "-m", "slipstream.system.bench_queue", "--role", role, "--address", address]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.read()
 
