@@ -62,7 +62,6 @@ __all__ = [
     "load_config",
     "override_value",
     "rollouter_settings",
-    "served_dtype",
     "to_dict",
     "to_yaml",
     "trainer_settings",
@@ -390,15 +389,6 @@ def trainer_settings(cfg: Config) -> TrainerSettings:
 
 
 # ----------------------------------------------------------------------------------------------- loading
-
-
-def served_dtype(cfg: Config) -> str:
-    """The dtype the inference servers hold weights in (what ``weightsync.push_dtype: auto`` pushes, what the
-    memory planner counts): a value of the whole config, so here, where the pipeline and the planner both
-    read it. Each server kind reads it from its own settings (its record's ``served_dtype``)."""
-    from slipstream.serverkinds import server_kind
-
-    return server_kind(cfg.rollout.backend).served_dtype(cfg.rollout, cfg.model.path, cfg.model.dtype)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

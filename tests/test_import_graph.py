@@ -277,3 +277,85 @@ def test_the_bench_check_sees_a_bench_command(tmp_path):
         "slipstream.trainer.bench: builds the `slipstream bench x` command",
         "slipstream.trainer.bench: imported by slipstream.trainer.user",
     ]
+
+
+# Below the server kinds: they build on these, so these never reach up for a kind (they are handed its record).
+BELOW_KINDS = (*ROLES, "config")
+
+
+def _kind_importers(modules: dict[str, Path]) -> list[str]:
+    below = tuple(f"slipstream.{r}" for r in BELOW_KINDS)
+    return sorted(
+        name
+        for name, path in modules.items()
+        if (name in below or name.startswith(tuple(f"{b}." for b in below)))
+        and any(
+            m == "slipstream.serverkinds" or m.startswith("slipstream.serverkinds.")
+            for m in _imports(path, True)
+        )
+    )
+
+
+def test_nothing_below_the_server_kinds_imports_them():
+    assert _kind_importers(_modules()) == []
+
+
+def test_the_kinds_check_sees_typing_and_importlib_imports(tmp_path):
+    sources = {
+        "typed": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from slipstream.serverkinds import ServerKind\n",
+        "by_name": "import importlib\nkind = importlib.import_module('slipstream.serverkinds.vllm')\n",
+        "package": "def f():\n    from slipstream import serverkinds\n",
+        "api": "from slipstream.serverapi import VLLM\n",
+    }
+    modules = {}
+    for name, text in sources.items():
+        path = tmp_path / f"{name}.py"
+        path.write_text(text)
+        modules[f"slipstream.weightsync.{name}"] = path
+    modules["slipstream.pipeline.typed"] = tmp_path / "typed.py"  # above the kinds: allowed
+    modules["slipstream.config"] = tmp_path / "by_name.py"  # the root config is below them
+    assert _kind_importers(modules) == [
+        "slipstream.config",
+        "slipstream.weightsync.by_name",
+        "slipstream.weightsync.package",
+        "slipstream.weightsync.typed",
+    ]
+
+
+def _getattr_shims(modules: dict[str, Path]) -> list[str]:
+    """Modules with a module-level ``__getattr__`` that hands out names from outside their own package (by
+    module-path strings): shims for moved names, whose imports this graph cannot see. A package that loads
+    its own submodules lazily (``slipstream.queue``) is no shim."""
+    found = []
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        if not any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in tree.body):
+            continue
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = {
+            n.value.partition(":")[0]
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.startswith("slipstream.")
+        }
+        if not targets or any(t != package and not t.startswith(package + ".") for t in targets):
+            found.append(name)
+    return sorted(found)
+
+
+def test_no_module_level_getattr_shims():
+    assert _getattr_shims(_modules()) == []
+
+
+def test_the_shim_check_tells_a_shim_from_a_lazy_package(tmp_path):
+    shim = (
+        "import importlib\n_MOVED = {'X': 'slipstream.serverkinds.vllm'}\ndef __getattr__(n):\n    return 1\n"
+    )
+    lazy = "import importlib\n_EXPORTS = {'Y': 'slipstream.queue.types'}\ndef __getattr__(n):\n    return 1\n"
+    (tmp_path / "shim.py").write_text(shim)
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text(lazy)
+    modules = {
+        "slipstream.weightsync.adapters": tmp_path / "shim.py",
+        "slipstream.queue": tmp_path / "pkg" / "__init__.py",
+    }
+    assert _getattr_shims(modules) == ["slipstream.weightsync.adapters"]

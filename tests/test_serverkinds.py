@@ -1,10 +1,12 @@
 """What an inference-server kind must provide (``slipstream.serverkinds``; the steps are in
-docs/architecture.md, "Adding a server kind"): every registered kind's record is complete and consistent, the
-per-part tables are views of the one table, and a kind added as one module plus its entry is reached by the
-launcher, the clients, the adapters and the descriptions alike."""
+docs/architecture.md, "Adding a server kind"): every registered kind's record is complete and consistent and
+satisfies what the launcher, the clients and weight sync take from it, and a kind added as one module plus its
+entry reaches them through its record, handed down (nothing below ``serverkinds`` looks a kind up by name:
+tests/test_import_graph.py)."""
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 import textwrap
@@ -16,14 +18,14 @@ import msgspec
 import pytest
 
 from slipstream.agents.config import RewardServerLaunchConfig
-from slipstream.rollouter import launch
-from slipstream.rollouter.clients import CLIENT_KINDS, ServerClient, make_client
+from slipstream.rollouter.clients import ServerClient, client_for, make_client
 from slipstream.rollouter.config import RolloutConfig
-from slipstream.serverapi import SERVER_APIS, ServerAPI, server_api
+from slipstream.serverapi import EMBEDDED, ServerAPI
 from slipstream.serverkinds import KINDS, KindName, ServerKind, server_kind
-from slipstream.weightsync.adapters import ADAPTERS, ServerAdapter, get_adapter_class
+from slipstream.serverkinds import vllm as kind_vllm
+from slipstream.weightsync.adapters import ServerAdapter
+from slipstream.weightsync.base import TRANSPORTS
 from slipstream.weightsync.config import WeightSyncConfig
-from slipstream.weightsync.servers import STREAMS
 
 ROOT = Path(__file__).resolve().parents[1]
 EXTRAS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
@@ -31,8 +33,8 @@ EXTRAS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["option
 
 @pytest.fixture(params=list(KINDS))
 def kind(request, monkeypatch) -> ServerKind:
-    # A kind with builds (vLLM) reads the installed one through the launcher; any build will do here.
-    monkeypatch.setattr(launch, "vllm_build", lambda: "gpu")
+    # A kind with builds (vLLM) reads the installed one in its own module; any build will do here.
+    monkeypatch.setattr(kind_vllm, "vllm_build", lambda: "gpu")
     return server_kind(request.param)
 
 
@@ -45,7 +47,7 @@ def test_every_kind_is_its_own_modules_record(kind: ServerKind):
 
 def test_the_client_speaks_the_kinds_description(kind: ServerKind):
     assert issubclass(kind.client, ServerClient)
-    client = make_client(kind.name, "http://127.0.0.1:9")
+    client = make_client(kind, "http://127.0.0.1:9")
     assert type(client) is kind.client
     assert client.server_api is kind.api and client.control.api is kind.api
     assert isinstance(kind.client.options_from(RolloutConfig(backend=kind.name)), dict)
@@ -65,7 +67,6 @@ def test_the_command_and_environment_build_for_a_default_config(kind: ServerKind
     assert "/models/m" in argv and "8000" in argv
     env = kind.env(cfg)
     assert all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
-    assert launch.LAUNCHERS[kind.name]("/models/m", "127.0.0.1", 8000, cfg) == argv
 
 
 def test_the_position_override_is_the_kinds_flag(kind: ServerKind):
@@ -87,7 +88,7 @@ def test_the_flags_are_complete(kind: ServerKind):
         assert kind.extra in EXTRAS, f"pyproject.toml has no `{kind.extra}` extra"
     if kind.cpu_extra is not None:
         assert kind.cpu_extra in EXTRAS and kind.cpu_build is not None
-    assert set(kind.streams) <= set(STREAMS)
+    assert all(s in TRANSPORTS and TRANSPORTS.get(s).joins == "stream" for s in kind.streams)
     backends = typing.get_args(
         typing.get_args(typing.get_type_hints(WeightSyncConfig, include_extras=True)["backend"])[0]
     )
@@ -115,37 +116,45 @@ def test_the_config_offers_exactly_the_registered_kinds():
         msgspec.convert({"backend": "tgi"}, RolloutConfig)
 
 
-def test_the_per_part_tables_are_views_of_the_records():
-    for table, field in ((SERVER_APIS, "api"), (CLIENT_KINDS, "client"), (ADAPTERS, "adapter")):
-        assert table.names() == list(KINDS)
-        assert all(table[name] is getattr(server_kind(name), field) for name in KINDS)
-    assert list(launch.LAUNCHERS) == list(KINDS)
-    assert all(server_api(name) is server_kind(name).api for name in KINDS)
-    with pytest.raises(TypeError, match="added in slipstream.serverkinds.KINDS"):
-        ADAPTERS.add("tgi", ServerAdapter)
+def test_the_record_is_what_the_lower_layers_take(kind: ServerKind):
+    """The launcher, the clients and weight sync each type the record by a protocol of their own."""
+    from slipstream.rollouter.clients import ClientKind
+    from slipstream.rollouter.launch import LaunchKind
+    from slipstream.weightsync.adapters import AdapterKind
+
+    for protocol in (ClientKind, LaunchKind, AdapterKind):
+        for name in (n for n in vars(protocol) if not n.startswith("_")):
+            assert hasattr(kind, name), f"{kind.name}: {protocol.__name__}.{name}"
+    cfg = RolloutConfig(backend=kind.name)
+    assert type(client_for(kind, cfg, "http://127.0.0.1:9")) is kind.client
 
 
 def test_an_unknown_kind_names_the_key_and_the_known_kinds():
-    for lookup in (server_kind, server_api, get_adapter_class, launch.LAUNCHERS.get, CLIENT_KINDS.get):
-        with pytest.raises(
-            ValueError, match="^rollout.backend: unknown inference server kind `tgi`; known kinds: "
-        ):
-            lookup("tgi")
+    with pytest.raises(
+        ValueError, match="^rollout.backend: unknown inference server kind `tgi`; known kinds: "
+    ):
+        server_kind("tgi")
     with pytest.raises(ValueError, match="^reward.service.launch.backend: unknown"):
         server_kind("tgi", key="reward.service.launch.backend")
 
 
-def test_the_moved_classes_import_from_their_old_paths():
-    from slipstream.rollouter.clients import SGLangClient, VLLMClient
-    from slipstream.rollouter.clients.vllm import build_completions_payload  # noqa: F401
+def test_each_kinds_classes_live_in_its_module():
     from slipstream.serverapi import EMBEDDED, SGLANG, VLLM
-    from slipstream.weightsync.adapters import EmbeddedAdapter, SGLangAdapter, VLLMAdapter
+    from slipstream.serverkinds.embedded import EmbeddedAdapter
+    from slipstream.serverkinds.sglang import SGLangAdapter, SGLangClient
+    from slipstream.serverkinds.vllm import (
+        VLLMAdapter,
+        VLLMClient,
+        build_completions_payload,  # noqa: F401
+    )
 
     assert (SGLangClient, VLLMClient) == (server_kind("sglang").client, server_kind("vllm").client)
     assert server_kind("embedded").client is SGLangClient
     assert [EmbeddedAdapter, SGLangAdapter, VLLMAdapter] == [server_kind(k).adapter for k in KINDS]
     assert [EMBEDDED, SGLANG, VLLM] == [server_kind(k).api for k in KINDS]
-    assert callable(launch.vllm_build)
+    # No shims: a role's package offers no kind's class.
+    assert not hasattr(importlib.import_module("slipstream.rollouter.clients"), "SGLangClient")
+    assert not hasattr(importlib.import_module("slipstream.weightsync.adapters"), "VLLMAdapter")
 
 
 def test_no_kind_is_imported_until_asked_for():
@@ -193,8 +202,8 @@ def test_a_kind_is_one_module_plus_its_entry(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setitem(KINDS, "toy", "toy_kind")
     kind = server_kind("toy")
-    assert type(make_client("toy", "http://127.0.0.1:9")).__name__ == "ToyClient"
-    assert get_adapter_class("toy").__name__ == "ToyAdapter" and server_api("toy") is kind.api
-    argv = launch.LAUNCHERS["toy"]("/m", "127.0.0.1", 1, RolloutConfig(max_position_embeddings=64))
+    assert type(make_client(kind, "http://127.0.0.1:9")).__name__ == "ToyClient"
+    assert kind.adapter.__name__ == "ToyAdapter" and kind.api is EMBEDDED
+    argv = kind.argv("/m", "127.0.0.1", 1, RolloutConfig(max_position_embeddings=64))
     assert argv[2] == "toy_server" and argv[-2] == "--toy-overrides"
-    assert "toy" in SERVER_APIS and ADAPTERS.names()[-1] == "toy"
+    assert list(KINDS)[-1] == "toy"

@@ -18,12 +18,13 @@ from collections.abc import Mapping
 from slipstream.contracts.ours import HttpCall
 from slipstream.contracts.problems import Problem
 from slipstream.contracts.upstream import SourceTree
-from slipstream.serverapi import SERVER_APIS, ServerAPI
+from slipstream.serverapi import ServerAPI
+from slipstream.serverkinds import kind_names, server_kind
 
 
 def pinned_apis() -> dict[str, ServerAPI]:
     """The descriptions of servers with a release on the package registry (not our embedded one)."""
-    return {kind: api for kind, api in SERVER_APIS.items() if api.dist}
+    return {kind: server_kind(kind).api for kind in kind_names() if server_kind(kind).api.dist}
 
 
 def check_descriptions(

@@ -186,9 +186,9 @@ class _Recorder:
 
 async def _record_clients(rec: _Recorder, errors: list[str]) -> None:
     from slipstream.agents.protocol import SamplingParams
-    from slipstream.rollouter.clients.sglang import SGLangClient
-    from slipstream.rollouter.clients.vllm import VLLMClient
     from slipstream.serverapi import SGLANG, VLLM
+    from slipstream.serverkinds.sglang import SGLangClient
+    from slipstream.serverkinds.vllm import VLLMClient
 
     samplings = [
         SamplingParams(),
@@ -233,7 +233,8 @@ async def _drive_client(
 
 
 async def _record_adapters(rec: _Recorder, errors: list[str]) -> None:
-    from slipstream.weightsync.adapters import ADAPTERS, GroupSpec
+    from slipstream.serverkinds import server_kind
+    from slipstream.weightsync.adapters import GroupSpec
     from slipstream.weightsync.config import WeightSyncConfig
     from slipstream.weightsync.types import BucketMeta, TensorEntry
 
@@ -256,7 +257,7 @@ async def _record_adapters(rec: _Recorder, errors: list[str]) -> None:
     )
     variants = [("sglang", "")] + [("vllm", engine) for engine in VLLM_ENGINES]
     for kind, engine in variants:
-        cls = ADAPTERS[kind]
+        cls = server_kind(kind).adapter
         for backend in ("torch_dist", "naive"):
             for pause_mode in ("in_place", "abort", "retract"):
                 cfg = WeightSyncConfig(backend=backend, pause_mode=pause_mode)
@@ -347,7 +348,7 @@ def _literal_values(t: Any) -> tuple:
     return ()
 
 
-# The vLLM builds the launcher tells apart (``launch.vllm_build``): each config's command is recorded for both.
+# The vLLM builds the launcher tells apart (``serverkinds.vllm.vllm_build``): each config's command is recorded for both.
 VLLM_BUILDS: tuple[str, ...] = ("gpu", "cpu")
 
 
@@ -358,6 +359,8 @@ def record_launch_argv() -> list[LaunchArgv]:
     import os
 
     from slipstream.rollouter import launch
+    from slipstream.serverkinds import server_kind
+    from slipstream.serverkinds import vllm as kind_vllm
 
     seen: list[LaunchArgv] = []
 
@@ -378,14 +381,18 @@ def record_launch_argv() -> list[LaunchArgv]:
     build = {"name": ""}
     with (
         mock.patch.object(launch.subprocess, "Popen", _FakePopen),
-        mock.patch.object(launch, "vllm_build", lambda: build["name"]),
+        mock.patch.object(kind_vllm, "vllm_build", lambda: build["name"]),
         mock.patch.dict(os.environ, {"PATH": os.environ.get("PATH", "")}, clear=True),  # what it adds, only
     ):
         for source, cfg in _sample_configs():
             for name in VLLM_BUILDS if cfg.backend == "vllm" else ("",):
                 build["name"] = name
                 server = launch.launch_server(
-                    cfg.backend, "/models/sample", cfg=cfg, port=30123, log_path=Path("/dev/null")
+                    server_kind(cfg.backend),
+                    "/models/sample",
+                    cfg=cfg,
+                    port=30123,
+                    log_path=Path("/dev/null"),
                 )
                 server.stop()
                 rec = seen.pop()

@@ -34,7 +34,7 @@ import signal
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from slipstream.pipeline.types import (
     PushReport,
@@ -99,6 +99,8 @@ class ServerHost:
     the address it binds (``cluster.server_host``). ``role`` names its logs: ``server`` for a rollout
     server, ``judge`` for a judge server of ``reward.service.launch`` (a rollout section of its own)."""
 
+    max_concurrency: ClassVar[int] = 2  # health checks answer while start() waits for the server
+
     def __init__(
         self,
         rollout: RolloutConfig,
@@ -131,7 +133,8 @@ class ServerHost:
         rollout, host = self.rollout, self.server_host
         # Ray sets OMP_NUM_THREADS=1 in actors that reserve no CPU; a server on a CPU gets its kind's count
         # (0: one per core), a GPU server its kind's own environment.
-        threads = server_kind(rollout.backend).cpu_threads(rollout)
+        kind = server_kind(rollout.backend)  # resolved here, at the root, and handed to the launcher
+        threads = kind.cpu_threads(rollout)
         env = {"OMP_NUM_THREADS": str(threads or usable_cores())} if threads is not None else {}
         if self.token:
             from slipstream.utils.http_auth import TOKEN_ENV
@@ -141,7 +144,7 @@ class ServerHost:
             # The port is probed on the address the server binds (0.0.0.0 covers every interface), and
             # another process may still take it before the server binds: then a new port is tried.
             port = free_port(host if host != "::" else "0.0.0.0")
-            self.server = launch_server(rollout.backend, self.model_path, host=host, port=port, cfg=rollout,
+            self.server = launch_server(kind, self.model_path, host=host, port=port, cfg=rollout,
                                         env=env, log_path=self.log_path)  # fmt: skip
             try:
                 self.server.wait_healthy(rollout.launch_timeout_s)
@@ -158,14 +161,12 @@ class ServerHost:
         """Process state and one probe (2 s) of the kind's health route (``/health``)."""
         import httpx
 
-        from slipstream.serverkinds import server_kind
-
         if self.server is None:
             return ServerHealth(alive=False, healthy=False)
         alive = self.server.is_alive()
         healthy = False
         if alive:
-            health = server_kind(self.server.kind).api.health
+            health = self.server.health
             try:
                 healthy = (
                     httpx.request(health.method, f"{self.url}{health.path}", timeout=2.0).status_code == 200
@@ -233,6 +234,9 @@ class RolloutWorker:
         self._task: asyncio.Task | None = None
         self._reviver: asyncio.Task | None = None
         self._token = ""
+        from slipstream.serverkinds import server_kind
+
+        self._kind = server_kind(settings.rollout.backend)  # the servers' kind, handed to their clients
 
     async def start(self, start: RolloutStart) -> None:
         import msgspec
@@ -253,7 +257,7 @@ class RolloutWorker:
             reward = msgspec.structs.replace(cfg.reward, service=service)
             cfg = self.settings = msgspec.structs.replace(cfg, reward=reward)
         self._token = start.token
-        self.balancer = balancer_from_config(cfg.rollout, start.urls, start.token)
+        self.balancer = balancer_from_config(self._kind, cfg.rollout, start.urls, start.token)
         restarting = cfg.restart_servers and not cfg.rollout.server_urls
         patience = cfg.rollout.launch_timeout_s + 4 * cfg.health_interval_s if restarting else 0.0
         client = _WaitForServers(self.balancer, patience)
@@ -296,11 +300,14 @@ class RolloutWorker:
     async def add_server(self, url: str) -> None:
         from slipstream.rollouter.clients import client_for
 
-        self.balancer.add(client_for(self.settings.rollout, url).authorize(self._token))
+        self.balancer.add(client_for(self._kind, self.settings.rollout, url).authorize(self._token))
 
     async def set_judge_urls(self, urls: list[str]) -> None:
         """The judge servers the reward service calls from now on (one was restarted on a new port)."""
         self.rollouter.set_judges(urls)
+
+    async def pid(self) -> int:
+        return os.getpid()
 
     async def remove_server(self, url: str) -> None:
         client = self.balancer.remove(url)
@@ -438,6 +445,8 @@ class TrainerRank:
     ``publish``, ``save``)* on every rank at once → ``close``. ``add_server``/``remove_server`` (rank 0)
     may run during a step."""
 
+    max_concurrency: ClassVar[int] = 2  # add_server / remove_server during a step
+
     def __init__(
         self, settings: TrainerSettings, rank: int, world_size: int, run_dir: str, threads: int
     ) -> None:
@@ -489,6 +498,7 @@ class TrainerRank:
         presenting the servers' ``token``."""
         import msgspec
 
+        from slipstream.serverkinds import server_kind
         from slipstream.weightsync.publisher import WeightPublisher
 
         if self.rank != 0:
@@ -496,7 +506,8 @@ class TrainerRank:
         ws = self.settings.weightsync
         if ws.master_address in ("0.0.0.0", "", "::"):  # bind (and advertise) this node's address
             ws = msgspec.structs.replace(ws, master_address=_node_ip())
-        self.publisher = WeightPublisher(ws, server_urls, self.settings.server_kind, token=token)
+        kind = server_kind(self.settings.server_kind)
+        self.publisher = WeightPublisher(ws, server_urls, kind, token=token)
 
     def pid(self) -> int:
         return os.getpid()

@@ -36,8 +36,8 @@ from typing import Any
 
 import msgspec
 
-from slipstream.config import MODE_PRESETS, Config, ConfigError, served_dtype
-from slipstream.serverkinds import kind_names, server_kind
+from slipstream.config import MODE_PRESETS, Config, ConfigError
+from slipstream.serverkinds import kind_names, served_dtype, server_kind
 from slipstream.utils.logging import get_logger
 
 log = get_logger(__name__)

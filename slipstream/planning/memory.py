@@ -389,7 +389,7 @@ class Plan:
 
 def plan(cfg, gpu_gib: float = 80.0) -> Plan:
     """The memory plan of a loaded config (see the module docstring)."""
-    from slipstream.config import served_dtype
+    from slipstream.serverkinds import served_dtype
 
     shape = model_shape(cfg.model.path)
     gpu_bytes = int(gpu_gib * GIB)

@@ -20,7 +20,7 @@ Pausing is not the balancer's job: weight sync pauses and resumes each server ar
 
 Worked example::
 
-    lb = LoadBalancer([make_client("embedded", u) for u in urls], max_concurrent_per_server=64)
+    lb = LoadBalancer([make_client(kind, u) for u in urls], max_concurrent_per_server=64)  # kind: the caller's
     out = await lb.generate(prompt_ids, SamplingParams(max_new_tokens=64), rid="p3-1", session_id="p3-1")
     out.server          # "http://127.0.0.1:30001"
     lb.outstanding()    # {"http://127.0.0.1:30000": 12, "http://127.0.0.1:30001": 11}
@@ -34,7 +34,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from slipstream.agents.protocol import GenerateOutput, SamplingParams
-from slipstream.rollouter.clients import client_for
+from slipstream.rollouter.clients import ClientKind, client_for
 from slipstream.rollouter.clients.base import ServerClient, ServerError, ServerUnavailable
 from slipstream.rollouter.config import RolloutConfig
 from slipstream.utils.logging import get_logger
@@ -272,14 +272,17 @@ class LoadBalancer:
                 raise result
 
 
-def balancer_from_config(cfg: RolloutConfig, urls: Sequence[str], token: str = "") -> LoadBalancer:
-    """A balancer over the servers at ``urls`` with the clients and limits ``cfg`` names; every client
-    sends ``token`` (the servers' control token: aborts need it).
+def balancer_from_config(
+    kind: ClientKind, cfg: RolloutConfig, urls: Sequence[str], token: str = ""
+) -> LoadBalancer:
+    """A balancer over the ``kind`` servers at ``urls`` (``cfg.backend``'s record, resolved by the caller)
+    with the clients and limits ``cfg`` names; every client sends ``token`` (the servers' control token:
+    aborts need it).
 
     The HTTP timeout of each client is a minute longer than ``cfg.request_timeout_s``, so the balancer's
     own timeout (abort there, retry elsewhere) is the one that fires.
     """
-    clients = [client_for(cfg, url).authorize(token) for url in urls]
+    clients = [client_for(kind, cfg, url).authorize(token) for url in urls]
     return LoadBalancer(
         clients,
         max_concurrent_per_server=cfg.max_concurrent_per_server,

@@ -8,7 +8,7 @@ import msgspec
 from msgspec import Meta
 
 from slipstream.config_base import ConfigStruct
-from slipstream.serverkinds import KindName
+from slipstream.serverapi import KindName
 
 
 class SamplingConfig(ConfigStruct):

@@ -1,11 +1,10 @@
 """Start inference servers as subprocesses, wait until they are healthy, stop them cleanly.
 
 The command and environment of each kind (``rollout.backend``) come from its record in
-``slipstream.serverkinds`` (``server_kind(kind).argv`` / ``.env``: ``embedded`` is ``python -m
-slipstream.rollouter.serve``, ``vllm`` vLLM's OpenAI server in dev mode, ``sglang`` ``python -m
-sglang.launch_server``; each module's docstring says why its flags). :data:`LAUNCHERS` is a view of those
-records: (model path, host, port, config) -> argv, with ``cfg.max_position_embeddings`` as the kind's
-model-config override.
+``slipstream.serverkinds`` (``kind.argv`` / ``.env``: ``embedded`` is ``python -m slipstream.rollouter.serve``,
+``vllm`` vLLM's OpenAI server in dev mode, ``sglang`` ``python -m sglang.launch_server``; each module's
+docstring says why its flags). The caller resolves the record (``server_kind(name)``) and hands it in; this
+module types it by :class:`LaunchKind` and never looks a kind up by name.
 
 ``cfg.server_args`` and ``extra_args`` are appended. Each server runs in its own process group (vLLM and
 SGLang start workers of their own), writes stdout and stderr to a log file, and is stopped with SIGTERM to
@@ -15,16 +14,16 @@ the group, then SIGKILL after a grace period. When a server exits or never becom
 
 Example::
 
-    with launch_server("embedded", model_path, cfg=rollout_cfg) as server:
+    kind = server_kind("embedded")                   # above the rollouter
+    with launch_server(kind, model_path, cfg=rollout_cfg) as server:
         server.wait_healthy(120)
-        client = make_client("embedded", server.url)
+        client = make_client(kind, server.url)
 """
 
 from __future__ import annotations
 
 import atexit
 import collections
-import importlib
 import os
 import signal
 import subprocess
@@ -34,12 +33,12 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 import httpx
 
 from slipstream.rollouter.config import RolloutConfig
-from slipstream.serverkinds import KindField, server_kind
+from slipstream.serverapi import Endpoint, ServerAPI
 from slipstream.utils.http_auth import TOKEN_ENV
 from slipstream.utils.logging import get_logger
 from slipstream.utils.net import LOOPBACK, free_port
@@ -61,6 +60,20 @@ class ServerLaunchError(RuntimeError):
     """A launched server exited or did not become healthy; the message ends with its own output."""
 
 
+class LaunchKind(Protocol):
+    """What starting a server needs of its kind (``slipstream.serverkinds.ServerKind`` is one)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def api(self) -> ServerAPI: ...
+    @property
+    def open_flag(self) -> str | None: ...
+    def argv(self, model: str, host: str, port: int, cfg: RolloutConfig) -> list[str]: ...
+    @property
+    def env(self) -> Callable[[RolloutConfig], dict[str, str]]: ...
+
+
 @dataclass(eq=False)
 class ServerProcess:
     """A running server subprocess (see the module docstring for the lifecycle)."""
@@ -71,6 +84,7 @@ class ServerProcess:
     log_path: Path
     popen: subprocess.Popen
     _log_file: object = field(default=None, repr=False)
+    health: Endpoint = Endpoint("GET", "/health")  # its kind's described health request
 
     @property
     def pid(self) -> int:
@@ -89,7 +103,7 @@ class ServerProcess:
     def wait_healthy(self, timeout_s: float = 600.0, poll_s: float = 0.25) -> None:
         """Block until the kind's health route (``GET /health``) answers 200; raise :class:`ServerLaunchError`
         (and stop the server) when it exits first or ``timeout_s`` passes."""
-        health = server_kind(self.kind).api.health
+        health = self.health
         deadline = time.monotonic() + timeout_s
         with httpx.Client(timeout=2.0) as http:
             while True:
@@ -144,23 +158,8 @@ class ServerProcess:
         self.stop()
 
 
-# A launcher gives the command line that starts a server: (model path, host, port, config) -> argv; one per
-# kind, from its record.
-LAUNCHERS: KindField = KindField("argv")
-# Defined with their kinds in ``slipstream.serverkinds``, importable from here as before. ``vllm_build`` is
-# read through this module (``launch.vllm_build``) when a vLLM command is built, so replacing it here (the
-# contract recorder, tests) builds the command of the other build.
-_MOVED = {"vllm_build": "slipstream.serverkinds.vllm"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:  # by string: the kinds' modules import this one
-        return getattr(importlib.import_module(_MOVED[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def launch_server(
-    kind: str,
+    kind: LaunchKind,
     model_path: str | Path,
     *,
     host: str = LOOPBACK,
@@ -174,12 +173,12 @@ def launch_server(
 
     Call :meth:`ServerProcess.wait_healthy` before sending requests.
     """
-    record = server_kind(kind)
+    record, kind_name = kind, kind.name
     cfg = cfg or RolloutConfig()
     port = port or free_port(host)
     command = record.argv(str(model_path), host, port, cfg) + list(cfg.server_args) + list(extra_args)
     if log_path is None:
-        fd, name = tempfile.mkstemp(prefix=f"slipstream-{kind}-{port}-", suffix=".log")
+        fd, name = tempfile.mkstemp(prefix=f"slipstream-{kind_name}-{port}-", suffix=".log")
         os.close(fd)
         log_path = name
     log_path = Path(log_path)
@@ -197,14 +196,16 @@ def launch_server(
         env=full_env,
         start_new_session=True,
     )
-    log.info("started %s server pid %d on %s:%d (log %s)", kind, popen.pid, host, port, log_path)
+    log.info("started %s server pid %d on %s:%d (log %s)", kind_name, popen.pid, host, port, log_path)
     url_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
-    server = ServerProcess(kind, f"http://{url_host}:{port}", command, log_path, popen, log_file)
+    url = f"http://{url_host}:{port}"
+    server = ServerProcess(kind_name, url, command, log_path, popen, log_file, record.api.health)
     _RUNNING.add(server)
     return server
 
 
 def launch_servers(
+    kind: LaunchKind,
     cfg: RolloutConfig,
     model_path: str | Path,
     *,
@@ -212,7 +213,7 @@ def launch_servers(
     log_dir: str | Path | None = None,
     env_for: Callable[[int], Mapping[str, str]] | None = None,
 ) -> list[ServerProcess]:
-    """Start ``cfg.num_servers`` servers of ``cfg.backend`` and wait until all are healthy.
+    """Start ``cfg.num_servers`` servers of ``kind`` (``cfg.backend``'s record) and wait until all are healthy.
 
     They start together and load in parallel; ``env_for(i)`` adds environment for server ``i`` (for
     example ``CUDA_VISIBLE_DEVICES``). If one fails, all are stopped and its error is raised.
@@ -222,9 +223,7 @@ def launch_servers(
         for i in range(cfg.num_servers):
             log_path = Path(log_dir) / f"{cfg.backend}-{i}.log" if log_dir is not None else None
             env = env_for(i) if env_for is not None else None
-            servers.append(
-                launch_server(cfg.backend, model_path, host=host, cfg=cfg, env=env, log_path=log_path)
-            )
+            servers.append(launch_server(kind, model_path, host=host, cfg=cfg, env=env, log_path=log_path))
         for server in servers:
             server.wait_healthy(cfg.launch_timeout_s)
     except BaseException:

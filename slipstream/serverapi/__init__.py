@@ -8,17 +8,16 @@ read their paths from it, and both pause, resume and abort only through :class:`
 contract checker (``slipstream.contracts``) pins the releases named here and looks every endpoint up in
 their sources, so moving to a new release is a change to one description.
 
-This package imports no role: ``rollouter/`` and ``weightsync/`` both import it.
-
-Each kind's description is part of its record in ``slipstream.serverkinds`` (with its client, adapter and
-launcher); :data:`SERVER_APIS` and :func:`server_api` read those records by name, importing a kind's module
-only when it is asked for. To add a server kind: write ``<kind>.py`` here with a :class:`ServerAPI` subclass
+This package imports no role, nor ``slipstream.serverkinds``: ``rollouter/`` and ``weightsync/`` both import
+it, and each kind's description reaches them inside its record (``serverkinds``, with its client, adapter and
+launcher), handed down by whoever chose the kind. :data:`KindName` (the kinds' names, the config's type) lives
+here for the same reason. To add a server kind: write ``<kind>.py`` here with a :class:`ServerAPI` subclass
 (its four control requests) and one instance, then the kind's module in ``slipstream.serverkinds`` (its
 docstring has the steps).
 
 Example::
 
-    api = server_api("vllm")
+    api = VLLM
     api.pause_call("in_place")    # Call(method="POST", path="/pause", params={"mode": "keep"})
     api.weights.begin.path        # "/start_weight_update"
 """
@@ -33,36 +32,26 @@ from slipstream.serverapi.spec import (
     Call,
     Endpoint,
     GenerateRoute,
+    KindName,
     PauseMode,
     ServerAPI,
     WeightUpdate,
 )
 from slipstream.serverapi.vllm import VLLM, VLLMAPI
-from slipstream.serverkinds import KindField, server_kind
-
-# The description of each kind (``rollout.backend``), from its record in ``slipstream.serverkinds``.
-SERVER_APIS: KindField = KindField("api")
-
-
-def server_api(kind: str) -> ServerAPI:
-    """The description of server kind ``kind``; ``ValueError`` naming the known kinds."""
-    return server_kind(kind).api
-
 
 __all__ = [
     "EMBEDDED",
     "OUR_PAUSE_MODES",
-    "SERVER_APIS",
     "SGLANG",
     "VLLM",
     "VLLMAPI",
     "Call",
     "Endpoint",
     "GenerateRoute",
+    "KindName",
     "PauseMode",
     "SGLangAPI",
     "ServerAPI",
     "ServerControl",
     "WeightUpdate",
-    "server_api",
 ]

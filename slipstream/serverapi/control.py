@@ -10,7 +10,7 @@ requests keep the owner's HTTP client (connection pool, ``Authorization`` header
 
 Example::
 
-    control = ServerControl(server_api("vllm"), send)
+    control = ServerControl(VLLM, send)      # serverapi.VLLM, the description
     mode = await control.pause("in_place")   # POST /pause?mode=keep; mode.keeps_requests is True
     ...
     await control.resume()                   # POST /resume; control.paused is None again

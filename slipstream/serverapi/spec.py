@@ -18,6 +18,13 @@ from typing import Any, Literal
 
 OUR_PAUSE_MODES = ("abort", "in_place", "retract", "wait")
 
+# The server kinds' names as the config's type: the choices of ``rollout.backend`` and
+# ``reward.service.launch.backend`` (msgspec validates them, ``slipstream config show`` lists them). Written
+# here, below the roles whose configs name it, because ``slipstream.serverkinds`` (the kinds' table) sits above
+# them; a Literal must be written out for type checkers, and tests/test_serverkinds.py holds it to the keys of
+# ``serverkinds.KINDS`` (in any order: it is the docs' order).
+KindName = Literal["embedded", "vllm", "sglang"]
+
 
 @dataclass(frozen=True)
 class Endpoint:

@@ -5,14 +5,16 @@ environment), the rollouter's client class, the weight-sync adapter class and th
 the launcher read. Each kind is one module here (``embedded.py``, ``sglang.py``, ``vllm.py``) that defines its
 client and adapter subclasses, its command builder and ``KIND = ServerKind(...)``; :data:`KINDS` names each
 module by string and :func:`server_kind` imports one when it is first asked for, so nothing imports every kind
-at start-up and the roles that look a kind up (the launcher, the clients, the publisher, the config checks)
-import only this module, which imports no role.
+at start-up.
 
-The generic bases stay with their roles: ``rollouter/clients/base.py`` (:class:`ServerClient`),
-``weightsync/adapters.py`` (:class:`ServerAdapter`), ``serverapi/spec.py`` (:class:`ServerAPI`),
-``rollouter/launch.py`` (starting, watching and stopping a process). The per-part tables those modules
-still offer (``LAUNCHERS``, ``CLIENT_KINDS``, ``ADAPTERS``, ``SERVER_APIS``) are :class:`KindField` views of
-these records.
+This package sits above the roles: a kind's module builds on the generic bases that stay with them
+(``rollouter/clients/base.py``: :class:`ServerClient`; ``weightsync/adapters.py``: :class:`ServerAdapter`;
+``serverapi/spec.py``: :class:`ServerAPI`; ``rollouter/launch.py``: starting, watching and stopping a
+process), and no role imports it back. The composition roots (the pipeline's launcher and actors, the CLI, the
+tools in ``slipstream/system/``, the config checks and planners) call :func:`server_kind` once with the
+configured name and hand the record down: ``launch_server(kind, ...)``, ``make_client(kind, url)``,
+``WeightPublisher(cfg, urls, kind)``, each typed by a small protocol its own module defines (``LaunchKind``,
+``ClientKind``, ``AdapterKind``), which the record satisfies.
 
 To add a kind (``docs/architecture.md``, "Adding a server kind"; ``tests/test_serverkinds.py`` checks it):
 
@@ -22,7 +24,8 @@ To add a kind (``docs/architecture.md``, "Adding a server kind"; ``tests/test_se
 2. ``serverkinds/<kind>.py``: a :class:`ServerClient` subclass, a :class:`ServerAdapter` subclass (each with
    the description as its ``default_api`` / ``api``), the command builder and ``KIND = ServerKind(...)``;
 3. one line in :data:`KINDS`, its name in :data:`KindName` (the choices of ``rollout.backend`` and
-   ``reward.service.launch.backend``), and its pip extra in ``pyproject.toml``.
+   ``reward.service.launch.backend``; written in ``serverapi/spec.py``, below the configs that name it), and
+   its pip extra in ``pyproject.toml``.
 
 Example::
 
@@ -38,20 +41,17 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING
 
-from slipstream.utils.registry import Registry, UnknownNameError
+from slipstream.serverapi.spec import KindName
+from slipstream.utils.registry import UnknownNameError
 
 if TYPE_CHECKING:
+    from slipstream.config import Config
     from slipstream.rollouter.clients.base import ServerClient
     from slipstream.rollouter.config import RolloutConfig
     from slipstream.serverapi.spec import ServerAPI
     from slipstream.weightsync.adapters import ServerAdapter
-
-# The kinds' names as the config's type: the choices of ``rollout.backend`` and ``reward.service.launch.backend``
-# (msgspec validates them, ``slipstream config show`` lists them). A Literal must be written out for type
-# checkers; tests/test_serverkinds.py holds it to the keys of KINDS (in any order: it is the docs' order).
-KindName = Literal["embedded", "vllm", "sglang"]
 
 # The one table of kinds: name (``rollout.backend``) -> the module defining its ``KIND``, in the order
 # error messages list them.
@@ -209,40 +209,24 @@ def server_kind(name: str, *, key: str = "") -> ServerKind:
     return kind
 
 
+def served_dtype(cfg: Config) -> str:
+    """The dtype the inference servers hold weights in (what ``weightsync.push_dtype: auto`` pushes, what the
+    memory planner counts): a value of the whole config, read from the configured kind's own settings (its
+    record's ``served_dtype``)."""
+    return server_kind(cfg.rollout.backend).served_dtype(cfg.rollout, cfg.model.path, cfg.model.dtype)
+
+
 def kind_names() -> list[str]:
     """Every registered kind, in table order (nothing imported)."""
     return list(KINDS)
 
 
-class KindField(Registry[Any]):
-    """One field of every kind's record, looked up by kind name: the per-part tables other modules keep
-    offering (``LAUNCHERS``, ``CLIENT_KINDS``, ``ADAPTERS``, ``SERVER_APIS``). Nothing can be added here."""
-
-    def __init__(self, field: str) -> None:
-        super().__init__("inference server kind", "rollout.backend", plural="kinds")
-        self.field = field
-
-    def add(self, name: str, obj: Any) -> None:
-        raise TypeError(f"server kinds are added in slipstream.serverkinds.KINDS, not here (`{name}`)")
-
-    def get(self, name: str, *, key: str = "") -> Any:
-        return getattr(server_kind(name, key=key), self.field)
-
-    __getitem__ = get
-
-    def names(self) -> list[str]:
-        return kind_names()
-
-    def __contains__(self, name: object) -> bool:
-        return name in KINDS
-
-
 __all__ = [
     "KINDS",
-    "KindField",
     "KindName",
     "ServerKind",
     "args_or_checkpoint_dtype",
     "kind_names",
+    "served_dtype",
     "server_kind",
 ]

@@ -24,13 +24,13 @@ import msgspec
 from slipstream.serverapi import EMBEDDED
 from slipstream.serverkinds import ServerKind
 from slipstream.serverkinds.sglang import SGLangAdapter, SGLangClient
-from slipstream.utils.http_client import HTTPClient, HTTPClientError
+from slipstream.utils.http_client import HTTPClientError
 from slipstream.weightsync.adapters import slipstream_layout
-from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.errors import TransferError
 
 if TYPE_CHECKING:
     from slipstream.rollouter.config import RolloutConfig
+    from slipstream.weightsync.base import TransportName
     from slipstream.weightsync.buckets import Layout
     from slipstream.weightsync.types import BucketMeta
 
@@ -41,10 +41,6 @@ class EmbeddedAdapter(SGLangAdapter):
     kind = "embedded"
     api = EMBEDDED
 
-    def __init__(self, url: str, cfg: WeightSyncConfig, http: HTTPClient) -> None:
-        super().__init__(url, cfg, http)
-        self.transport = "nixl" if cfg.backend == "nixl" else "dist"  # type: ignore[misc]
-
     def layout(self) -> Layout | None:
         return None if self.per_tensor else slipstream_layout(self.cfg)
 
@@ -54,10 +50,10 @@ class EmbeddedAdapter(SGLangAdapter):
     def init_extras(self) -> dict:
         return {"timeout_s": self.cfg.timeout_s}  # our receiver waits as long as we do
 
-    def begin_body(self, version: int) -> dict:
+    def begin_body(self, version: int, stream: TransportName | None = None) -> dict:
         body: dict[str, Any] = {"weight_version": version}
-        if self.transport in ("nixl", "ipc"):  # an ipc link sets "ipc" while it is open
-            body["stream"] = self.transport
+        if stream is not None:  # the open link's stream carries the version
+            body["stream"] = stream
         return body
 
     def update_body(self, meta: BucketMeta) -> dict:

@@ -71,6 +71,7 @@ from slipstream.weightsync.errors import TransferError
 if TYPE_CHECKING:
     from slipstream.rollouter.config import RolloutConfig
     from slipstream.utils.http_client import HTTPClient
+    from slipstream.weightsync.base import TransportName
     from slipstream.weightsync.buckets import Layout
     from slipstream.weightsync.config import WeightSyncConfig
     from slipstream.weightsync.types import BucketMeta
@@ -280,8 +281,8 @@ class VLLMAdapter(ServerAdapter):
 
     kind = "vllm"
     api = VLLM
-    transport = "dist"  # the slipstream engine's; :meth:`data_plane` reads each server's
-    ENGINE_TRANSPORTS: ClassVar[dict[str, str]] = {"slipstream": "dist", "nccl": "nccl_uid"}
+    # The transport each weight-transfer engine takes; :meth:`data_plane` reads each server's engine.
+    ENGINE_TRANSPORTS: ClassVar[dict[str, TransportName]] = {"slipstream": "torch_dist", "nccl": "nccl_uid"}
 
     def __init__(self, url: str, cfg: WeightSyncConfig, http: HTTPClient) -> None:
         super().__init__(url, cfg, http)
@@ -289,7 +290,7 @@ class VLLMAdapter(ServerAdapter):
         self._session = False  # between a successful /start_weight_update and its /finish_weight_update
         self._loading = False  # an /update_weights of this session was sent: the layers may mix versions
 
-    async def data_plane(self) -> str:
+    async def data_plane(self) -> TransportName:
         if self.engine is None:
             info = await self.request(self.api.weights.engine, params={"config_format": "json"})
             engine = ((info.get("vllm_config") or {}).get("weight_transfer_config") or {}).get("backend")
@@ -299,8 +300,7 @@ class VLLMAdapter(ServerAdapter):
                 f"{self.url}: vLLM runs the `{self.engine}` weight-transfer engine; Slipstream pushes to "
                 f"{' or '.join(self.ENGINE_TRANSPORTS)} (rollout.vllm.weight_transfer)"
             )
-        self.transport = self.ENGINE_TRANSPORTS[self.engine]  # type: ignore[misc]
-        return self.transport
+        return self.ENGINE_TRANSPORTS[self.engine]
 
     @property
     def send_less_refusal(self) -> str:
@@ -354,7 +354,7 @@ class VLLMAdapter(ServerAdapter):
     async def destroy_group(self, group_name: str) -> None:
         await self.request(self.api.weights.destroy_group, json={})
 
-    async def before(self, version: int) -> None:
+    async def before(self, version: int, stream: TransportName | None = None) -> None:
         """Open the update session: with our engine the server keeps generating while the buckets stage, and
         pauses only around the switch (:meth:`after`); vLLM's ``nccl`` engine loads layers as they arrive, so
         there the server is paused first. A session a previous trainer left open (it died mid-version) is
@@ -362,14 +362,14 @@ class VLLMAdapter(ServerAdapter):
         if not self.staged:
             await self.control.pause(self.cfg.pause_mode)
         try:
-            await self.request(self.api.weights.begin, json=self.begin_body(version))
+            await self.request(self.api.weights.begin, json=self.begin_body(version, stream))
         except TransferError as err:
             if "already active" not in str(err):
                 raise
             log.warning("%s: closing a weight update left open by an earlier push", self.url)
             with contextlib.suppress(TransferError):
                 await self.request(self.api.weights.end, json={})
-            await self.request(self.api.weights.begin, json=self.begin_body(version))
+            await self.request(self.api.weights.begin, json=self.begin_body(version, stream))
         self._session, self._loading = True, False
 
     async def after(self, version: int) -> None:
@@ -456,15 +456,9 @@ def vllm_build() -> str | None:
     return None
 
 
-def _build() -> str | None:
-    # Read through the launcher's name (``launch.vllm_build``), which the contract recorder and tests replace
-    # to build the command and environment of the build that is not installed here.
-    return launch.vllm_build()
-
-
 def vllm_command(model: str, host: str, port: int, cfg: RolloutConfig) -> list[str]:
     """vLLM's OpenAI server as a module (module docstring)."""
-    build = _build()
+    build = vllm_build()
     if build is None:
         raise launch.ServerLaunchError(
             f"vllm is not installed here: pip install 'slipstream[vllm]' ({VLLM.requirement}) on GPUs, or "
@@ -488,7 +482,7 @@ def vllm_command(model: str, host: str, port: int, cfg: RolloutConfig) -> list[s
 def vllm_env(cfg: RolloutConfig) -> dict[str, str]:
     """Dev mode (pause, abort and the weight-transfer routes exist only there) and the CPU build's knobs."""
     env = {"VLLM_SERVER_DEV_MODE": "1"}
-    if _build() == "cpu":
+    if vllm_build() == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.vllm.cpu_kv_cache_gib)
         if cfg.vllm.cpu_threads:
             env["OMP_NUM_THREADS"] = str(cfg.vllm.cpu_threads)
@@ -497,7 +491,7 @@ def vllm_env(cfg: RolloutConfig) -> dict[str, str]:
 
 
 def _cpu_build() -> bool:
-    return _build() == "cpu"
+    return vllm_build() == "cpu"
 
 
 def _cpu_threads(cfg: RolloutConfig) -> int | None:
@@ -520,7 +514,7 @@ def vllm_dtype(cfg: RolloutConfig, model_path: str, model_dtype: str = "float32"
         return args_or_checkpoint_dtype(cfg, model_path, model_dtype)
     if cfg.vllm.dtype != "auto":
         return cfg.vllm.dtype
-    return auto_dtype(checkpoint_dtype(model_path), cpu=_build() == "cpu")
+    return auto_dtype(checkpoint_dtype(model_path), cpu=vllm_build() == "cpu")
 
 
 def auto_dtype(checkpoint: str, *, cpu: bool, bf16: bool | None = None) -> str:

@@ -31,10 +31,11 @@ from pathlib import Path
 
 from slipstream.agents.protocol import SamplingParams
 from slipstream.cli_args import JSON_ONLY, add_json_flag, command_parser, doc_paragraph
-from slipstream.rollouter.clients import SGLangClient
 from slipstream.rollouter.config import EmbeddedServerConfig, RolloutConfig
 from slipstream.rollouter.launch import launch_server
 from slipstream.rollouter.partial import PartialRolloutClient
+from slipstream.serverkinds import server_kind
+from slipstream.serverkinds.sglang import SGLangClient
 
 MESSAGES = [{"role": "user", "content": "Write one sentence about rivers."}]
 
@@ -136,7 +137,7 @@ def run_bench(model: str | None, requests: int, max_tokens: int, threads: int, l
 
             model_path = resolve_model_path(model)
         engine = EmbeddedServerConfig(num_threads=threads, max_model_len=1024, kv_cache_tokens=8192, seed=0)
-        server = launch_server("embedded", model_path, cfg=RolloutConfig(embedded=engine),
+        server = launch_server(server_kind("embedded"), model_path, cfg=RolloutConfig(embedded=engine),
                                log_path=Path(tmp) / "server.log")  # fmt: skip
         try:
             server.wait_healthy(timeout_s=300)

@@ -38,6 +38,7 @@ from slipstream.cli_args import (
     doc_paragraph,
 )
 from slipstream.rollouter.config import EmbeddedServerConfig, RolloutConfig, SamplingConfig
+from slipstream.serverkinds import server_kind
 
 QUESTION = "What is {a} + {b}? Reply with only the number."
 
@@ -57,13 +58,13 @@ def make_prompts(tokenizer, n: int) -> list[list[int]]:
 
 async def embedded_wave(url: str, prompts: list[list[int]], sampling: SamplingParams):
     """N concurrent requests to the embedded server at ``url`` (after one warm-up); (outputs, seconds)."""
-    from slipstream.rollouter.clients import SGLangClient
+    from slipstream.serverkinds.sglang import SGLangClient
 
     return await _wave(SGLangClient(url), prompts, sampling)
 
 
 async def _vllm_wave(url: str, prompts: list[list[int]], sampling: SamplingParams):
-    from slipstream.rollouter.clients import VLLMClient
+    from slipstream.serverkinds.vllm import VLLMClient
 
     return await _wave(VLLMClient(url, api="generate"), prompts, sampling)
 
@@ -159,7 +160,7 @@ def run_bench(
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
     log(f"starting the embedded server ({path})")
     with (
-        launch_server("embedded", path, cfg=RolloutConfig(embedded=engine_cfg)) as server,
+        launch_server(server_kind("embedded"), path, cfg=RolloutConfig(embedded=engine_cfg)) as server,
         _vllm_server(backend, path, threads, dtype, max(concurrencies), log) as vllm,
     ):
         server.wait_healthy(600)
@@ -227,7 +228,7 @@ def _vllm_server(backend: str, path, threads: int, dtype: str, max_seqs: int, lo
 
     v = VLLMServerConfig(dtype=dtype, max_model_len=1024, max_num_seqs=max_seqs, cpu_threads=threads)
     log(f"starting vLLM ({path})")
-    with launch_server("vllm", path, cfg=RolloutConfig(backend="vllm", vllm=v)) as server:
+    with launch_server(server_kind("vllm"), path, cfg=RolloutConfig(backend="vllm", vllm=v)) as server:
         server.wait_healthy(900)
         yield server
 

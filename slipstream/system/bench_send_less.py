@@ -37,6 +37,7 @@ from collections.abc import Iterable
 import torch
 
 from slipstream.cli_args import add_json_flag, add_key_option, command_parser, doc_paragraph
+from slipstream.serverkinds import server_kind
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.delta import adapter_shapes, apply_delta, bits_view, compute_delta
 
@@ -283,7 +284,7 @@ def send_less_figures(
     engine_cfg = EmbeddedServerConfig(
         num_threads=threads, max_model_len=512, kv_cache_tokens=2048, dtype="bfloat16"
     )
-    server = launch_server("embedded", model_path, cfg=RolloutConfig(embedded=engine_cfg))
+    server = launch_server(server_kind("embedded"), model_path, cfg=RolloutConfig(embedded=engine_cfg))
     urls = [server.url, digest_url]
 
     def cfg(**kw) -> WeightSyncConfig:
@@ -298,7 +299,7 @@ def send_less_figures(
         server.wait_healthy(600)
         _wait_health(digest_url)
         # -- delta: one publisher with weightsync.delta; its first version is whole
-        pub = WeightPublisher(cfg(delta=True), urls, "embedded", token="")
+        pub = WeightPublisher(cfg(delta=True), urls, server_kind("embedded"), token="")
         try:
             first = pub.publish(1, iter(bf16(model)))
             out["full_bytes"], out["full_push_s"] = first.bytes, round(first.seconds, 4)
@@ -331,7 +332,7 @@ def send_less_figures(
         # -- LoRA: the base weights and adapters once, then the adapters alone
         base = bf16(model)
         scale = lora_scale(2 * rank, rank)
-        pub = WeightPublisher(cfg(group_name="lora"), urls, "embedded", token="")
+        pub = WeightPublisher(cfg(group_name="lora"), urls, server_kind("embedded"), token="")
         only, exacts, v = [], [], steps + 3
         try:
             adapters = _lora_adapters(base, rank, LORA_TARGETS, 1)

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from slipstream.cli_args import add_json_flag, add_key_option, command_parser, doc_paragraph
+from slipstream.serverkinds import server_kind
 from slipstream.weightsync.config import WeightSyncConfig
 
 TARGETS = ("processes", "vllm")
@@ -84,7 +85,7 @@ class Load:
 
     async def _run(self) -> None:
         from slipstream.agents.protocol import SamplingParams
-        from slipstream.rollouter.clients import VLLMClient
+        from slipstream.serverkinds.vllm import VLLMClient
 
         client = VLLMClient(self.url, api="generate", timeout_s=600)
         params = SamplingParams(max_new_tokens=self.max_new_tokens, ignore_eos=True, temperature=1.0)
@@ -210,9 +211,9 @@ def vllm_main(argv: list[str]) -> int:
     )
     log = Path(args.log) if args.log else Path(tempfile.mkdtemp(prefix="slipstream-push-")) / "vllm.log"
     rows: list[dict[str, float]] = []
-    with launch_server("vllm", path, cfg=rollout, log_path=log) as server:
+    with launch_server(server_kind("vllm"), path, cfg=rollout, log_path=log) as server:
         server.wait_healthy(900)
-        publisher = WeightPublisher(cfg, [server.url], "vllm", token="")
+        publisher = WeightPublisher(cfg, [server.url], server_kind("vllm"), token="")
         try:
             _check(publisher.publish(1, tensors))  # warm-up: joins the group, server idle
             counter = TokenCounter(server.url)

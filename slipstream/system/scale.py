@@ -1,7 +1,7 @@
 """``slipstream bench scale``: the control plane (queue, rollouter, weight publisher) against 8-256 servers.
 
 Everything but the model is real: a queue server process, the rollouter (staleness gate, load balancer over
-one :class:`~slipstream.rollouter.clients.sglang.SGLangClient` per server, partial-rollout resumption,
+one :class:`~slipstream.serverkinds.sglang.SGLangClient` per server, partial-rollout resumption,
 reward scoring, puts) in this process, ``--consumers`` simulated trainers in a child process that lease
 batches and ack them at once (real queue clients), and trainer rank 0's push in another child process, the
 real :class:`~slipstream.weightsync.publisher.WeightPublisher` pushing a version every ``batch_groups``
@@ -49,6 +49,7 @@ from typing import Any
 
 from slipstream.cli_args import add_json_flag, add_key_option, command_parser, doc_paragraph
 from slipstream.queue.base import QueueProducer
+from slipstream.serverkinds import server_kind
 
 DEFAULT_SERVERS = [8, 32, 128, 256]
 SAMPLES_PER_GROUP = 4
@@ -399,7 +400,7 @@ async def _row(n: int, args: argparse.Namespace, tokenizer: Any) -> dict[str, An
         if not await trainers.stdout.readline():
             raise RuntimeError("the trainers' process exited before it was ready")
         queue = _TimedQueue(AsyncQueueClient(handle.address))
-        balancer = balancer_from_config(cfg.rollout, urls)
+        balancer = balancer_from_config(server_kind(cfg.rollout.backend), cfg.rollout, urls)
         rollouter = Rollouter(rollouter_settings(cfg), balancer, queue, tokenizer, _prompts())
         foreign = {handle.proc.pid, trainers.pid, publisher.pid, *(p.pid for p in sims)}
         usage = _Usage(handle.proc.pid, foreign)

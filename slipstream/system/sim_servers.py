@@ -3,7 +3,7 @@
 Used to drive the control plane (queue, rollouter, balancer, partial rollouts, weight publisher) at a scale
 no CPU machine could serve with real models: ``slipstream bench scale`` runs 8 to 256 of them. Each
 :class:`SimServer` listens on its own loopback port and speaks the subset of SGLang's native API that
-:class:`~slipstream.rollouter.clients.sglang.SGLangClient` and the ``embedded`` weight-sync adapter use:
+:class:`~slipstream.serverkinds.sglang.SGLangClient` and the ``embedded`` weight-sync adapter use:
 
 =================================  =====================================================================
 ``POST /generate``                 ``input_ids``, ``sampling_params``, ``rid`` → ``output_ids`` and

@@ -34,7 +34,7 @@ Worked example (one process; ``run_trainer_rank`` does the same for N processes)
     settings = trainer_settings(cfg)
     engine = FSDPEngine(settings); engine.initialize()
     trainer = Trainer(settings, engine, QueueClient(address), rank=0, world_size=1, publish=True,
-                      publisher=WeightPublisher(settings.weightsync, server_urls, "vllm"))
+                      publisher=WeightPublisher(settings.weightsync, server_urls, server_kind("vllm")))
     trainer.fit(100)           # or trainer.step() -> {"trainer/loss": ..., "trainer/staleness_versions_mean": ...}
 """
 

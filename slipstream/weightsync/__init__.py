@@ -12,7 +12,8 @@ memory, CUDA IPC), ``nixl`` (NIXL READs), ``nccl_uid`` (the sending end of vLLM'
 Trainer side: :class:`~slipstream.weightsync.publisher.WeightPublisher` (behind the trainer's publish hook)
 picks a transport for its servers and opens it with them (``servers.py``), then drives each server through
 its adapter (the base in ``adapters.py``; each server kind's subclass, SGLang, vLLM and our embedded server,
-is part of its record in ``slipstream.serverkinds``, looked up by name).
+is part of its record in ``slipstream.serverkinds``, which the caller hands the publisher: weight sync never
+looks a kind up by name).
 Serving side: :func:`~slipstream.weightsync.http_receiver.build_router` gives any server whose engine is a
 :class:`~slipstream.weightsync.types.WeightTarget` SGLang's weight-update routes over receiving ends of the
 same transports. A receiver in another program (a vLLM worker plug-in) uses an end directly:
@@ -21,7 +22,7 @@ same transports. A receiver in another program (a vLLM worker plug-in) uses an e
 other role.
 
 To add a transport: one module with a ``Transport`` subclass registered in ``TRANSPORTS`` (the steps are in
-``base.py``'s docstring), the name in ``WeightSyncConfig.backend``, and, if servers join it over HTTP, its
-case in ``servers.py`` (a *group* joined through the server's init call, or a *stream* through
-``/weightsync/<name>/prepare`` and ``/connect``, added to ``STREAMS`` there and in ``http_receiver.py``).
+``base.py``'s docstring), the name in ``TransportName`` and ``WeightSyncConfig.backend``, and, if servers join
+it over HTTP, its ``joins`` (a *group* joined through the server's init call, or a *stream* through
+``/weightsync/<name>/prepare`` and ``/connect``, whose name the servers' ``http_receiver.STREAMS`` also lists).
 """

@@ -3,53 +3,55 @@
 The publisher owns the data plane (a process group, an in-band stream) and calls an adapter per server for
 the control plane. Per version, for every server at once:
 
-  ``before(v)``  →  for each bucket: ``update(meta)`` (the blocking HTTP call, in flight while rank 0
+  ``before(v, stream)``  →  for each bucket: ``update(meta)`` (the blocking HTTP call, in flight while rank 0
   broadcasts the bucket)  →  ``after(v)``;  ``recover(v)`` after a failure (nothing is left paused).
 
 The endpoints, the pause modes and where the pause goes come from the server's description
 (``slipstream.serverapi``: ``api.weights``, ``api.pause_modes``, which also pins the release); pause and
 resume are sent by the adapter's :class:`~slipstream.serverapi.ServerControl`, the same object the
 rollouter's clients use. What each kind adds (each request's body) is its :class:`ServerAdapter` subclass in
-its module of ``slipstream.serverkinds`` (``SGLangAdapter``, ``EmbeddedAdapter``, ``VLLMAdapter``, whose
-docstrings give the sequences; inference_apis.md §A–B). :data:`ADAPTERS` / :func:`get_adapter_class` look
-a kind's adapter up in its record (``slipstream.serverkinds.server_kind(name).adapter``), and the subclasses
-stay importable from here.
+its module of ``slipstream.serverkinds`` (whose docstrings give the sequences; inference_apis.md §A–B).
 
+Weight sync never looks a kind up by name: whoever chose the kind (the pipeline, a command, a test) hands the
+publisher its record, which satisfies :class:`AdapterKind` (its adapter class and what its servers take).
 To add a server kind: ``slipstream.serverkinds`` (its module docstring has the steps).
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import msgspec
 
 from slipstream.serverapi import Call, Endpoint, PauseMode, ServerAPI, ServerControl
-from slipstream.serverkinds import KindField
 from slipstream.utils.http_client import HTTPClient, HTTPClientError
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.errors import TransferError
 
 if TYPE_CHECKING:  # torch-free at import: the buckets and types are needed only when a version moves
+    from slipstream.weightsync.base import TransportName
     from slipstream.weightsync.buckets import Layout
     from slipstream.weightsync.types import BucketMeta
 
-# The adapter class of each kind (``rollout.backend``), from its record in ``slipstream.serverkinds``.
-ADAPTERS: KindField = KindField("adapter")
-get_adapter_class = ADAPTERS.get
-# The adapters of the kinds we ship, importable from here as before (each defined in its kind's module).
-_MOVED = {
-    "SGLangAdapter": "slipstream.serverkinds.sglang",
-    "EmbeddedAdapter": "slipstream.serverkinds.embedded",
-    "VLLMAdapter": "slipstream.serverkinds.vllm",
-}
 
+class AdapterKind(Protocol):
+    """What weight sync needs of a server kind, handed down by whoever chose it
+    (``slipstream.serverkinds.ServerKind`` is one; the fields mean what they mean there)."""
 
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:  # by string: the kinds' modules import this one
-        return getattr(importlib.import_module(_MOVED[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    @property
+    def name(self) -> str: ...
+    @property
+    def adapter(self) -> type[ServerAdapter]: ...
+    @property
+    def streams(self) -> tuple[str, ...]: ...
+    @property
+    def colocated_transports(self) -> tuple[str, ...]: ...
+    @property
+    def typed_buckets(self) -> bool: ...
+    @property
+    def rebuilds_send_less(self) -> bool: ...
+    @property
+    def send_less_missing(self) -> str: ...
 
 
 class GroupSpec(msgspec.Struct, kw_only=True):
@@ -67,15 +69,13 @@ class GroupSpec(msgspec.Struct, kw_only=True):
 class ServerAdapter:
     """Control-plane calls for one server (see the module docstring for the sequences).
 
-    ``transport`` names the data plane the publisher must open: ``dist`` (a torch.distributed group),
-    ``nccl_uid`` (an NCCL communicator from a unique id) or ``nixl`` (in-band NIXL stream). ``api`` is
-    the server's description; ``mode`` how ``cfg.pause_mode`` reads on it (a mode it lacks is refused
-    here, before any push).
+    :meth:`data_plane` names the group transport the publisher must open when no stream is chosen
+    (``torch_dist`` unless the server says otherwise). ``api`` is the server's description; ``mode`` how
+    ``cfg.pause_mode`` reads on it (a mode it lacks is refused here, before any push).
     """
 
     kind: ClassVar[str]  # the kind's name (``rollout.backend``)
     api: ClassVar[ServerAPI]
-    transport: ClassVar[str] = "dist"
 
     def __init__(self, url: str, cfg: WeightSyncConfig, http: HTTPClient) -> None:
         self.url = url.rstrip("/")
@@ -88,12 +88,10 @@ class ServerAdapter:
 
     @property
     def send_less_refusal(self) -> str:
-        """Why this server cannot rebuild delta and LoRA-adapter versions (its kind's record); "" when it
-        can, or cannot tell before it joins a link."""
-        from slipstream.serverkinds import server_kind
-
-        kind = server_kind(self.kind)
-        return "" if kind.rebuilds_send_less else kind.send_less_missing
+        """Why this server cannot rebuild delta and LoRA-adapter versions under its own settings (vLLM's
+        engine, read once linked); "" when it can or cannot tell yet. Whether its kind can at all is its
+        record's ``rebuilds_send_less``, which the publisher checks first."""
+        return ""
 
     def layout(self) -> Layout | None:
         """How buckets must be cut for this server; None sends one tensor per broadcast."""
@@ -104,9 +102,9 @@ class ServerAdapter:
     async def ranks(self) -> int:
         return 1
 
-    async def data_plane(self) -> str:
-        """The data plane this server takes (``transport``); a kind whose servers differ asks them."""
-        return self.transport
+    async def data_plane(self) -> TransportName:
+        """The group transport this server takes; a kind whose servers differ asks them."""
+        return "torch_dist"
 
     async def init_group(self, spec: GroupSpec) -> None:
         raise NotImplementedError
@@ -114,11 +112,12 @@ class ServerAdapter:
     async def destroy_group(self, group_name: str) -> None:
         raise NotImplementedError
 
-    async def before(self, version: int) -> None:
-        """Pause (a server that pauses ``before`` a version) and open the update session."""
+    async def before(self, version: int, stream: TransportName | None = None) -> None:
+        """Pause (a server that pauses ``before`` a version) and open the update session; ``stream``: the
+        in-band stream the version travels in (the open link's), None for a group's announced buckets."""
         if self.api.weights.pause == "before":
             await self.control.pause(self.cfg.pause_mode)
-        await self.request(self.api.weights.begin, json=self.begin_body(version))
+        await self.request(self.api.weights.begin, json=self.begin_body(version, stream))
 
     async def update(self, meta: BucketMeta) -> None:
         raise NotImplementedError
@@ -143,7 +142,7 @@ class ServerAdapter:
         if not at_end:
             await self.control.resume()
 
-    def begin_body(self, version: int) -> dict:
+    def begin_body(self, version: int, stream: TransportName | None = None) -> dict:
         return {}
 
     async def end(self, version: int, *, abort_running: bool = False) -> None:
@@ -207,12 +206,4 @@ def bucket_entries(meta: BucketMeta) -> tuple[list[str], list[str], list[list[in
     )
 
 
-# (the moved adapters, reached through ``__getattr__``, are left out of ``__all__``)
-__all__ = [
-    "ADAPTERS",
-    "GroupSpec",
-    "ServerAdapter",
-    "bucket_entries",
-    "get_adapter_class",
-    "slipstream_layout",
-]
+__all__ = ["AdapterKind", "GroupSpec", "ServerAdapter", "bucket_entries", "slipstream_layout"]

@@ -36,8 +36,10 @@ for a set of servers with ``servers.choose_transport``.
 To add a transport: write ``weightsync/<name>.py`` with a :class:`Transport` subclass decorated with
 ``@TRANSPORTS.register("<name>")`` implementing ``prepare``, ``connect``, ``start_bucket`` (and
 ``send_payload`` if it can take ``announce``), ``receive_weights``, ``fail`` and ``close``; add
-``"<name>": "slipstream.weightsync.<name>:<Class>"`` to the lazy table below, the name to the config's
-``backend`` choices, and, if servers join it over HTTP, its case in ``servers.py``.
+``"<name>": "slipstream.weightsync.<name>:<Class>"`` to the lazy table below, the name to :data:`TransportName`
+and the config's ``backend`` choices, and, if servers join it over HTTP, its ``joins`` (``group`` or
+``stream``) and, where its receivers need typed buckets or leave without a barrier, ``type_buckets`` and
+``leave_servers``: ``servers.ServerLink`` asks the transport, never its name.
 
 Worked example (two processes; the structs pass between them as msgpack bytes)::
 
@@ -58,7 +60,7 @@ import collections
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import msgspec
 import torch
@@ -139,6 +141,15 @@ class WeightStream:
         return {name: tensor async for name, tensor in self}
 
 
+# The transports' names, one spelling everywhere: ``weightsync.backend`` (beside ``auto`` and ``naive``), the
+# registry's keys, what an adapter's ``data_plane`` answers and a stream's name on the servers' routes.
+TransportName = Literal["torch_dist", "nccl_uid", "nixl", "ipc"]
+# How servers join a transport over their HTTP API (``servers.ServerLink``): a *group* each server's adapter
+# joins with its init call, the buckets announced by its per-bucket calls; or a *stream* each server prepares
+# and connects to (``/weightsync/<name>/prepare``, ``/connect``), whose versions travel in band.
+JoinMode = Literal["group", "stream"]
+
+
 class Transport(ABC):
     """One end of a weight transport: the sender (trainer rank 0) or one receiver (module docstring).
 
@@ -151,8 +162,10 @@ class Transport(ABC):
     here. ``depth`` is how many buckets may be in flight (the sender holds that many buffers).
     """
 
-    name: ClassVar[str]
+    name: ClassVar[TransportName]
     depth: ClassVar[int] = 2
+    joins: ClassVar[JoinMode] = "group"
+    """How HTTP servers join it (:data:`JoinMode`)."""
 
     def __init__(self, cfg: WeightSyncConfig, *, is_sender: bool, device: str | torch.device | None = None):
         self.cfg = cfg
@@ -181,6 +194,18 @@ class Transport(ABC):
     @abstractmethod
     def close(self) -> None:
         """Leave and release transport resources (safe to call twice, and after a failure)."""
+
+    def leave_servers(self) -> None:
+        """Leave a link whose receivers are HTTP servers (``servers.ServerLink.close``): :meth:`close`, save
+        that a transport whose receivers meet at a barrier on leaving does not wait for servers that never
+        do (SGLang's destroy)."""
+        self.close()
+
+    def type_buckets(self, typed: bool) -> None:
+        """Whether a receiver builds each out-of-band bucket as one typed tensor, so the sender must send the
+        same datatype (a server kind's ``typed_buckets``: SGLang over NCCL); a transport that sends bytes
+        either way ignores it."""
+        return None
 
     # -- sending
 

@@ -241,6 +241,8 @@ class IpcTransport(Transport):
     second copy of the model between versions).
     """
 
+    joins = "stream"
+
     def __init__(self, cfg, *, is_sender: bool, device: str | torch.device | None = None) -> None:
         super().__init__(cfg, is_sender=is_sender, device=device)
         self.memory: HostMemory | CudaMemory = CudaMemory() if self.device.type == "cuda" else HostMemory()

@@ -61,6 +61,8 @@ class NixlTransport(Transport):
     ``slipstream`` bucket layout keeps every payload within ``bucket_mb``.
     """
 
+    joins = "stream"
+
     def __init__(self, cfg, *, is_sender: bool, device: str | torch.device | None = None) -> None:
         super().__init__(cfg, is_sender=is_sender, device=device)
         self.mem_type = "VRAM" if self.device.type == "cuda" else "DRAM"

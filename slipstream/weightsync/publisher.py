@@ -20,7 +20,8 @@ Membership and failures:
 
 Worked example::
 
-    pub = WeightPublisher(cfg.weightsync, ["http://127.0.0.1:30001", "http://127.0.0.1:30002"], "embedded")
+    kind = server_kind("embedded")   # the caller's choice (slipstream.serverkinds), handed down
+    pub = WeightPublisher(cfg.weightsync, ["http://127.0.0.1:30001", "http://127.0.0.1:30002"], kind)
     report = pub.publish(7, engine.get_per_tensor_param())
     report.ok        # ['http://127.0.0.1:30001', 'http://127.0.0.1:30002']
     pub.add_server("http://127.0.0.1:30003")   # gets version 7 at once
@@ -37,17 +38,16 @@ from collections.abc import Callable, Iterable, Iterator
 import msgspec
 import torch
 
-from slipstream import serverkinds as kinds
 from slipstream.utils.http_auth import env_token
 from slipstream.utils.http_client import HTTPClient
 from slipstream.utils.logging import get_logger
-from slipstream.weightsync.adapters import ServerAdapter, get_adapter_class
+from slipstream.weightsync.adapters import AdapterKind, ServerAdapter
 from slipstream.weightsync.base import resolve_device
 from slipstream.weightsync.buckets import BufferPool
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.errors import SourceFailed, TransferError
 from slipstream.weightsync.send_less import DeltaStats, delta_entries, lora_items
-from slipstream.weightsync.servers import STREAMS, ServerLink, choose_transport
+from slipstream.weightsync.servers import ServerLink, choose_transport, is_stream
 from slipstream.weightsync.types import DENSE, VersionInfo
 
 log = get_logger(__name__)
@@ -129,23 +129,24 @@ class Snapshot:
 class WeightPublisher:
     """Pushes versions from trainer rank 0 to a set of servers of one kind (module docstring).
 
-    The public methods are synchronous and thread-safe; the work runs on a private event loop thread.
+    ``kind``: the servers' kind as its caller chose it (``slipstream.serverkinds.server_kind(name)``; any
+    :class:`~slipstream.weightsync.adapters.AdapterKind`). The public methods are synchronous and
+    thread-safe; the work runs on a private event loop thread.
     """
 
     def __init__(
-        self, cfg: WeightSyncConfig, server_urls: list[str], server_kind: str, *, token: str | None = None
+        self, cfg: WeightSyncConfig, server_urls: list[str], kind: AdapterKind, *, token: str | None = None
     ) -> None:
         self.cfg = cfg
         # The servers' control token, sent on every call (None: $SLIPSTREAM_SERVER_TOKEN; "": none).
         self._token = env_token() if token is None else token
-        self.kind = server_kind
-        self._adapter_cls = get_adapter_class(server_kind)
-        self._record = kinds.server_kind(server_kind)
-        if cfg.backend in STREAMS and cfg.backend not in self._record.streams:
-            takers = [k for k in kinds.kind_names() if cfg.backend in kinds.server_kind(k).streams]
+        self.kind = kind.name
+        self._record = kind
+        if is_stream(cfg.backend) and cfg.backend not in kind.streams:
+            takes = f"takes {' or '.join(kind.streams)}" if kind.streams else "takes none"
             raise ValueError(
-                f"weightsync.backend `{cfg.backend}` works with {' or '.join(takers)} servers only, "
-                f"not `{server_kind}`"
+                f"weightsync.backend `{cfg.backend}` is an in-band stream `{kind.name}` servers do not take "
+                f"(their kind {takes})"
             )
         if cfg.delta:
             _check_send_less(cfg, self._record, "weightsync.delta")
@@ -280,7 +281,7 @@ class WeightPublisher:
         if old is not None:
             self._run(old.aclose())
         self._http[url] = HTTPClient(token=self._token, timeout_s=self.cfg.timeout_s)
-        return self._adapter_cls(url, self.cfg, self._http[url])
+        return self._record.adapter(url, self.cfg, self._http[url])
 
     async def _publish(self, version: int, named_tensors: Iterable) -> PublishReport:
         previous = self.snapshot.version if self.snapshot is not None else None
@@ -386,7 +387,7 @@ class WeightPublisher:
         for url in members:  # known again only once it applied this version
             self.held.pop(url, None)
         try:
-            await _all(adapters, lambda a: a.before(version))
+            await _all(adapters, lambda a: a.before(version, link.stream))
             stats = await link.push(adapters, source, version, info)
             await _all(adapters, lambda a: a.after(version))
         except BaseException:  # whatever failed, no server is left paused with its update session open
@@ -409,12 +410,20 @@ class WeightPublisher:
         if not members:
             return []
         adapters = [self.servers[u] for u in members]
-        transport = await choose_transport(self.cfg, self._adapter_cls, adapters, self.device)
+        transport = await choose_transport(self.cfg, self._record, adapters, self.device)
         # Every rebuild gets a fresh group name: a server that could not leave the old group (it was
         # stuck in a broadcast when the link failed) must not refuse the new one for its name.
         name = self.cfg.group_name if not self._builds else f"{self.cfg.group_name}-{self._builds}"
         self._builds += 1
-        self._link = await ServerLink.open(transport, adapters, self.cfg, self.device, name, self.pool)
+        self._link = await ServerLink.open(
+            transport,
+            adapters,
+            self.cfg,
+            self.device,
+            name,
+            self.pool,
+            typed_buckets=self._record.typed_buckets,
+        )
         self._link_members = members
         return members
 
@@ -475,10 +484,18 @@ class WeightPublisher:
         adapters = [self.servers[u] for u in urls]
         self._joins += 1
         name = f"{self.cfg.group_name}-join{self._joins}"
-        transport = await choose_transport(self.cfg, self._adapter_cls, adapters, self.device)
+        transport = await choose_transport(self.cfg, self._record, adapters, self.device)
         saved = self._link, self._link_members
         try:
-            self._link = await ServerLink.open(transport, adapters, self.cfg, self.device, name, self.pool)
+            self._link = await ServerLink.open(
+                transport,
+                adapters,
+                self.cfg,
+                self.device,
+                name,
+                self.pool,
+                typed_buckets=self._record.typed_buckets,
+            )
             self._link_members = urls
             report.sent = "lora" if self.snapshot.lora_scale else "full"
             await self._push(urls, version, iter(self.snapshot.items()), report, self._whole_info())
@@ -497,15 +514,14 @@ class WeightPublisher:
             self._http.clear()
 
 
-def _check_send_less(cfg: WeightSyncConfig, kind: kinds.ServerKind, what: str) -> None:
+def _check_send_less(cfg: WeightSyncConfig, kind: AdapterKind, what: str) -> None:
     """Delta and LoRA versions need receivers that rebuild them (the record's ``rebuilds_send_less``; which
     servers do under their settings is checked once they are linked) and bucket metadata that carry each
-    entry's kind (not the per-tensor ``naive`` calls, which name dense tensors only)."""
+    entry's kind (not the per-tensor ``naive`` calls, which name dense tensors only). The config check
+    (``pipeline/modes.py``) names the kinds that can."""
     if not kind.rebuilds_send_less:
-        takers = " or ".join(k for k in kinds.kind_names() if kinds.server_kind(k).rebuilds_send_less)
         raise ValueError(
-            f"{what}: `{kind.name}` servers cannot rebuild weights from them ({kind.send_less_missing}); "
-            f"{takers} servers can"
+            f"{what}: `{kind.name}` servers cannot rebuild weights from them ({kind.send_less_missing})"
         )
     if cfg.backend == "naive":
         raise ValueError(

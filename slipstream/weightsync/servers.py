@@ -14,15 +14,19 @@ what this module adds is the servers' half of the rendezvous, made through their
 
 :func:`choose_transport` is the one selector: ``weightsync.backend``, where ``auto`` picks ``ipc`` for
 servers of a kind that takes it on a shared GPU (its record's ``colocated_transports``: the embedded server)
-that all share this host (and this GPU, for a GPU sender), and the server kind's own transport otherwise;
-``naive`` is ``torch_dist`` with one tensor per bucket (the adapters cut them).
+that all share this host (and this GPU, for a GPU sender), and the servers' own group transport otherwise
+(their adapters' ``data_plane``); ``naive`` is ``torch_dist`` with one tensor per bucket (the adapters cut
+them). Which way servers join is the transport's ``joins``, and whether buckets must be typed for them its
+``type_buckets`` hook: nothing here branches on a transport's name. The kind comes from the caller (an
+:class:`~slipstream.weightsync.adapters.AdapterKind`), never looked up by name.
 
 Worked example (what the publisher does)::
 
-    name = await choose_transport(cfg, adapter_cls, adapters, device)
-    link = await ServerLink.open(name, adapters, cfg, device, group_name="slipstream_weights")
-    stats = await link.push(adapters, named_tensors, version)   # between the adapters' before/after
-    await link.close(adapters)
+    name = await choose_transport(cfg, kind, adapters, device)
+    link = await ServerLink.open(name, adapters, cfg, device, group_name="slipstream_weights",
+                                 typed_buckets=kind.typed_buckets)
+    stats = await link.push(adapters, named_tensors, version)   # between the adapters' before(v, link.stream)
+    await link.close(adapters)                                  # and after(v)
 """
 
 from __future__ import annotations
@@ -30,49 +34,47 @@ from __future__ import annotations
 import asyncio
 import base64
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
 
 import msgspec
 import torch
 
 from slipstream.utils.logging import get_logger
-from slipstream.weightsync.adapters import GroupSpec, ServerAdapter
-from slipstream.weightsync.base import SendStats, Transport, build_topology, make_transport
+from slipstream.weightsync.adapters import AdapterKind, GroupSpec, ServerAdapter
+from slipstream.weightsync.base import (
+    TRANSPORTS,
+    SendStats,
+    Transport,
+    TransportName,
+    build_topology,
+    make_transport,
+)
 from slipstream.weightsync.buckets import BufferPool
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.errors import TransferError
 from slipstream.weightsync.groups import backend_for_device
 from slipstream.weightsync.types import BucketMeta, Rendezvous, VersionInfo
 
-if TYPE_CHECKING:
-    from slipstream.serverkinds import ServerKind
-
 log = get_logger(__name__)
 
-STREAMS = ("ipc", "nixl")  # transports a server joins through its stream routes; the others through a group
-_KIND_TRANSPORT = {"dist": "torch_dist"}  # an adapter's ``transport`` names its kind's own
+
+def is_stream(backend: str) -> bool:
+    """Whether ``weightsync.backend`` names a transport servers join as a stream (``ipc``, ``nixl``)."""
+    return backend in TRANSPORTS and TRANSPORTS.get(backend).joins == "stream"
 
 
 async def choose_transport(
-    cfg: WeightSyncConfig, adapter_cls: type[ServerAdapter], adapters: Sequence[ServerAdapter], device
-) -> str:
-    """The transport for a push to ``adapters`` (module docstring)."""
-    if cfg.backend in STREAMS:
-        return cfg.backend
-    if cfg.backend == "auto" and adapters and "ipc" in _kind(adapter_cls).colocated_transports:
+    cfg: WeightSyncConfig, kind: AdapterKind, adapters: Sequence[ServerAdapter], device
+) -> TransportName:
+    """The transport for a push to ``adapters``, servers of ``kind`` (module docstring)."""
+    if is_stream(cfg.backend):
+        return cfg.backend  # type: ignore[return-value]  # a stream's name is a TransportName
+    if cfg.backend == "auto" and adapters and "ipc" in kind.colocated_transports:
         if await colocated(adapters, device):  # the one transport that shares a GPU (NCCL refuses to)
             return "ipc"
     planes = set(await asyncio.gather(*(a.data_plane() for a in adapters))) if adapters else set()
     if len(planes) > 1:
         raise TransferError(f"the servers take different data planes ({', '.join(sorted(planes))})")
-    plane = planes.pop() if planes else adapter_cls.transport
-    return _KIND_TRANSPORT.get(plane, plane)
-
-
-def _kind(adapter_cls: type[ServerAdapter]) -> ServerKind:
-    from slipstream.serverkinds import server_kind
-
-    return server_kind(adapter_cls.kind)
+    return planes.pop() if planes else "torch_dist"
 
 
 async def colocated(adapters: Sequence[ServerAdapter], device) -> bool:
@@ -91,48 +93,43 @@ async def colocated(adapters: Sequence[ServerAdapter], device) -> bool:
 
 class ServerLink:
     """The sending end of one transport, joined by a fixed set of servers (adding or losing one means a
-    new link). ``streamed``: the servers receive in band (module docstring)."""
+    new link). ``stream``: the transport's name while its servers receive in band, each version's begin
+    asks for it (``adapter.before(version, link.stream)``); None for a group (module docstring)."""
 
-    def __init__(
-        self, transport: Transport, adapters: Sequence[ServerAdapter], group_name: str, streamed: bool
-    ) -> None:
+    def __init__(self, transport: Transport, group_name: str) -> None:
         self.transport = transport
         self.group_name = group_name
-        self.streamed = streamed
+        self.stream: TransportName | None = transport.name if transport.joins == "stream" else None
         self.failed = False
-        # While a stream is open its servers' adapters carry its name, so each version's begin asks for it.
-        self._adapters = {id(a): (a, a.transport) for a in adapters} if streamed else {}
-        for adapter, _ in self._adapters.values():
-            adapter.transport = transport.name  # type: ignore[misc]
+
+    @property
+    def streamed(self) -> bool:
+        return self.stream is not None
 
     @classmethod
     async def open(
         cls,
-        name: str,
+        name: TransportName,
         adapters: Sequence[ServerAdapter],
         cfg: WeightSyncConfig,
         device,
         group_name: str,
         pool: BufferPool | None = None,
+        *,
+        typed_buckets: bool = False,
     ) -> ServerLink:
-        """Open transport ``name`` and have every server join it; TransferError naming who failed."""
-        if name in STREAMS:
-            transport = make_transport(name, cfg, is_sender=True, device=device)
-            await _join_stream(transport, adapters, group_name)
-            return cls(transport, adapters, group_name, streamed=True)
+        """Open transport ``name`` and have every server join it, the way the transport ``joins``;
+        ``typed_buckets``: the servers build each bucket as one typed tensor (their kind's record: SGLang).
+        TransferError naming who failed."""
         transport = make_transport(name, cfg, is_sender=True, device=device)
+        if transport.joins == "stream":
+            await _join_stream(transport, adapters, group_name)
+            return cls(transport, group_name)
         if pool is not None:
             transport.pool = pool  # the publisher's buffers, kept from one link to the next
-        if name == "torch_dist":
-            from slipstream.serverkinds import server_kind
-
-            # A kind whose receiver builds each bucket as one typed tensor (SGLang: single-dtype buckets) needs
-            # the same datatype on both ends over NCCL (its record's ``typed_buckets``); ours and gloo take bytes.
-            transport.typed = backend_for_device(device) == "nccl" and any(
-                server_kind(a.kind).typed_buckets for a in adapters
-            )  # type: ignore[attr-defined]
+        transport.type_buckets(typed_buckets)
         await _join_group(transport, adapters, group_name)
-        return cls(transport, adapters, group_name, streamed=False)
+        return cls(transport, group_name)
 
     async def push(
         self,
@@ -157,15 +154,11 @@ class ServerLink:
     def fail(self) -> None:
         """Tear the transport down at once (peers blocked in a receive then fail instead of waiting)."""
         self.failed = True
-        try:
-            self.transport.fail()
-        finally:
-            self._give_back()
+        self.transport.fail()
 
     async def close(self, adapters: Iterable[ServerAdapter]) -> None:
         if self.streamed:
             await asyncio.to_thread(self.transport.close)
-            self._give_back()
             return
         # No barrier: every broadcast was answered by the servers' update calls before a link is closed,
         # and SGLang's destroy never joins one (a barrier would stall, then abort the communicator).
@@ -176,15 +169,7 @@ class ServerLink:
                 log.debug("leaving group %s: %s", self.group_name, r)
 
     def _close_quietly(self) -> None:
-        if hasattr(self.transport, "group"):
-            self.transport.close(barrier_timeout_s=0)  # type: ignore[call-arg]
-        else:
-            self.transport.close()
-
-    def _give_back(self) -> None:
-        for adapter, transport in self._adapters.values():
-            adapter.transport = transport  # type: ignore[misc]
-        self._adapters = {}
+        self.transport.leave_servers()
 
 
 # ------------------------------------------------------------------------------------------------ joining

@@ -189,6 +189,13 @@ class TorchDistTransport(Transport):
             self.group.broken = True
             self.group.close(0)
 
+    def type_buckets(self, typed: bool) -> None:
+        # Only NCCL types its broadcasts; gloo (and our receivers) take plain bytes.
+        self.typed = typed and backend_for_device(self.device) == "nccl"
+
+    def leave_servers(self) -> None:
+        self.close(barrier_timeout_s=0)  # SGLang's destroy never joins a barrier
+
     def close(self, barrier_timeout_s: float | None = None) -> None:
         """Leave the group; a healthy one first meets its peers at a barrier (``barrier_timeout_s``, default
         10 s; 0 where the peers never join one, as SGLang's destroy does not)."""

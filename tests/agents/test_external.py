@@ -15,10 +15,11 @@ from slipstream.agents.registry import make_agent_loop
 from slipstream.queue.base import QueueProducer
 from slipstream.queue.batch import collate
 from slipstream.queue.types import GroupMeta, TrajectoryGroup
-from slipstream.rollouter.clients import SGLangClient
 from slipstream.rollouter.config import EmbeddedServerConfig, RolloutConfig
 from slipstream.rollouter.launch import launch_server
 from slipstream.rollouter.partial import PartialRolloutClient
+from slipstream.serverkinds import server_kind
+from slipstream.serverkinds.sglang import SGLangClient
 
 ENGINE = EmbeddedServerConfig(
     num_threads=1, max_model_len=2048, kv_cache_tokens=8192, kv_page_size=64, max_batch_tokens=512, seed=0
@@ -39,7 +40,9 @@ def tok(tiny_model_path):
 @pytest.fixture(scope="module")
 def server(tiny_model_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("external") / "server.log"
-    proc = launch_server("embedded", tiny_model_path, cfg=RolloutConfig(embedded=ENGINE), log_path=log)
+    proc = launch_server(
+        server_kind("embedded"), tiny_model_path, cfg=RolloutConfig(embedded=ENGINE), log_path=log
+    )
     try:
         proc.wait_healthy(timeout_s=180)
         yield proc

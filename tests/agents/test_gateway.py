@@ -26,10 +26,11 @@ from openai import AsyncOpenAI, AuthenticationError, BadRequestError, NotFoundEr
 from slipstream.agents.gateway import Gateway
 from slipstream.agents.gateway.render import GatewayRenderer
 from slipstream.agents.protocol import SamplingParams
-from slipstream.rollouter.clients import SGLangClient
 from slipstream.rollouter.config import EmbeddedServerConfig, RolloutConfig
 from slipstream.rollouter.launch import launch_server
 from slipstream.rollouter.partial import PartialRolloutClient
+from slipstream.serverkinds import server_kind
+from slipstream.serverkinds.sglang import SGLangClient
 
 CALCULATOR = {
     "type": "function",
@@ -99,7 +100,9 @@ def tok(tiny_model_path):
 def server(tiny_model_path, tok, tmp_path_factory):
     out = tmp_path_factory.mktemp("calculator-model")
     teach(tiny_model_path, out, *conversation_ids(tok))
-    proc = launch_server("embedded", out, cfg=RolloutConfig(embedded=ENGINE), log_path=out / "server.log")
+    proc = launch_server(
+        server_kind("embedded"), out, cfg=RolloutConfig(embedded=ENGINE), log_path=out / "server.log"
+    )
     try:
         proc.wait_healthy(timeout_s=180)
         yield proc

@@ -9,10 +9,10 @@ import subprocess
 import sys
 
 from slipstream.agents.protocol import SamplingParams
-from slipstream.rollouter.clients import SGLangClient
+from slipstream.serverkinds.embedded import EmbeddedAdapter
+from slipstream.serverkinds.sglang import SGLangClient
 from slipstream.system.sim_servers import SimPool, SimProfile
 from slipstream.utils.http_client import HTTPClient
-from slipstream.weightsync.adapters import EmbeddedAdapter
 from slipstream.weightsync.config import WeightSyncConfig
 
 

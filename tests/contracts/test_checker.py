@@ -612,7 +612,7 @@ def test_engine_bodies_for_an_engine_no_class_parses_are_reported(fake_trees):
 def test_the_recorder_drives_the_vllm_adapter_through_each_engine(recorded):
     from slipstream.contracts.http import PLUGIN_NESTED, check_struct, plugin_parser_class
     from slipstream.contracts.ours import VLLM_ENGINES
-    from slipstream.weightsync.adapters import VLLMAdapter
+    from slipstream.serverkinds.vllm import VLLMAdapter
 
     assert set(VLLM_ENGINES) == set(VLLMAdapter.ENGINE_TRANSPORTS)
     calls = [c for c in recorded[0] if c.kind == "vllm"]

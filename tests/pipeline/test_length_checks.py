@@ -10,8 +10,9 @@ import pytest
 
 from slipstream.config import ConfigError, load_config
 from slipstream.pipeline.modes import check_config, position_limit, prepare_config
-from slipstream.rollouter import launch
 from slipstream.rollouter.config import RolloutConfig
+from slipstream.serverkinds import server_kind
+from slipstream.serverkinds import vllm as kind_vllm
 
 RECIPE = Path(__file__).parents[2] / "configs" / "recipes" / "qwen2.5-7b-dapo-math-64x64.yaml"
 # The recipe as it was: 20K responses, a 22,528-token context and no position override.
@@ -47,19 +48,19 @@ def test_the_recipe_fits_with_its_override_and_passes_it_to_vllm(qwen_math_7b, m
     cfg = load_config(RECIPE)
     assert cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens == 2048 + 28672
     assert cfg.rollout.max_position_embeddings == 32768
-    monkeypatch.setattr(launch, "vllm_build", lambda: "gpu")  # whichever vLLM this machine has
-    command = launch.LAUNCHERS["vllm"]("/m", "127.0.0.1", 8000, cfg.rollout)
+    monkeypatch.setattr(kind_vllm, "vllm_build", lambda: "gpu")  # whichever vLLM this machine has
+    command = server_kind("vllm").argv("/m", "127.0.0.1", 8000, cfg.rollout)
     flag = command.index("--hf-overrides")
     assert json.loads(command[flag + 1]) == {"max_position_embeddings": 32768}
 
 
 def test_sglang_gets_the_override_as_model_override_args():
-    command = launch.LAUNCHERS["sglang"](
+    command = server_kind("sglang").argv(
         "/m", "127.0.0.1", 8000, RolloutConfig(backend="sglang", max_position_embeddings=16384)
     )
     flag = command.index("--json-model-override-args")
     assert json.loads(command[flag + 1]) == {"max_position_embeddings": 16384}
-    assert "--json-model-override-args" not in launch.LAUNCHERS["sglang"]("/m", "h", 1, RolloutConfig())
+    assert "--json-model-override-args" not in server_kind("sglang").argv("/m", "h", 1, RolloutConfig())
 
 
 def test_an_episode_budget_below_prompt_plus_response_is_refused():

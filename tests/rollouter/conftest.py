@@ -12,6 +12,7 @@ import pytest
 
 from slipstream.rollouter.config import EmbeddedServerConfig, RolloutConfig
 from slipstream.rollouter.launch import launch_server
+from slipstream.serverkinds import server_kind
 
 # Small limits keep memory low; 1 thread because the test machine is shared.
 TEST_ENGINE = EmbeddedServerConfig(
@@ -26,7 +27,7 @@ def run(coro, timeout_s: float = 120.0):
 
 def start_embedded(model_path, tmp_dir, name: str):
     cfg = RolloutConfig(embedded=TEST_ENGINE)
-    server = launch_server("embedded", model_path, cfg=cfg, log_path=tmp_dir / f"{name}.log")
+    server = launch_server(server_kind("embedded"), model_path, cfg=cfg, log_path=tmp_dir / f"{name}.log")
     try:
         server.wait_healthy(timeout_s=180)
     except BaseException:

@@ -11,10 +11,12 @@ import pytest
 
 from slipstream.agents.protocol import GenerateOutput, InferenceClient, SamplingParams
 from slipstream.rollouter.balancer import LoadBalancer, NoServerAvailable, balancer_from_config
-from slipstream.rollouter.clients import SGLangClient, VLLMClient
 from slipstream.rollouter.clients.base import ServerClient, ServerUnavailable
 from slipstream.rollouter.config import RolloutConfig
 from slipstream.serverapi import SGLANG
+from slipstream.serverkinds import server_kind
+from slipstream.serverkinds.sglang import SGLangClient
+from slipstream.serverkinds.vllm import VLLMClient
 from tests.rollouter.conftest import run, start_embedded
 
 
@@ -188,7 +190,7 @@ def test_failover_when_a_server_process_is_killed(embedded_server, tiny_model_pa
 def test_balancer_from_config():
     async def main():
         cfg = RolloutConfig(backend="vllm", max_concurrent_per_server=3, request_timeout_s=100.0)
-        lb = balancer_from_config(cfg, ["http://127.0.0.1:1", "http://127.0.0.1:2"])
+        lb = balancer_from_config(server_kind(cfg.backend), cfg, ["http://127.0.0.1:1", "http://127.0.0.1:2"])
         try:
             return [type(c) for c in lb.clients], [c.timeout_s for c in lb.clients], lb
         finally:

@@ -16,11 +16,12 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 
 from slipstream.agents.protocol import SamplingParams
-from slipstream.rollouter.clients import SGLangClient, VLLMClient, make_client
+from slipstream.rollouter.clients import make_client
 from slipstream.rollouter.clients.base import ServerError, ServerUnavailable, expand_spans, parse_version
-from slipstream.rollouter.clients.sglang import build_generate_payload, parse_generate_response
-from slipstream.rollouter.clients.vllm import build_completions_payload, parse_completions_response
 from slipstream.serverapi import EMBEDDED, SGLANG
+from slipstream.serverkinds import server_kind
+from slipstream.serverkinds.sglang import SGLangClient, build_generate_payload, parse_generate_response
+from slipstream.serverkinds.vllm import VLLMClient, build_completions_payload, parse_completions_response
 from slipstream.utils.net import free_port
 from tests.rollouter.conftest import run
 
@@ -315,17 +316,16 @@ def test_errors_name_the_server_and_its_message(fake):
     assert status == 400 and healthy is False
 
 
-def test_make_client_registry():
+def test_make_client_builds_the_kinds_client():
     async def main():
-        clients = [make_client(kind, "http://127.0.0.1:1") for kind in ("embedded", "sglang", "vllm")]
+        names = ("embedded", "sglang", "vllm")
+        clients = [make_client(server_kind(name), "http://127.0.0.1:1") for name in names]
         kinds = [type(c) for c in clients]
         for c in clients:
             await c.aclose()
         return kinds
 
     assert run(main()) == [SGLangClient, SGLangClient, VLLMClient]
-    with pytest.raises(ValueError, match="unknown inference server kind `tgi`"):
-        make_client("tgi", "http://x")
 
 
 def test_each_kind_speaks_its_own_description(fake):
@@ -333,7 +333,10 @@ def test_each_kind_speaks_its_own_description(fake):
     fake.reply("POST", "/pause_generation", (200, {"message": "ok", "status": "ok"}))
 
     async def main():
-        embedded, sglang = make_client("embedded", fake.url), make_client("sglang", fake.url)
+        embedded, sglang = (
+            make_client(server_kind("embedded"), fake.url),
+            make_client(server_kind("sglang"), fake.url),
+        )
         try:
             await embedded.pause("retract")
             await sglang.pause("retract")
@@ -349,11 +352,11 @@ def test_each_kind_speaks_its_own_description(fake):
 def _live_roundtrip(kind: str, model_path) -> None:
     from slipstream.rollouter.launch import launch_server
 
-    with launch_server(kind, model_path) as server:
+    with launch_server(server_kind(kind), model_path) as server:
         server.wait_healthy(900)
 
         async def main():
-            client = make_client(kind, server.url)
+            client = make_client(server_kind(kind), server.url)
             try:
                 out = await client.generate([1, 2, 3], SamplingParams(max_new_tokens=8))
                 await client.pause("in_place")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from slipstream.agents.protocol import SamplingParams
-from slipstream.rollouter.clients import SGLangClient
+from slipstream.serverkinds.sglang import SGLangClient
 from tests.rollouter.conftest import run
 
 

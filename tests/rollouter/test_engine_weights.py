@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from slipstream.agents.protocol import SamplingParams
-from slipstream.rollouter.clients import SGLangClient
 from slipstream.rollouter.embedded.app import build_app
 from slipstream.rollouter.embedded.engine import EmbeddedEngine
+from slipstream.serverkinds.sglang import SGLangClient
 from slipstream.utils.net import free_port
 from slipstream.weightsync.types import WeightTarget
 from tests.rollouter.conftest import TEST_ENGINE, run

@@ -226,7 +226,7 @@ def test_eval_against_a_real_server_and_queue(embedded_server, tok, tmp_path):
     from slipstream.queue.config import QueueConfig
     from slipstream.queue.server import QueueServer
     from slipstream.rollouter.balancer import LoadBalancer
-    from slipstream.rollouter.clients import SGLangClient
+    from slipstream.serverkinds.sglang import SGLangClient
 
     cfg = config(**{"eval.every": 1, "eval.n": 3, "eval.max_concurrent": 2, "reward.num_workers": 1,
                     "rollout.sampling.max_new_tokens": 6, "data.max_prompt_tokens": 1024})  # fmt: skip

@@ -9,10 +9,11 @@ import pytest
 
 from slipstream.rollouter.config import RolloutConfig
 from slipstream.rollouter.launch import ServerLaunchError, ServerProcess, launch_server, launch_servers
+from slipstream.serverkinds import server_kind
 
 
 def test_failing_server_surfaces_its_error(tmp_path):
-    server = launch_server("embedded", tmp_path / "no-such-model", log_path=tmp_path / "bad.log")
+    server = launch_server(server_kind("embedded"), tmp_path / "no-such-model", log_path=tmp_path / "bad.log")
     with pytest.raises(ServerLaunchError, match="exited with code 2") as err:
         server.wait_healthy(timeout_s=120)
     assert "unknown model" in str(err.value) and "no-such-model" in str(err.value)
@@ -42,12 +43,12 @@ def test_unknown_kind_and_missing_engines_fail_loudly(tmp_path):
     with pytest.raises(
         ValueError, match="^rollout.backend: unknown inference server kind `tgi`; known kinds: "
     ):
-        launch_server("tgi", tmp_path)
+        launch_server(server_kind("tgi"), tmp_path)  # the caller resolves the kind; the launcher never does
     try:
         import vllm  # noqa: F401
     except ImportError:
         with pytest.raises(ServerLaunchError, match="vllm is not installed"):
-            launch_server("vllm", tmp_path, cfg=RolloutConfig(backend="vllm"))
+            launch_server(server_kind("vllm"), tmp_path, cfg=RolloutConfig(backend="vllm"))
 
 
 def test_stop_terminates_cleanly(tmp_path):
@@ -65,5 +66,5 @@ def test_stop_terminates_cleanly(tmp_path):
 def test_launch_servers_stops_all_when_one_fails(tmp_path):
     cfg = RolloutConfig(num_servers=2, launch_timeout_s=120)
     with pytest.raises(ServerLaunchError, match="unknown model"):
-        launch_servers(cfg, tmp_path / "missing", log_dir=tmp_path)
+        launch_servers(server_kind(cfg.backend), cfg, tmp_path / "missing", log_dir=tmp_path)
     assert sorted(p.name for p in tmp_path.glob("*.log")) == ["embedded-0.log", "embedded-1.log"]

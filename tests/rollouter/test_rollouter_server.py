@@ -36,11 +36,12 @@ from slipstream.queue.client import AsyncQueueClient
 from slipstream.queue.config import QueueConfig
 from slipstream.queue.server import QueueServer
 from slipstream.rollouter.balancer import LoadBalancer
-from slipstream.rollouter.clients import SGLangClient
 from slipstream.rollouter.config import EmbeddedServerConfig, RolloutConfig
 from slipstream.rollouter.launch import launch_server
 from slipstream.rollouter.partial import PartialRolloutClient
 from slipstream.rollouter.rollouter import Rollouter
+from slipstream.serverkinds import server_kind
+from slipstream.serverkinds.sglang import SGLangClient
 
 QUESTION = [{"role": "user", "content": "What is 6 * 7? Use python."}]
 CALL = '<tool_call>{"name": "python", "arguments": {"code": "print(6 * 7)"}}</tool_call>'
@@ -123,7 +124,9 @@ def taught_server(tiny_model_path, tok, tmp_path_factory):
     """An embedded server process serving the taught model (weight version 0)."""
     out = tmp_path_factory.mktemp("taught-model")
     teach(tiny_model_path, out, episode_ids(tok))
-    server = launch_server("embedded", out, cfg=RolloutConfig(embedded=ENGINE), log_path=out / "server.log")
+    server = launch_server(
+        server_kind("embedded"), out, cfg=RolloutConfig(embedded=ENGINE), log_path=out / "server.log"
+    )
     server.model_dir = out
     try:
         server.wait_healthy(timeout_s=180)
@@ -269,7 +272,7 @@ def test_partial_rollout_across_a_weight_version_change(taught_server, tok, tiny
     publisher = WeightPublisher(
         WeightSyncConfig(device="cpu", pause_mode="in_place", bucket_mb=4, timeout_s=60),
         [taught_server.url],
-        "embedded",
+        server_kind("embedded"),
     )
 
     async def generated_tokens(http) -> int:

@@ -15,6 +15,7 @@ import pytest
 
 from slipstream.rollouter.embedded.app import build_app
 from slipstream.rollouter.embedded.engine import EmbeddedEngine
+from slipstream.serverkinds import server_kind
 from slipstream.utils.http_auth import TOKEN_ENV, bearer_headers, new_token
 from tests.rollouter.conftest import TEST_ENGINE, run
 
@@ -146,24 +147,24 @@ def test_a_pipeline_push_with_the_token_reaches_a_guarded_server(tiny_model_path
 
     cfg = WeightSyncConfig(device="cpu", bucket_mb=4, timeout_s=30, keep_last=False)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
-    server = launch_server("embedded", tiny_model_path, cfg=RolloutConfig(embedded=TEST_ENGINE),
+    server = launch_server(server_kind("embedded"), tiny_model_path, cfg=RolloutConfig(embedded=TEST_ENGINE),
                            env={TOKEN_ENV: TOKEN}, log_path=tmp_path / "server.log")  # fmt: skip
     try:
         server.wait_healthy(180)
         assert TOKEN not in " ".join(server.command)  # never on the command line
-        stranger = WeightPublisher(cfg, [server.url], "embedded", token="")
+        stranger = WeightPublisher(cfg, [server.url], server_kind("embedded"), token="")
         try:
             refused = stranger.publish(1, model.named_parameters())
         finally:
             stranger.close()
-        owner = WeightPublisher(cfg, [server.url], "embedded", token=TOKEN)
+        owner = WeightPublisher(cfg, [server.url], server_kind("embedded"), token=TOKEN)
         try:
             pushed = owner.publish(2, model.named_parameters())
         finally:
             owner.close()
 
         async def versions():
-            client = make_client("embedded", server.url)
+            client = make_client(server_kind("embedded"), server.url)
             try:
                 bare = await client.weight_version()
                 with pytest.raises(Exception, match="401"):
@@ -213,6 +214,8 @@ def test_the_launcher_runs_a_server_open_only_when_launched_without_a_token(
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     cfg = RolloutConfig(embedded=TEST_ENGINE)
     for env, is_open in (({TOKEN_ENV: TOKEN}, False), (None, True)):
-        server = launch_server("embedded", tiny_model_path, cfg=cfg, env=env, log_path=tmp_path / "s.log")
+        server = launch_server(
+            server_kind("embedded"), tiny_model_path, cfg=cfg, env=env, log_path=tmp_path / "s.log"
+        )
         server.stop()
         assert ("--open" in server.command) is is_open

@@ -22,7 +22,9 @@ import pytest
 
 from slipstream.agents.protocol import GenerateOutput
 from slipstream.rollouter.config import RolloutConfig, VLLMServerConfig
-from slipstream.rollouter.launch import ServerProcess, launch_server, vllm_build
+from slipstream.rollouter.launch import ServerProcess, launch_server
+from slipstream.serverkinds import server_kind
+from slipstream.serverkinds.vllm import vllm_build
 
 
 def pytest_collection_modifyitems(config, items):
@@ -65,7 +67,7 @@ class VLLMServer:
     def start(self) -> None:
         self.starts += 1
         log = self.log_dir / f"vllm-{self.starts}.log"
-        self.process = launch_server("vllm", self.model, cfg=self.cfg, log_path=log)
+        self.process = launch_server(server_kind("vllm"), self.model, cfg=self.cfg, log_path=log)
         self.process.wait_healthy(600)
 
     def restart(self) -> None:

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from slipstream.agents.protocol import SamplingParams
-from slipstream.rollouter.clients import VLLMClient, client_for
+from slipstream.rollouter.clients import client_for
+from slipstream.serverkinds import server_kind
+from slipstream.serverkinds.vllm import VLLMClient
 from tests.vllm.conftest import LONG_TOKENS, generated, run, start_long, wait_for_tokens
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 8]
@@ -141,7 +143,7 @@ def test_pause_wait_lets_running_requests_finish(vllm_server):
 
 def test_client_built_from_the_rollout_config_uses_its_route(vllm_server):
     cfg = vllm_server.cfg
-    c = client_for(cfg, vllm_server.url)
+    c = client_for(server_kind("vllm"), cfg, vllm_server.url)
     assert isinstance(c, VLLMClient) and c.route == cfg.vllm.route == "generate"
     assert run(c.health())
     run(c.aclose())

@@ -9,8 +9,9 @@ import signal
 import pytest
 
 from slipstream.agents.protocol import SamplingParams
-from slipstream.rollouter.clients import VLLMClient
-from slipstream.rollouter.launch import LAUNCHERS, ServerLaunchError, launch_server
+from slipstream.rollouter.launch import ServerLaunchError, launch_server
+from slipstream.serverkinds import server_kind
+from slipstream.serverkinds.vllm import VLLMClient
 from tests.vllm.conftest import run, vllm_config
 
 
@@ -24,14 +25,14 @@ def test_command_runs_the_module_in_dev_mode_with_our_engine(vllm_server):
 
 def test_user_flags_win_over_ours(tmp_path):
     cfg = vllm_config(server_args=["--weight-transfer-config", '{"backend": "nccl"}'])
-    cmd = LAUNCHERS.get("vllm")(str(tmp_path), "127.0.0.1", 8000, cfg)
+    cmd = server_kind("vllm").argv(str(tmp_path), "127.0.0.1", 8000, cfg)
     assert "--weight-transfer-config" not in cmd  # launch_server appends the user's
 
 
 def test_a_server_that_cannot_start_fails_naming_its_log(tmp_path):
     (tmp_path / "config.json").write_text("{}")  # not a model vLLM can load
     log = tmp_path / "bad-vllm.log"
-    server = launch_server("vllm", tmp_path, cfg=vllm_config(), log_path=log)
+    server = launch_server(server_kind("vllm"), tmp_path, cfg=vllm_config(), log_path=log)
     with pytest.raises(ServerLaunchError, match="exited with code") as err:
         server.wait_healthy(timeout_s=600)
     assert str(log) in str(err.value)
@@ -75,7 +76,7 @@ def test_a_server_killed_mid_push_fails_that_version_and_takes_the_next_after_re
             yield item
 
     old_url = vllm_server.url
-    pub = WeightPublisher(cfg, [old_url], "vllm")
+    pub = WeightPublisher(cfg, [old_url], server_kind("vllm"))
     try:
         report = pub.publish(1, killed_part_way())
     finally:
@@ -85,7 +86,7 @@ def test_a_server_killed_mid_push_fails_that_version_and_takes_the_next_after_re
     vllm_server.restart()
     healthy, out = run(go(vllm_server.url))
     assert healthy and len(out.output_ids) == 4
-    pub = WeightPublisher(cfg, [vllm_server.url], "vllm")
+    pub = WeightPublisher(cfg, [vllm_server.url], server_kind("vllm"))
     try:
         assert pub.publish(2, iter(weights)).ok == [vllm_server.url]
     finally:

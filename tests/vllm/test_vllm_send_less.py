@@ -8,8 +8,9 @@ import httpx
 import torch
 
 from slipstream.agents.protocol import SamplingParams
-from slipstream.rollouter.clients import VLLMClient
 from slipstream.rollouter.clients.base import parse_version
+from slipstream.serverkinds import server_kind
+from slipstream.serverkinds.vllm import VLLMClient
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.delta import merge_lora
 from slipstream.weightsync.publisher import WeightPublisher, publish_lora
@@ -71,7 +72,7 @@ def nudged(named, seed: int):
 def test_a_delta_version_serves_the_same_weights_as_a_whole_push(vllm_server, vllm_model):
     v = served_version(vllm_server.url)
     whole, changed = nudged(base_weights(vllm_model), v), None
-    pub = WeightPublisher(config(f"delta-{v}", delta=True), [vllm_server.url], "vllm")
+    pub = WeightPublisher(config(f"delta-{v}", delta=True), [vllm_server.url], server_kind("vllm"))
     try:
         assert pub.publish(v + 1, iter(whole)).sent == "full"
         changed = nudged(whole, v + 1)
@@ -100,7 +101,7 @@ def adapters(weights, seed: int, rank: int = 4):
 def test_an_adapter_only_version_serves_the_merged_policy(vllm_server, vllm_model):
     v, scale = served_version(vllm_server.url), 2.0
     base = base_weights(vllm_model)
-    pub = WeightPublisher(config(f"lora-{v}"), [vllm_server.url], "vllm")
+    pub = WeightPublisher(config(f"lora-{v}"), [vllm_server.url], server_kind("vllm"))
     try:
         report = publish_lora(pub, v + 1, lambda: iter(adapters(base, 1)), lambda: iter(base), scale)
         assert report is not None and report.sent == "lora" and report.ok == [vllm_server.url], report

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from slipstream.agents.protocol import SamplingParams
-from slipstream.rollouter.clients import VLLMClient
 from slipstream.rollouter.clients.base import parse_version
 from slipstream.rollouter.partial import PartialRolloutClient
+from slipstream.serverkinds import server_kind
+from slipstream.serverkinds.vllm import VLLMClient
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.publisher import WeightPublisher
 from tests.vllm.conftest import LONG_TOKENS, generated, run, start_long, until, wait_for_tokens
@@ -72,7 +73,7 @@ def generate(url: str, n: int = 16):
 
 
 def publish(url: str, version: int, tensors, **cfg) -> object:
-    pub = WeightPublisher(config(**cfg), [url], "vllm")
+    pub = WeightPublisher(config(**cfg), [url], server_kind("vllm"))
     try:
         return pub.publish(version, tensors)
     finally:

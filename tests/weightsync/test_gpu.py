@@ -14,6 +14,7 @@ import pytest
 import torch
 from wsync_helpers import digest, mixed_tensors, pipe, recv, send, spawn
 
+from slipstream.serverkinds import server_kind
 from slipstream.weightsync.base import build_topology, make_transport, receive_version
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.types import InitInfo, Rendezvous
@@ -100,10 +101,10 @@ def test_a_live_server_takes_a_version_and_reports_it(kind):
 
     path = os.environ["SLIPSTREAM_TEST_MODEL"]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
-    with launch_server(kind, path) as server:
+    with launch_server(server_kind(kind), path) as server:
         server.wait_healthy(900)
         pub = WeightPublisher(
-            WeightSyncConfig(bucket_mb=64, timeout_s=300, device="cuda"), [server.url], kind
+            WeightSyncConfig(bucket_mb=64, timeout_s=300, device="cuda"), [server.url], server_kind(kind)
         )
         try:
             report = pub.publish(1, ((n, p.detach()) for n, p in model.named_parameters()))

@@ -18,6 +18,7 @@ from ipc_target_server import serve
 from wsync_helpers import TargetServers, digest, mixed_tensors, served, spawn
 
 from slipstream.serverapi import EMBEDDED
+from slipstream.serverkinds import server_kind
 from slipstream.weightsync import ipc_memory
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.errors import TransferError
@@ -45,7 +46,7 @@ def get(url: str, path: str) -> dict:
 
 def test_auto_picks_ipc_on_this_host_and_versions_arrive_bit_exact_including_a_late_server(servers):
     first, late = servers.start(), servers.start()
-    pub = WeightPublisher(config("auto"), [first], "embedded")
+    pub = WeightPublisher(config("auto"), [first], server_kind("embedded"))
     try:
         for version in (1, 2):  # mixed dtypes (fp8 too) and a tensor larger than a bucket
             report = pub.publish(version, iter(mixed_tensors(version)))
@@ -68,7 +69,7 @@ def test_a_push_that_fails_off_the_wire_raises_to_the_trainer_and_the_next_one_g
     """A bug or an out-of-memory while packing is the trainer's error, not a lost push: raised as it is,
     the server keeps its version, and nothing is retried from the kept copy as if a server had died."""
     url = servers.start()
-    pub = WeightPublisher(config(), [url], "embedded")
+    pub = WeightPublisher(config(), [url], server_kind("embedded"))
 
     def breaks():
         for i, item in enumerate(mixed_tensors(2)):
@@ -90,7 +91,7 @@ def test_a_push_that_fails_off_the_wire_raises_to_the_trainer_and_the_next_one_g
 def _dying_trainer(urls: list[str]) -> None:
     """Publishes version 1, then dies three tensors into version 2."""
     torch.set_num_threads(1)
-    pub = WeightPublisher(config(), urls, "embedded")
+    pub = WeightPublisher(config(), urls, server_kind("embedded"))
     pub.publish(1, iter(mixed_tensors(1)))
 
     def dies():
@@ -114,7 +115,7 @@ def test_a_trainer_killed_mid_sync_leaves_the_old_version_serving_with_staging_a
     assert state["failed_versions"] == 1 and state["weight_version"] == 1 and state["last_error"]
     assert served(url) == {"version": 1, "digest": digest(mixed_tensors(1))}
     assert get(url, "/ipc_state") == {"staging_bytes": 0, "mapped": 0, "shm_mappings": 0}
-    pub = WeightPublisher(config(), [url], "embedded")
+    pub = WeightPublisher(config(), [url], server_kind("embedded"))
     try:
         assert pub.publish(3, iter(mixed_tensors(3))).ok == [url]
         assert served(url) == {"version": 3, "digest": digest(mixed_tensors(3))}
@@ -124,7 +125,7 @@ def test_a_trainer_killed_mid_sync_leaves_the_old_version_serving_with_staging_a
 
 def test_a_server_killed_mid_sync_fails_the_push_and_the_others_get_the_version(servers):
     healthy, doomed = servers.start(), servers.start(1)  # dies after its first bucket
-    pub = WeightPublisher(config(), [healthy, doomed], "embedded")
+    pub = WeightPublisher(config(), [healthy, doomed], server_kind("embedded"))
     try:
         report = pub.publish(1, iter(mixed_tensors(1)))
         assert doomed in report.failed and report.ok == [healthy] and report.retried, report
@@ -139,12 +140,12 @@ def test_a_server_killed_mid_sync_fails_the_push_and_the_others_get_the_version(
 
 def test_an_older_or_refused_version_changes_nothing_and_frees_its_staging(servers):
     url = servers.start()
-    first = WeightPublisher(config(), [url], "embedded")
+    first = WeightPublisher(config(), [url], server_kind("embedded"))
     try:
         assert first.publish(3, iter(mixed_tensors(3))).ok == [url]
     finally:
         first.close()
-    stale = WeightPublisher(config(keep_last=False), [url], "embedded")
+    stale = WeightPublisher(config(keep_last=False), [url], server_kind("embedded"))
     try:
         report = stale.publish(2, iter(mixed_tensors(2)))
         assert report.ok == [] and "older than the serving version 3" in report.failed[url], report
@@ -167,7 +168,7 @@ def test_a_serving_embedded_server_gets_a_version_over_ipc_and_generates_with_it
     from slipstream.rollouter.launch import launch_server
 
     engine_cfg = EmbeddedServerConfig(num_threads=1, max_model_len=512, kv_cache_tokens=4096, seed=0)
-    server = launch_server("embedded", tiny_model_path, cfg=RolloutConfig(embedded=engine_cfg))
+    server = launch_server(server_kind("embedded"), tiny_model_path, cfg=RolloutConfig(embedded=engine_cfg))
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():
@@ -176,7 +177,7 @@ def test_a_serving_embedded_server_gets_a_version_over_ipc_and_generates_with_it
     body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
     try:
         server.wait_healthy(180)
-        pub = WeightPublisher(config("auto"), [server.url], "embedded")
+        pub = WeightPublisher(config("auto"), [server.url], server_kind("embedded"))
         try:
             report = pub.publish(1, ((n, p.detach()) for n, p in model.named_parameters()))
             assert report.ok == [server.url] and pub._link.transport.name == "ipc", report
@@ -197,13 +198,13 @@ class _Stub:
     """An adapter that answers /weightsync/ipc/prepare with a given identity (or fails, like an old server)."""
 
     def __init__(self, kind: str, host: str, device: str, fails: bool = False) -> None:
-        self.kind, self.transport, self.url = kind, "dist", f"http://{kind}"
+        self.kind, self.url = kind, f"http://{kind}"
         self.api = EMBEDDED  # the stream routes it is asked on
         self.answer = {"backend": "ipc", "host": host, "device": device}
         self.fails, self.calls = fails, 0
 
     async def data_plane(self) -> str:
-        return self.transport
+        return "torch_dist"
 
     async def call(self, method: str, path: str, **_kw) -> dict:
         self.calls += 1
@@ -239,7 +240,7 @@ def test_the_transport_follows_the_backend_and_auto_picks_ipc_only_on_this_host_
         _Stub(kind, here if host == "here" else "other/boot", device or "", fails=device is None)
         for host, device in receivers
     ]
-    got = asyncio.run(choose_transport(config(backend), _adapter_class(kind), stubs, torch.device("cpu")))
+    got = asyncio.run(choose_transport(config(backend), server_kind(kind), stubs, torch.device("cpu")))
     assert got == want
     if kind != "embedded" or backend != "auto":
         assert all(s.calls == 0 for s in stubs)
@@ -248,13 +249,5 @@ def test_the_transport_follows_the_backend_and_auto_picks_ipc_only_on_this_host_
 def test_auto_with_a_host_memory_sender_picks_ipc_for_any_device_of_this_host():
     here = ipc_memory.host_identity()
     stubs = [_Stub("embedded", here, "cuda:GPU-z"), _Stub("embedded", here, "cpu")]
-    got = asyncio.run(
-        choose_transport(config("auto"), _adapter_class("embedded"), stubs, torch.device("cpu"))
-    )
+    got = asyncio.run(choose_transport(config("auto"), server_kind("embedded"), stubs, torch.device("cpu")))
     assert got == "ipc"
-
-
-def _adapter_class(kind: str):
-    from slipstream.weightsync.adapters import get_adapter_class
-
-    return get_adapter_class(kind)

@@ -17,6 +17,7 @@ import torch
 from wsync_helpers import TargetServers, digest, mixed_tensors, served, spawn, status
 from wsync_target_server import serve
 
+from slipstream.serverkinds import server_kind
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.publisher import WeightPublisher, publish_whole
 
@@ -40,7 +41,7 @@ def servers():
 @pytest.mark.parametrize("backend", ["torch_dist", "nixl", "naive"])
 def test_versions_reach_every_server_bit_exact_and_a_late_server_gets_the_current_one(servers, backend):
     first, late = servers.start(), servers.start()
-    pub = WeightPublisher(config(backend), [first], "embedded")
+    pub = WeightPublisher(config(backend), [first], server_kind("embedded"))
     try:
         for version in (1, 2):
             report = pub.publish(version, iter(mixed_tensors(version)))
@@ -59,7 +60,7 @@ def test_versions_reach_every_server_bit_exact_and_a_late_server_gets_the_curren
 
 def test_a_server_killed_mid_sync_is_dropped_and_the_others_get_the_version(servers):
     healthy, doomed = servers.start(), servers.start(2)  # dies at its second update call
-    pub = WeightPublisher(config(), [healthy, doomed], "embedded")
+    pub = WeightPublisher(config(), [healthy, doomed], server_kind("embedded"))
     try:
         start = time.monotonic()
         report = pub.publish(1, iter(mixed_tensors(1)))
@@ -76,7 +77,7 @@ def test_a_server_killed_mid_sync_is_dropped_and_the_others_get_the_version(serv
 def _dying_trainer(urls: list[str]) -> None:
     """Publishes version 1, then dies three tensors into version 2."""
     torch.set_num_threads(1)
-    pub = WeightPublisher(config(), urls, "embedded")
+    pub = WeightPublisher(config(), urls, server_kind("embedded"))
     pub.publish(1, iter(mixed_tensors(1)))
 
     def dies():
@@ -99,7 +100,7 @@ def test_a_trainer_killed_mid_sync_leaves_the_old_version_serving_and_a_new_trai
     state = status(url)
     assert state["failed_versions"] == 1 and state["weight_version"] == 1 and state["last_error"]
     assert served(url) == {"version": 1, "digest": digest(mixed_tensors(1))}
-    pub = WeightPublisher(config(), [url], "embedded")
+    pub = WeightPublisher(config(), [url], server_kind("embedded"))
     try:
         assert pub.publish(3, iter(mixed_tensors(3))).ok == [url]
         assert served(url) == {"version": 3, "digest": digest(mixed_tensors(3))}
@@ -140,7 +141,7 @@ def test_the_embedded_server_keeps_answering_while_a_version_arrives_and_then_se
     from slipstream.rollouter.launch import launch_server
 
     engine_cfg = EmbeddedServerConfig(num_threads=1, max_model_len=512, kv_cache_tokens=4096, seed=0)
-    server = launch_server("embedded", tiny_model_path, cfg=RolloutConfig(embedded=engine_cfg))
+    server = launch_server(server_kind("embedded"), tiny_model_path, cfg=RolloutConfig(embedded=engine_cfg))
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():
@@ -165,7 +166,7 @@ def test_the_embedded_server_keeps_answering_while_a_version_arrives_and_then_se
         server.wait_healthy(180)
         asker = threading.Thread(target=keep_asking)
         asker.start()
-        pub = WeightPublisher(config(), [server.url], "embedded")
+        pub = WeightPublisher(config(), [server.url], server_kind("embedded"))
         try:
             while not answers:
                 time.sleep(0.05)
@@ -203,7 +204,7 @@ def test_an_abort_at_the_switch_is_one_call_that_aborts_what_runs_and_leaves_the
     from slipstream.rollouter.launch import launch_server
 
     engine_cfg = EmbeddedServerConfig(num_threads=1, max_model_len=2048, kv_cache_tokens=8192, seed=0)
-    server = launch_server("embedded", tiny_model_path, cfg=RolloutConfig(embedded=engine_cfg))
+    server = launch_server(server_kind("embedded"), tiny_model_path, cfg=RolloutConfig(embedded=engine_cfg))
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     long = {"input_ids": [5, 77], "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}
     answer: dict = {}
@@ -213,7 +214,7 @@ def test_an_abort_at_the_switch_is_one_call_that_aborts_what_runs_and_leaves_the
 
     try:
         server.wait_healthy(180)
-        pub = WeightPublisher(config(pause_mode="abort"), [server.url], "embedded")
+        pub = WeightPublisher(config(pause_mode="abort"), [server.url], server_kind("embedded"))
         asker = threading.Thread(target=ask)
         try:
             asker.start()
@@ -247,7 +248,7 @@ def test_an_abort_at_the_switch_is_one_call_that_aborts_what_runs_and_leaves_the
 
 def test_a_version_the_server_cannot_take_is_refused_by_name_and_the_next_one_goes_through(servers):
     url = servers.start()
-    pub = WeightPublisher(config(keep_last=False), [url], "embedded")
+    pub = WeightPublisher(config(keep_last=False), [url], server_kind("embedded"))
     try:
         bad = [(n, torch.zeros(3, 3) if n == "lm_head.weight" else t) for n, t in mixed_tensors(1)]
         report = pub.publish(1, iter(bad))

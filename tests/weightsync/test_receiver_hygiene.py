@@ -21,6 +21,7 @@ import pytest
 import torch
 from wsync_helpers import DictTarget, mixed_tensors, spawn
 
+from slipstream.serverkinds import server_kind
 from slipstream.utils.net import free_port
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.http_receiver import WeightReceiver
@@ -168,7 +169,7 @@ def staging(url: str) -> dict:
 
 def publisher(url: str) -> WeightPublisher:
     cfg = WeightSyncConfig(backend="torch_dist", bucket_mb=1, timeout_s=30, device="cpu", keep_last=False)
-    return WeightPublisher(cfg, [url], "embedded", token="")
+    return WeightPublisher(cfg, [url], server_kind("embedded"), token="")
 
 
 @pytest.mark.timeout(180)

@@ -14,6 +14,7 @@ import torch
 from wsync_helpers import TargetServers, digest, mixed_tensors, served, status
 from wsync_target_server import serve
 
+from slipstream.serverkinds import server_kind
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.delta import merge_lora
 from slipstream.weightsync.publisher import WeightPublisher, publish_lora
@@ -60,7 +61,7 @@ def nbytes(named) -> int:
 @pytest.mark.parametrize("backend", ["torch_dist", "ipc"])
 def test_delta_versions_serve_exactly_what_whole_ones_do_and_carry_a_fraction_of_the_bytes(servers, backend):
     url = servers.start()
-    pub = WeightPublisher(config(backend=backend, delta=True), [url], "embedded")
+    pub = WeightPublisher(config(backend=backend, delta=True), [url], server_kind("embedded"))
     try:
         versions = {1: mixed_tensors(1)}
         report = pub.publish(1, iter(versions[1]))
@@ -80,7 +81,7 @@ def test_delta_versions_serve_exactly_what_whole_ones_do_and_carry_a_fraction_of
 
 def test_a_delta_to_a_server_that_lost_its_base_is_refused_by_name_and_it_gets_the_whole_version(servers):
     url = servers.start()
-    pub = WeightPublisher(config(delta=True), [url], "embedded")
+    pub = WeightPublisher(config(delta=True), [url], server_kind("embedded"))
     try:
         v1, v2 = mixed_tensors(1), nudged(mixed_tensors(1), 2)
         assert pub.publish(1, iter(v1)).ok == [url]
@@ -93,7 +94,7 @@ def test_a_delta_to_a_server_that_lost_its_base_is_refused_by_name_and_it_gets_t
         assert report.sent == "delta" and served(url) == {"version": 3, "digest": digest(v3)}
         # Another sender's whole version (no delta) replaced what the server kept, on a link that still
         # works: the delta against version 3 is refused at its first bucket, by name, then sent whole.
-        other = WeightPublisher(config(), [url], "embedded")
+        other = WeightPublisher(config(), [url], server_kind("embedded"))
         try:
             assert other.publish(4, iter(v3)).ok == [url]
         finally:
@@ -140,7 +141,7 @@ def merged(base: list[tuple[str, torch.Tensor]], adapter: list[tuple[str, torch.
 
 def test_adapter_only_versions_serve_the_merged_policy_exactly_and_carry_only_the_adapters(servers):
     url = servers.start()
-    pub = WeightPublisher(config(), [url], "embedded")
+    pub = WeightPublisher(config(), [url], server_kind("embedded"))
     base = mixed_tensors(1)
     try:
         assert pub.needs_full()
@@ -162,7 +163,7 @@ def test_adapter_only_versions_serve_the_merged_policy_exactly_and_carry_only_th
 
 def test_lora_guards_a_misshaped_adapter_and_a_server_without_the_base_weights(servers):
     url = servers.start()
-    pub = WeightPublisher(config(), [url], "embedded")
+    pub = WeightPublisher(config(), [url], server_kind("embedded"))
     base = mixed_tensors(1)
     try:
         publish_lora(pub, 1, lambda: iter(adapters(1)), lambda: iter(base), SCALE)
@@ -185,7 +186,7 @@ def test_adapters_alone_are_not_sent_to_servers_the_publisher_has_not_seen_take_
     """Before any LoRA version reached the servers, an adapter-only push fails before a byte moves."""
     from slipstream.weightsync.errors import TransferError
 
-    pub = WeightPublisher(config(), ["http://127.0.0.1:9"], "embedded")
+    pub = WeightPublisher(config(), ["http://127.0.0.1:9"], server_kind("embedded"))
     try:
         with pytest.raises(TransferError, match="hold no LoRA base weights"):
             pub.publish_lora(1, iter(adapters(1)), None, SCALE)
@@ -267,10 +268,10 @@ def test_a_publisher_refuses_send_less_pushes_its_servers_or_transport_cannot_ca
     """SGLang reads every entry as a dense tensor, and the per-tensor `naive` calls name no entry kinds:
     delta and LoRA pushes to them are refused before a byte moves, not read as weights."""
     with pytest.raises(ValueError, match="weightsync.delta: `sglang` servers cannot rebuild"):
-        WeightPublisher(config(delta=True), [], "sglang")
+        WeightPublisher(config(delta=True), [], server_kind("sglang"))
     with pytest.raises(ValueError, match="weightsync.delta: weightsync.backend `naive` sends no entry kinds"):
-        WeightPublisher(config(delta=True, backend="naive"), [], "embedded")
-    pub = WeightPublisher(config(), [], "sglang")
+        WeightPublisher(config(delta=True, backend="naive"), [], server_kind("embedded"))
+    pub = WeightPublisher(config(), [], server_kind("sglang"))
     try:
         with pytest.raises(ValueError, match="LoRA adapter pushes: `sglang` servers cannot rebuild"):
             pub.publish_lora(1, iter(adapters(1)), iter(mixed_tensors(1)), SCALE)

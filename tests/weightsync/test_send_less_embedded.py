@@ -12,6 +12,7 @@ import httpx
 import pytest
 import torch
 
+from slipstream.serverkinds import server_kind
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.delta import merge_lora
 from slipstream.weightsync.publisher import WeightPublisher, publish_lora
@@ -45,7 +46,7 @@ def server(tiny_model_path):
     engine_cfg = EmbeddedServerConfig(
         num_threads=1, max_model_len=512, kv_cache_tokens=4096, seed=0, dtype="float32"
     )
-    srv = launch_server("embedded", tiny_model_path, cfg=RolloutConfig(embedded=engine_cfg))
+    srv = launch_server(server_kind("embedded"), tiny_model_path, cfg=RolloutConfig(embedded=engine_cfg))
     try:
         srv.wait_healthy(180)
         yield srv
@@ -77,7 +78,7 @@ def nudged(named, seed: int):
 
 def test_a_delta_version_serves_exactly_what_a_whole_push_of_it_serves(server, weights):
     v1, v2 = weights, nudged(weights, 2)
-    pub = WeightPublisher(config("delta", delta=True), [server.url], "embedded")
+    pub = WeightPublisher(config("delta", delta=True), [server.url], server_kind("embedded"))
     try:
         assert pub.publish(1, iter(v1)).sent == "full"
         first = probe(server.url)
@@ -87,7 +88,7 @@ def test_a_delta_version_serves_exactly_what_a_whole_push_of_it_serves(server, w
         after_delta = probe(server.url)
     finally:
         pub.close()
-    whole = WeightPublisher(config("whole"), [server.url], "embedded")
+    whole = WeightPublisher(config("whole"), [server.url], server_kind("embedded"))
     try:
         assert whole.publish(3, iter(v2)).sent == "full"
         after_whole = probe(server.url)
@@ -112,7 +113,7 @@ def lora_adapters(weights, seed: int, rank: int = 4):
 
 def test_an_adapter_only_version_serves_exactly_the_merged_policy_a_whole_push_serves(server, weights):
     scale = 2.0
-    pub = WeightPublisher(config("lora"), [server.url], "embedded")
+    pub = WeightPublisher(config("lora"), [server.url], server_kind("embedded"))
     try:
         report = publish_lora(pub, 4, lambda: iter(lora_adapters(weights, 4)), lambda: iter(weights), scale)
         assert report is not None and report.sent == "lora" and report.ok == [server.url]
@@ -131,7 +132,7 @@ def test_an_adapter_only_version_serves_exactly_the_merged_policy_a_whole_push_s
         if f"{module}.lora_A.weight" in ad:
             w = merge_lora(w, ad[f"{module}.lora_A.weight"], ad[f"{module}.lora_B.weight"], scale)
         merged.append((name, w))
-    whole = WeightPublisher(config("lora-whole"), [server.url], "embedded")
+    whole = WeightPublisher(config("lora-whole"), [server.url], server_kind("embedded"))
     try:
         assert whole.publish(6, iter(merged)).ok == [server.url]
         after_whole = probe(server.url)

@@ -14,6 +14,7 @@ from test_adapters import fake_sglang, wait_up
 from test_send_less import SCALE, adapters, merged
 from wsync_helpers import digest, mixed_tensors, spawn
 
+from slipstream.serverkinds import server_kind
 from slipstream.utils.net import free_port
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.publisher import WeightPublisher, publish_lora
@@ -42,7 +43,7 @@ def config() -> WeightSyncConfig:
 
 def test_lora_versions_to_sglang_go_as_merged_whole_weights_equal_to_merge_lora(sglang_url, caplog):
     base = mixed_tensors(1)
-    pub = WeightPublisher(config(), [sglang_url], "sglang")
+    pub = WeightPublisher(config(), [sglang_url], server_kind("sglang"))
     try:
         with caplog.at_level(logging.INFO, logger="slipstream.weightsync.publisher"):
             for v in (1, 2):
@@ -64,7 +65,7 @@ def test_lora_versions_to_sglang_go_as_merged_whole_weights_equal_to_merge_lora(
 
 
 def test_a_merged_push_needs_the_merged_weights_on_every_rank(sglang_url):
-    pub = WeightPublisher(config(), [sglang_url], "sglang")
+    pub = WeightPublisher(config(), [sglang_url], server_kind("sglang"))
     try:
         assert pub.lora_push() == "merged"
         with pytest.raises(ValueError, match="cannot rebuild LoRA adapter versions, and no merged weights"):
@@ -125,7 +126,7 @@ def test_a_lora_trainer_pushes_sglang_the_merged_model(sglang_url, tiny_model_pa
     for handler in set(get_logger("slipstream").handlers) - set(handlers):  # its run-directory log
         get_logger("slipstream").removeHandler(handler)
     rank.engine, rank.trainer = engine, Trainer(settings, engine, FakeQueue(), rank=0, world_size=1)
-    rank.publisher = WeightPublisher(config(), [sglang_url], settings.server_kind)
+    rank.publisher = WeightPublisher(config(), [sglang_url], server_kind(settings.server_kind))
     try:
         report = rank.publish(1).publish
     finally:

@@ -56,7 +56,6 @@ class _Server:
 
     def __init__(self, url: str, ranks: int) -> None:
         self.url, self._ranks = url, ranks
-        self.transport = "nccl_uid"
         self.specs: list = []
         self.metas: list = []
 

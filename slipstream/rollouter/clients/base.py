@@ -99,7 +99,7 @@ class ServerClient(ABC):
 
     Example::
 
-        client = make_client("sglang", "http://127.0.0.1:30000")
+        client = make_client(server_kind("sglang"), "http://127.0.0.1:30000")  # the kind: from above
         out = await client.generate([1, 2, 3], SamplingParams(max_new_tokens=8), rid="r0")
         await client.pause("in_place"); ...; await client.resume()
         await client.aclose()

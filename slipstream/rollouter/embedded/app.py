@@ -1,7 +1,7 @@
 """HTTP front of the embedded engine: SGLang's native RL subset, OpenAI routes, weight-update routes.
 
 The native routes use SGLang 0.5.23's paths, field names and response shapes, so one client
-(:class:`slipstream.rollouter.clients.sglang.SGLangClient`) drives this server and real SGLang servers:
+(:class:`slipstream.serverkinds.sglang.SGLangClient`) drives this server and real SGLang servers:
 
 =========================  ==========================================================================
 ``POST /generate``         ``input_ids`` (or ``text``), ``sampling_params``, ``return_logprob``, ``stream``

@@ -18,6 +18,7 @@ import os
 import random
 import time
 
+from slipstream.serverkinds import server_kind
 from slipstream.system.gpucheck.models import SHAPES, model_dir
 from slipstream.system.gpucheck.runner import Context, check, partial
 
@@ -112,7 +113,7 @@ def rollout(ctx: Context) -> dict:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(ctx.device).eval()
     figures: dict = {"rollout_kv_cache_tokens": kv_tokens, "rollout_workload_tokens": max(counts) * longest}
     key = "embedded_logprob_err_bf16" if dtype == "bfloat16" else "embedded_logprob_err_fp32"
-    with launch_server("embedded", path, cfg=RolloutConfig(embedded=ecfg)) as server:
+    with launch_server(server_kind("embedded"), path, cfg=RolloutConfig(embedded=ecfg)) as server:
         server.wait_healthy(max(30.0, ctx.limit_s - 20))
         for n in counts:
             outs, seconds = asyncio.run(embedded_wave(server.url, prompts[:n], sampling))
@@ -194,12 +195,12 @@ def push(ctx: Context) -> dict:
             seen["dtypes"].add(str(tensor.dtype))
             yield name, tensor
 
-    with launch_server("embedded", old_weights, cfg=cfg.rollout) as server:
+    with launch_server(server_kind("embedded"), old_weights, cfg=cfg.rollout) as server:
         engine = FSDPEngine(settings)
         engine.initialize()
         seen["dtensors"] = sum(hasattr(p, "full_tensor") for p in engine.model.parameters())
         server.wait_healthy(max(30.0, ctx.limit_s - 15))
-        publisher = WeightPublisher(settings.weightsync, [server.url], "embedded")
+        publisher = WeightPublisher(settings.weightsync, [server.url], server_kind("embedded"))
         try:
             t0 = time.perf_counter()
             report = publisher.publish(1, counted(engine.get_per_tensor_param(push_dtype(settings))))
@@ -228,7 +229,7 @@ def push(ctx: Context) -> dict:
 
 
 async def _version(url: str) -> int:
-    from slipstream.rollouter.clients import SGLangClient
+    from slipstream.serverkinds.sglang import SGLangClient
 
     client = SGLangClient(url)
     try:
