@@ -83,7 +83,7 @@ def _no_bytes_link(cfg: Any, adapters: list[Any], group_name: str) -> Any:
         async def close(self, adapters: Any) -> None:  # the servers never joined a group to leave
             return None
 
-    return NoBytesLink(NoBytes(cfg, is_sender=True, device="cpu"), adapters, group_name, streamed=False)
+    return NoBytesLink(NoBytes(cfg, is_sender=True, device="cpu"), group_name)  # a group: joins "group"
 
 
 def _control_only_publisher(urls: list[str], pause_mode: str):
@@ -104,7 +104,7 @@ def _control_only_publisher(urls: list[str], pause_mode: str):
     cfg = WeightSyncConfig(
         backend="naive", keep_last=False, device="cpu", timeout_s=120, pause_mode=pause_mode
     )
-    return ControlOnlyPublisher(cfg, urls, "embedded", token="")
+    return ControlOnlyPublisher(cfg, urls, server_kind("embedded"), token="")
 
 
 def _emit(record: dict) -> None:

@@ -47,7 +47,7 @@ from slipstream.weightsync.buckets import BufferPool
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.errors import SourceFailed, TransferError
 from slipstream.weightsync.send_less import DeltaStats, delta_entries, lora_items
-from slipstream.weightsync.servers import ServerLink, choose_transport, is_stream
+from slipstream.weightsync.servers import ServerLink, choose_transport, stream_named
 from slipstream.weightsync.types import DENSE, VersionInfo
 
 log = get_logger(__name__)
@@ -142,7 +142,7 @@ class WeightPublisher:
         self._token = env_token() if token is None else token
         self.kind = kind.name
         self._record = kind
-        if is_stream(cfg.backend) and cfg.backend not in kind.streams:
+        if stream_named(cfg.backend) is not None and cfg.backend not in kind.streams:
             takes = f"takes {' or '.join(kind.streams)}" if kind.streams else "takes none"
             raise ValueError(
                 f"weightsync.backend `{cfg.backend}` is an in-band stream `{kind.name}` servers do not take "

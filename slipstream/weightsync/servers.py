@@ -57,17 +57,20 @@ from slipstream.weightsync.types import BucketMeta, Rendezvous, VersionInfo
 log = get_logger(__name__)
 
 
-def is_stream(backend: str) -> bool:
-    """Whether ``weightsync.backend`` names a transport servers join as a stream (``ipc``, ``nixl``)."""
-    return backend in TRANSPORTS and TRANSPORTS.get(backend).joins == "stream"
+def stream_named(backend: str) -> TransportName | None:
+    """The transport ``weightsync.backend`` names when servers join it as a stream (``ipc``, ``nixl``); None
+    for a group transport, ``auto`` or ``naive``."""
+    if backend in TRANSPORTS and (cls := TRANSPORTS.get(backend)).joins == "stream":
+        return cls.name
+    return None
 
 
 async def choose_transport(
     cfg: WeightSyncConfig, kind: AdapterKind, adapters: Sequence[ServerAdapter], device
 ) -> TransportName:
     """The transport for a push to ``adapters``, servers of ``kind`` (module docstring)."""
-    if is_stream(cfg.backend):
-        return cfg.backend  # type: ignore[return-value]  # a stream's name is a TransportName
+    if (stream := stream_named(cfg.backend)) is not None:
+        return stream
     if cfg.backend == "auto" and adapters and "ipc" in kind.colocated_transports:
         if await colocated(adapters, device):  # the one transport that shares a GPU (NCCL refuses to)
             return "ipc"

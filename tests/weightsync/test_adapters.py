@@ -426,3 +426,12 @@ def test_adapters_pause_with_the_same_requests_as_the_clients():
             first = next(c for c in _control_calls(cls, mode) if c[0] == call.path)
             assert first == (call.path, dict(call.params), call.json)
             assert _control_calls(cls, mode)[-1][0] == cls.api.resume.path
+
+
+def test_the_stream_a_version_travels_in_is_the_links_not_the_adapters():
+    """The open link passes its stream to ``before``; the adapter keeps no transport name of its own."""
+    adapter = EmbeddedAdapter("http://127.0.0.1:9", WeightSyncConfig(device="cpu", backend="nixl"), http=None)  # type: ignore[arg-type]
+    assert adapter.begin_body(3, "ipc") == {"weight_version": 3, "stream": "ipc"}
+    assert adapter.begin_body(3) == {"weight_version": 3}  # a group: buckets announced per call
+    assert not hasattr(adapter, "transport")
+    assert asyncio.run(adapter.data_plane()) == "torch_dist"

@@ -4,16 +4,17 @@ bucket metadata are announced over HTTP (what an SGLang or vLLM server receives)
 from __future__ import annotations
 
 import asyncio
+import typing
 
 import msgspec
 import pytest
 from wsync_helpers import digest, mixed_tensors
 
-from slipstream.weightsync.base import TRANSPORTS, Transport, build_topology, make_transport
+from slipstream.weightsync.base import TRANSPORTS, Transport, TransportName, build_topology, make_transport
 from slipstream.weightsync.buckets import BufferPool, Layout, StagingArea
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.nccl_uid import NcclUidTransport
-from slipstream.weightsync.servers import ServerLink
+from slipstream.weightsync.servers import ServerLink, stream_named
 from slipstream.weightsync.types import InitInfo, Rendezvous
 
 
@@ -22,6 +23,24 @@ def test_every_transport_of_the_config_is_registered_with_both_ends_of_one_abc()
         assert issubclass(TRANSPORTS.get(name), Transport)
     with pytest.raises(ValueError, match="weightsync.backend"):
         TRANSPORTS.get("carrier_pigeon")
+
+
+def test_each_transport_says_how_servers_join_it_under_its_one_name():
+    """ServerLink asks the transport (``joins``), never its name; the registry's keys are TransportName's."""
+    assert sorted(TRANSPORTS.names()) == sorted(typing.get_args(TransportName))
+    joins = {name: TRANSPORTS.get(name).joins for name in TRANSPORTS.names()}
+    assert joins == {"torch_dist": "group", "nccl_uid": "group", "nixl": "stream", "ipc": "stream"}
+    assert [stream_named(b) for b in ("ipc", "nixl", "torch_dist", "naive", "auto")] == [
+        "ipc",
+        "nixl",
+        None,
+        None,
+        None,
+    ]
+    torch_dist = make_transport("torch_dist", WeightSyncConfig(device="cpu"), is_sender=True)
+    torch_dist.type_buckets(True)  # typed buckets are an NCCL matter: gloo sends bytes
+    assert torch_dist.typed is False
+    torch_dist.close()
 
 
 def test_the_topology_gives_each_receiver_its_first_rank_and_the_sender_every_peer():
