@@ -6,8 +6,9 @@ The package is the only place (with ``cli.py``) that imports every role (design.
   config checks that run before anything starts;
 * ``controller.py``: :class:`Pipeline`, the composition of the four parts below that ``slipstream train``
   runs: start, train ``total_steps``, stop on request, always shut down;
-* ``launcher.py``: start-up (its order is written once, in ``Launcher.start_parts``) and shutdown, with
-  :class:`~slipstream.pipeline.launcher.Parts` holding the actors' typed handles;
+* ``launcher.py``: start-up (its order is written once, in ``Launcher.start_parts``) and shutdown;
+* ``parts.py``: :class:`~slipstream.pipeline.parts.Parts`, the actors' typed handles, with each kind of
+  server in a ``ServerPool`` of ``ServerSlot(handle, url)`` that makes every write to them;
 * ``driver.py``: the step driver (steps, weight pushes, the metrics record);
 * ``supervisor.py``: health checks and the restart policy for servers and trainer ranks;
 * ``checkpoint.py``: run checkpoints consistent across parts (the coordinator), and the record of trained

@@ -37,7 +37,7 @@ from slipstream.utils.checkpoints import checkpoint_root, commit, latest, prune,
 from slipstream.utils.logging import get_logger
 
 if TYPE_CHECKING:
-    from slipstream.pipeline.launcher import Parts
+    from slipstream.pipeline.parts import Parts
 
 log = get_logger(__name__)
 

@@ -26,17 +26,23 @@ the part and, when Ray lost nodes of the run, which ones and what they held.
 Worked example::
 
     cluster = RayCluster(placement)
-    rank = cluster.spawn("rank0", TrainerRank, settings, 0, 1, run_dir, 1, max_concurrency=2)
+    rank = cluster.spawn("rank0", TrainerRank, settings, 0, 1, run_dir, 1)   # an Actor[TrainerRank]
     host, port = ask(cluster, cluster.call(rank, TrainerRank.endpoint), 60.0, "trainer rank 0")
+
+``spawn`` checks the constructor's arguments the same way and returns an :class:`Actor` of the class, and
+``call`` checks that the method is one of that class's: an async method's call is typed by what it returns
+once awaited, as Ray awaits it in the actor. How many calls an actor runs at once is its class's
+``max_concurrency`` (a server host answers ``health`` while its ``start`` runs), else one.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 R = TypeVar("R")
+S = TypeVar("S")
 P = ParamSpec("P")
 
 # Seconds a quick control call (status, metrics, set_version, stop ...) may take.
@@ -77,20 +83,47 @@ class Pending(Generic[R]):
         self.ref = ref
 
 
+class Actor(Generic[S]):
+    """A started actor of class ``S``; ``ref`` is the cluster's own reference to it (Ray: the actor handle).
+    Only :meth:`Cluster.call` and :meth:`Cluster.kill` use it."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, ref: Any) -> None:
+        self.ref = ref
+
+
+def max_concurrency(cls: object) -> int | None:
+    """How many calls an actor of ``cls`` runs at once: the class's ``max_concurrency`` (None: one)."""
+    value = getattr(cls, "max_concurrency", None)
+    return value if isinstance(value, int) else None
+
+
 class Cluster(ABC):
     """Actors placed by part name (``queue``, ``rollouter``, ``server<i>``, ``rank<i>``)."""
 
     @abstractmethod
-    def spawn(self, part: str, cls: type, *args: Any, **options: Any) -> Any:
-        """Start ``cls(*args)`` as an actor in the place reserved for ``part``; return its actor reference.
-        ``options`` are per-actor settings (``max_concurrency``)."""
+    def spawn(self, part: str, cls: Callable[P, S], *args: P.args, **kwargs: P.kwargs) -> Actor[S]:
+        """Start ``cls(*args, **kwargs)`` as an actor in the place reserved for ``part`` (running
+        :func:`max_concurrency` calls at once); return it."""
 
-    @abstractmethod
+    @overload
     def call(
-        self, actor: Any, method: Callable[Concatenate[Any, P], R], *args: P.args, **kwargs: P.kwargs
-    ) -> Pending[R]:
+        self,
+        actor: Actor[S],
+        method: Callable[Concatenate[S, P], Coroutine[Any, Any, R]],
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> Pending[R]: ...
+    @overload
+    def call(
+        self, actor: Actor[S], method: Callable[Concatenate[S, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> Pending[R]: ...
+    @abstractmethod
+    def call(self, actor: Actor[Any], method: Callable[..., Any], *args: Any, **kwargs: Any) -> Pending[Any]:
         """Start ``method`` (a method of the actor's class, e.g. ``TrainerRank.step``) on ``actor`` with
-        ``args`` and ``kwargs``; return the pending call for :meth:`get` / :meth:`wait`."""
+        ``args`` and ``kwargs``; return the pending call for :meth:`get` / :meth:`wait` (an async method's
+        value is what its coroutine returns)."""
 
     @overload
     def get(self, calls: Pending[R], timeout_s: float) -> R: ...
@@ -106,7 +139,7 @@ class Cluster(ABC):
         """(finished, pending) once every call finished or ``timeout_s`` passed (0: look, do not wait)."""
 
     @abstractmethod
-    def kill(self, actor: Any) -> None:
+    def kill(self, actor: Actor[Any]) -> None:
         """End the actor now, without its clean-up (a dead one is no error)."""
 
     def done(self, call: Pending[Any]) -> bool:
@@ -181,17 +214,17 @@ class RayCluster(Cluster):
     def __init__(self, placement: Any = None) -> None:
         self.placement = placement
 
-    def spawn(self, part: str, cls: type, *args: Any, **options: Any) -> Any:
+    def spawn(self, part: str, cls: Callable[P, S], *args: P.args, **kwargs: P.kwargs) -> Actor[S]:
         import ray
 
+        concurrency = max_concurrency(cls)
+        options = {} if concurrency is None else {"max_concurrency": concurrency}
         opts = self.placement.options(part, **options) if self.placement is not None else options
-        return ray.remote(cls).options(**opts).remote(*args)
+        return Actor(ray.remote(cls).options(**opts).remote(*args, **kwargs))
 
-    def call(
-        self, actor: Any, method: Callable[Concatenate[Any, P], R], *args: P.args, **kwargs: P.kwargs
-    ) -> Pending[R]:
+    def call(self, actor: Actor[Any], method: Callable[..., Any], *args: Any, **kwargs: Any) -> Pending[Any]:
         # Ray's actor handles expose methods by name only: the one name lookup (module docstring).
-        return Pending(getattr(actor, method.__name__).remote(*args, **kwargs))
+        return Pending(getattr(actor.ref, method.__name__).remote(*args, **kwargs))
 
     def get(self, calls: Any, timeout_s: float) -> Any:
         import ray
@@ -216,11 +249,11 @@ class RayCluster(Cluster):
         done = set(ready)
         return [c for c in calls if c.ref in done], [c for c in calls if c.ref not in done]
 
-    def kill(self, actor: Any) -> None:
+    def kill(self, actor: Actor[Any]) -> None:
         import ray
 
         try:
-            ray.kill(actor, no_restart=True)
+            ray.kill(actor.ref, no_restart=True)
         except Exception:  # already gone
             pass
 
@@ -240,6 +273,7 @@ class RayCluster(Cluster):
 
 __all__ = [
     "CALL_TIMEOUT_S",
+    "Actor",
     "ActorDied",
     "CallFailed",
     "CallTimedOut",
@@ -251,4 +285,5 @@ __all__ = [
     "ask",
     "gather_ranks",
     "lost_note",
+    "max_concurrency",
 ]

@@ -56,7 +56,6 @@ from slipstream.pipeline.cluster import Cluster, PartFailed, TrainerDied
 from slipstream.pipeline.driver import StepDriver
 from slipstream.pipeline.launcher import (
     Launcher,
-    Parts,
     check_hosts,
     check_pools,
     connect_ray,
@@ -65,6 +64,7 @@ from slipstream.pipeline.launcher import (
     send_ray_token_if_any,
 )
 from slipstream.pipeline.modes import check_config, check_data, make_missing_data, prepare_config
+from slipstream.pipeline.parts import Parts
 from slipstream.pipeline.supervisor import Supervisor
 from slipstream.utils.http_auth import env_token, new_token
 from slipstream.utils.logging import get_logger
@@ -121,23 +121,6 @@ class Pipeline:
     @property
     def restarts(self) -> dict[str, int]:
         return self.supervisor.restarts if self.supervisor is not None else {}
-
-    # The actors themselves (Ray actor handles), for tools that reach a process directly (fault injection).
-    @property
-    def hosts(self) -> list[Any]:
-        return [h.actor for h in self.parts.servers]
-
-    @property
-    def ranks(self) -> list[Any]:
-        return list(self.parts.trainer.ranks) if self.parts.trainer else []
-
-    @property
-    def rollouter(self) -> Any:
-        return self.parts.rollouter.actor if self.parts.rollouter else None
-
-    @property
-    def queue_actor(self) -> Any:
-        return self.parts.queue.actor if self.parts.queue else None
 
     @property
     def placement(self) -> Any:
@@ -250,8 +233,7 @@ class Pipeline:
         self._closed = True
         if self.stop_on_sigterm:  # a second `kill` must not cut the clean-up short (each stop has a timeout)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        judges = self.supervisor.judges.restarting if self.supervisor is not None else set()
-        self.launcher.stop_all(self.parts, self.servers_restarting, judges)
+        self.launcher.stop_all(self.parts)
         if self.logger is not None:
             self.logger.close()
         self.launcher.disconnect()

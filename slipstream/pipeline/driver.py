@@ -29,7 +29,7 @@ from slipstream.pipeline.cluster import (
     TrainerDied,
     first_line,
 )
-from slipstream.pipeline.launcher import Parts
+from slipstream.pipeline.parts import Parts
 from slipstream.pipeline.supervisor import Supervisor
 from slipstream.pipeline.types import PushReport, StepReport
 from slipstream.utils.logging import get_logger

@@ -10,13 +10,20 @@ interface, so the fake cluster of ``tests/pipeline/fake_cluster.py`` runs behind
 ==================  =========================================  =========================================
 handle              actor(s)                                   what the controller does with it
 ==================  =========================================  =========================================
-QueueHandle         ``queue.server.QueueServerActor``          address, liveness, stop
-ServerHandle        ``actors.ServerHost`` (one server)         start/restart, health, last output, stop
+QueueHandle         ``queue.server.QueueServerActor``          address, liveness, pid, stop
+ServerHandle        ``actors.ServerHost`` (one server)         start/restart, health, last output, the
+                                                               server process's pid, stop
 TrainerGroup        ``actors.TrainerRank`` x ``num_ranks``     rendezvous, setup, step, publish, save,
-                                                               servers of the publisher (rank 0), close
+                                                               servers of the publisher (rank 0), pids,
+                                                               close
 RolloutHandle       ``actors.RolloutWorker``                   start, status, version, drain, metrics,
-                                                               evaluation, state, servers, judges, stop
+                                                               evaluation, state, servers, judges, pid,
+                                                               stop
 ==================  =========================================  =========================================
+
+Each handle holds a typed :class:`~slipstream.pipeline.cluster.Actor` of its class, so a checker sees a
+method of another class passed to ``cluster.call``; the pids are for tools that watch or kill the run's
+processes (``system/soak.py``, the fault tests).
 
 Calls that every trainer rank must run together (``setup``, ``step``, ``publish``, ``save``,
 ``attach_servers``) go to all ranks at once; a dead rank is a
@@ -34,10 +41,10 @@ Worked example::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
 from slipstream.pipeline.actors import RolloutWorker, ServerHost, TrainerRank
-from slipstream.pipeline.cluster import CALL_TIMEOUT_S, Cluster, Pending, ask, gather_ranks
+from slipstream.pipeline.cluster import CALL_TIMEOUT_S, Actor, Cluster, Pending, ask, gather_ranks
 from slipstream.pipeline.types import (
     PushReport,
     RankSetup,
@@ -48,11 +55,16 @@ from slipstream.pipeline.types import (
 )
 from slipstream.rollouter.state import RolloutState
 
+if TYPE_CHECKING:
+    from slipstream.queue.server import QueueServerActor
+
+R = TypeVar("R")
+
 
 class QueueHandle:
     """The queue server actor (``QueueServerActor``)."""
 
-    def __init__(self, cluster: Cluster, actor: Any) -> None:
+    def __init__(self, cluster: Cluster, actor: Actor[QueueServerActor]) -> None:
         self.cluster, self.actor = cluster, actor
 
     def address(self, timeout_s: float) -> str:
@@ -68,6 +80,13 @@ class QueueHandle:
         call = self.cluster.call(self.actor, QueueServerActor.is_alive)
         return ask(self.cluster, call, CALL_TIMEOUT_S, "queue server")
 
+    def pid(self) -> int:
+        """The queue server's process (the actor's: it serves on a thread of its own)."""
+        from slipstream.queue.server import QueueServerActor
+
+        call = self.cluster.call(self.actor, QueueServerActor.pid)
+        return ask(self.cluster, call, CALL_TIMEOUT_S, "queue server")
+
     def stop(self) -> list[Pending[None]]:
         from slipstream.queue.server import QueueServerActor
 
@@ -77,7 +96,7 @@ class QueueHandle:
 class ServerHandle:
     """One inference server's host actor (``ServerHost``); ``name`` says which in errors."""
 
-    def __init__(self, cluster: Cluster, actor: Any, name: str) -> None:
+    def __init__(self, cluster: Cluster, actor: Actor[ServerHost], name: str) -> None:
         self.cluster, self.actor, self.name = cluster, actor, name
 
     def start(self) -> Pending[str]:
@@ -93,6 +112,10 @@ class ServerHandle:
             self.cluster, self.cluster.call(self.actor, ServerHost.log_tail), CALL_TIMEOUT_S, self.name
         )
 
+    def pid(self) -> int | None:
+        """The inference server process's pid (not its host actor's); None while none runs."""
+        return ask(self.cluster, self.cluster.call(self.actor, ServerHost.pid), CALL_TIMEOUT_S, self.name)
+
     def stop(self) -> list[Pending[int | None]]:
         return [self.cluster.call(self.actor, ServerHost.stop)]
 
@@ -100,7 +123,7 @@ class ServerHandle:
 class TrainerGroup:
     """Every trainer rank (``TrainerRank``); ``ranks[0]`` owns the queue client and the weight publisher."""
 
-    def __init__(self, cluster: Cluster, ranks: list[Any]) -> None:
+    def __init__(self, cluster: Cluster, ranks: list[Actor[TrainerRank]]) -> None:
         self.cluster, self.ranks = cluster, ranks
 
     def endpoint(self) -> tuple[str, int]:
@@ -140,6 +163,11 @@ class TrainerGroup:
         call = self.cluster.call(self.ranks[0], TrainerRank.remove_server, url)
         ask(self.cluster, call, CALL_TIMEOUT_S, "trainer rank 0")
 
+    def pids(self) -> list[int]:
+        """Each rank's process, in rank order."""
+        calls = [self.cluster.call(r, TrainerRank.pid) for r in self.ranks]
+        return ask(self.cluster, calls, CALL_TIMEOUT_S, "trainer ranks")
+
     def kill(self) -> None:
         for rank in self.ranks:
             self.cluster.kill(rank)
@@ -151,7 +179,7 @@ class TrainerGroup:
 class RolloutHandle:
     """The rollouter's actor (``RolloutWorker``)."""
 
-    def __init__(self, cluster: Cluster, actor: Any) -> None:
+    def __init__(self, cluster: Cluster, actor: Actor[RolloutWorker]) -> None:
         self.cluster, self.actor = cluster, actor
 
     def start(self, start: RolloutStart, timeout_s: float) -> None:
@@ -186,10 +214,13 @@ class RolloutHandle:
     def set_judge_urls(self, urls: list[str]) -> None:
         self._ask(self.cluster.call(self.actor, RolloutWorker.set_judge_urls, urls))
 
-    def stop(self) -> list[Pending[Any]]:
+    def pid(self) -> int:
+        return self._ask(self.cluster.call(self.actor, RolloutWorker.pid))
+
+    def stop(self) -> list[Pending[None]]:
         return [self.cluster.call(self.actor, RolloutWorker.stop)]
 
-    def _ask(self, call: Pending[Any], timeout_s: float = CALL_TIMEOUT_S, what: str = "rollouter") -> Any:
+    def _ask(self, call: Pending[R], timeout_s: float = CALL_TIMEOUT_S, what: str = "rollouter") -> R:
         return ask(self.cluster, call, timeout_s, what)
 
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 from slipstream.config import Config
 from slipstream.pipeline.cluster import Cluster
 from slipstream.pipeline.health import HostPool
-from slipstream.pipeline.launcher import Launcher, Parts
+from slipstream.pipeline.launcher import Launcher
+from slipstream.pipeline.parts import Parts
 from slipstream.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -35,9 +36,8 @@ class JudgeWatch:
     ) -> None:
         self.parts = parts
         self.pool = HostPool(
-            cfg.cluster, cluster, "judge server", "judge", lambda: parts.judges, lambda: parts.judge_urls,
-            launcher.new_judge_host, restarts,
-        )  # fmt: skip
+            cfg.cluster, cluster, "judge server", "judge", parts.judges, launcher.new_judge_host, restarts
+        )
 
     @property
     def restarting(self) -> set[int]:
@@ -58,8 +58,8 @@ class JudgeWatch:
 
     def _hand_over(self) -> None:
         """The reward service gets the URLs of the judges serving (all of them when none is)."""
-        urls = [u for i, u in enumerate(self.parts.judge_urls) if i not in self.pool.starting]
-        self.parts.rollouter.set_judge_urls(urls or list(self.parts.judge_urls))
+        judges = self.parts.judges
+        self.parts.rollouter.set_judge_urls(judges.live_urls() or judges.urls)
 
 
 __all__ = ["JudgeWatch"]

@@ -1,6 +1,6 @@
 """Start-up and shutdown of a run's parts: Ray and the placement, the queue, the inference servers, the
-trainer ranks and the rollouter; :class:`Parts` holds their typed handles (``pipeline/handles.py``) for the
-rest of the controller.
+trainer ranks and the rollouter; :class:`~slipstream.pipeline.parts.Parts` holds their typed handles
+(``pipeline/handles.py``) for the rest of the controller.
 
 The start-up order is written once, in :meth:`Launcher.start_parts` (``Pipeline._start`` calls it after
 :meth:`Launcher.connect`); every wait has a timeout (``cluster.*_timeout_s``). :meth:`Launcher.stop_all` stops
@@ -8,9 +8,9 @@ what was started, each stop with a timeout and then a kill, in the order that le
 (the rollouter before the servers it calls, the queue last).
 
 Who owns what: the launcher creates actors and knows their constructor arguments (it alone reads the
-whole config for them) and writes the handles into :class:`Parts`; the supervisor replaces a server's handle
-when it restarts one (through :meth:`Launcher.new_host`), the step driver writes the versions. Everyone else
-only calls the handles.
+whole config for them) and writes the handles into ``Parts``, each server through its pool
+(``parts.servers.add``, ``serving``); the restart flow replaces a dead server's host through the pool (with
+:meth:`Launcher.new_host`), the step driver writes the versions. Everyone else only calls the handles.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
@@ -28,54 +27,13 @@ from slipstream.config import Config, ConfigError, rollouter_settings, trainer_s
 from slipstream.pipeline.actors import RolloutWorker, ServerHost, TrainerRank, wait_for_own_children
 from slipstream.pipeline.cluster import Cluster, PartFailed, Pending, RayCluster, ask, first_line
 from slipstream.pipeline.handles import QueueHandle, RolloutHandle, ServerHandle, TrainerGroup
+from slipstream.pipeline.parts import Parts
 from slipstream.pipeline.types import RankSetup, RolloutStart
 from slipstream.rollouter.state import RolloutState
 from slipstream.utils.http_auth import new_token
 from slipstream.utils.logging import get_logger
 
-if TYPE_CHECKING:
-    from slipstream.queue.client import QueueClient
-
 log = get_logger(__name__)
-
-
-class NotStarted:
-    """Stands for a part's handle until the launcher starts the part: falsy (``if parts.trainer:``), and any
-    use names the part, so a call made too early says what is missing instead of failing on None."""
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-
-    def __bool__(self) -> bool:
-        return False
-
-    def __getattr__(self, name: str) -> Any:
-        raise RuntimeError(f"{self.what} has not been started (.{name} used before Launcher.start_parts)")
-
-
-def _not_started(what: str) -> Any:
-    return field(default_factory=lambda: NotStarted(what))
-
-
-@dataclass
-class Parts:
-    """The run's actors, as typed handles, and where they are. ``urls[i]`` is server ``i``'s current URL (it
-    changes when the server restarts); ``version`` is the trainer's weight version and ``published`` the
-    newest version the servers serve (a restarted trainer may be behind it). A handle is a
-    :class:`NotStarted` until the launcher starts its part."""
-
-    queue: QueueHandle = _not_started("the queue server")
-    queue_client: QueueClient = _not_started("the controller's queue client")
-    queue_address: str = ""
-    servers: list[ServerHandle] = field(default_factory=list)
-    urls: list[str] = field(default_factory=list)
-    judges: list[ServerHandle] = field(default_factory=list)  # reward.service.launch: never pushed to
-    judge_urls: list[str] = field(default_factory=list)
-    trainer: TrainerGroup = _not_started("the trainer ranks")
-    rollouter: RolloutHandle = _not_started("the rollouter")
-    rollouter_started: bool = False
-    version: int = 0
-    published: int = 0
 
 
 class Launcher:
@@ -143,11 +101,11 @@ class Launcher:
         self.create_rollouter(parts)
         self.start_trainer(parts, resume)
         if server_calls:
-            parts.urls = ask(
-                self.cluster, server_calls, self.cfg.cluster.start_timeout_s, "inference servers"
-            )
+            urls = ask(self.cluster, server_calls, self.cfg.cluster.start_timeout_s, "inference servers")
+            for index, url in enumerate(urls):
+                parts.servers.serving(index, url)
         self.wait_judges(parts, judge_calls)
-        parts.trainer.attach_servers(parts.urls, self.server_token)
+        parts.trainer.attach_servers(parts.servers.urls, self.server_token)
         if parts.version > 0:
             push(parts.version)
         self.start_rollouter(parts, state)
@@ -163,10 +121,12 @@ class Launcher:
     def launch_servers(self, parts: Parts) -> list[Pending[str]]:
         """Start the server hosts; returns the calls that give their URLs (none for servers given by URL)."""
         if self.cfg.rollout.server_urls:
-            parts.urls = [u.rstrip("/") for u in self.cfg.rollout.server_urls]
+            for url in self.cfg.rollout.server_urls:
+                parts.servers.add(None, url.rstrip("/"))
             return []
-        parts.servers = [self.new_host(i) for i in range(self.cfg.rollout.num_servers)]
-        return [h.start() for h in parts.servers]
+        for index in range(self.cfg.rollout.num_servers):
+            parts.servers.add(self.new_host(index))
+        return [h.start() for h in parts.servers.hosts()]
 
     def new_host(self, index: int) -> ServerHandle:
         """A server host actor for server ``index`` (not started: call its ``start``)."""
@@ -179,7 +139,7 @@ class Launcher:
             str(self.run_dir),
             self.server_token,
         )
-        actor = self.cluster.spawn(f"server{index}", ServerHost, *args, max_concurrency=2)
+        actor = self.cluster.spawn(f"server{index}", ServerHost, *args)
         return ServerHandle(self.cluster, actor, f"server-{index}")
 
     def launch_judges(self, parts: Parts) -> list[Pending[str]]:
@@ -192,8 +152,9 @@ class Launcher:
         request reaches them (their restarts: ``judges.py``)."""
         from slipstream.pipeline.placement import judge_servers
 
-        parts.judges = [self.new_judge_host(i) for i in range(judge_servers(self.cfg))]
-        return [h.start() for h in parts.judges]
+        for index in range(judge_servers(self.cfg)):
+            parts.judges.add(self.new_judge_host(index))
+        return [h.start() for h in parts.judges.hosts()]
 
     def new_judge_host(self, index: int) -> ServerHandle:
         """A server host actor for judge server ``index`` (not started: call its ``start``)."""
@@ -205,13 +166,15 @@ class Launcher:
         )  # fmt: skip
         args = (rollout, self.cfg.cluster.server_host, index, launch.model_path, str(self.run_dir),
                 self.judge_token, "judge")  # fmt: skip
-        actor = self.cluster.spawn(f"judge{index}", ServerHost, *args, max_concurrency=2)
+        actor = self.cluster.spawn(f"judge{index}", ServerHost, *args)
         return ServerHandle(self.cluster, actor, f"judge-{index}")
 
     def wait_judges(self, parts: Parts, calls: list[Pending[str]]) -> None:
         if calls:
-            parts.judge_urls = ask(self.cluster, calls, self.cfg.cluster.start_timeout_s, "judge servers")
-            log.info("judge servers for reward.service: %s", ", ".join(parts.judge_urls))
+            urls = ask(self.cluster, calls, self.cfg.cluster.start_timeout_s, "judge servers")
+            for index, url in enumerate(urls):
+                parts.judges.serving(index, url)
+            log.info("judge servers for reward.service: %s", ", ".join(parts.judges.urls))
 
     def start_trainer(self, parts: Parts, resume: Path | None) -> int:
         """New trainer ranks, joined and resumed from ``resume``; returns their version."""
@@ -221,9 +184,7 @@ class Launcher:
         # The controller writes checkpoints (with the rollouter's state), so the trainer's own are off.
         settings = msgspec.structs.replace(trainer_settings(cfg), checkpoint_every=0)
         ranks = [
-            cluster.spawn(
-                f"rank{r}", TrainerRank, settings, r, world, str(self.run_dir), threads, max_concurrency=2
-            )  # fmt: skip
+            cluster.spawn(f"rank{r}", TrainerRank, settings, r, world, str(self.run_dir), threads)
             for r in range(world)
         ]
         parts.trainer = trainer = TrainerGroup(cluster, ranks)
@@ -238,18 +199,17 @@ class Launcher:
         parts.rollouter = RolloutHandle(self.cluster, actor)
 
     def start_rollouter(self, parts: Parts, state: RolloutState | None) -> None:
-        start = RolloutStart(parts.urls, parts.queue_address, parts.published, state, self.server_token,
-                             parts.judge_urls, self.judge_token if parts.judge_urls else "")  # fmt: skip
+        servers, judges = parts.servers.urls, parts.judges.urls
+        start = RolloutStart(servers, parts.queue_address, parts.published, state, self.server_token, judges,
+                             self.judge_token if judges else "")  # fmt: skip
         parts.rollouter.start(start, self.cfg.cluster.start_timeout_s)
         parts.rollouter_started = True
 
     # ------------------------------------------------------------------ shutdown
-    def stop_all(
-        self, parts: Parts, restarting: set[int], judges_restarting: set[int] | frozenset[int] = frozenset()
-    ) -> None:
-        """Stop every part (each stop has ``cluster.shutdown_timeout_s``, then the actor is killed). Hosts in
-        ``restarting`` (servers) and ``judges_restarting`` cannot answer ``stop`` while they start (or wait
-        for room): they are killed."""
+    def stop_all(self, parts: Parts) -> None:
+        """Stop every part (each stop has ``cluster.shutdown_timeout_s``, then the actor is killed). Servers
+        and judges that are down cannot answer ``stop`` while they start again (or wait for room): they are
+        killed."""
         cluster, judges, servers = self._cluster, parts.judges, parts.servers
         if cluster is None:
             return
@@ -264,10 +224,10 @@ class Launcher:
         steps = [
             ("rollouter", stopping([parts.rollouter] if parts.rollouter else [])),
             ("trainer", (list(trainer.ranks), trainer.stop) if trainer else ([], None)),
-            ("servers", stopping([h for i, h in enumerate(servers) if i not in restarting])),
-            ("restarting servers", killing([servers[i] for i in restarting])),
-            ("judge servers", stopping([h for i, h in enumerate(judges) if i not in judges_restarting])),
-            ("restarting judge servers", killing([judges[i] for i in judges_restarting])),
+            ("servers", stopping(servers.hosts(down=False))),
+            ("restarting servers", killing(servers.hosts(down=True))),
+            ("judge servers", stopping(judges.hosts(down=False))),
+            ("restarting judge servers", killing(judges.hosts(down=True))),
             ("queue", stopping([parts.queue] if parts.queue else [])),
         ]
         for name, (actors, stop) in steps:
@@ -376,8 +336,6 @@ def install_sigterm(handler: Any) -> Any:
 
 __all__ = [
     "Launcher",
-    "NotStarted",
-    "Parts",
     "check_hosts",
     "check_pools",
     "connect_ray",

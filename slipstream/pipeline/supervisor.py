@@ -40,7 +40,8 @@ from slipstream.pipeline import checkpoint as ckpt
 from slipstream.pipeline.cluster import Cluster, PartFailed, lost_note
 from slipstream.pipeline.health import HostPool
 from slipstream.pipeline.judges import JudgeWatch
-from slipstream.pipeline.launcher import Launcher, Parts
+from slipstream.pipeline.launcher import Launcher
+from slipstream.pipeline.parts import Parts
 from slipstream.pipeline.types import PushReport
 from slipstream.utils.logging import get_logger
 
@@ -70,8 +71,8 @@ class Supervisor:
         # The restart flow shared with the judge servers (health.HostPool); what is particular to a rollout
         # server (the balancer, the publisher, the weights, room on a lost node) is here.
         self.servers = HostPool(
-            cfg.cluster, cluster, "inference server", "server", lambda: parts.servers, lambda: parts.urls,
-            launcher.new_host, self.restarts,
+            cfg.cluster, cluster, "inference server", "server", parts.servers, launcher.new_host,
+            self.restarts,
         )  # fmt: skip
         self._restart_began: dict[int, float] = {}
         self._no_room: set[int] = set()  # restarting servers whose node is gone and that have no room yet
@@ -92,7 +93,7 @@ class Supervisor:
         return set(self._no_room)
 
     def live_urls(self) -> list[str]:
-        return [u for i, u in enumerate(self.parts.urls) if i not in self.servers.starting]
+        return self.parts.servers.live_urls()
 
     # ------------------------------------------------------------------ health
     def watch(self) -> None:
@@ -125,7 +126,7 @@ class Supervisor:
     # ------------------------------------------------------------------ server restarts
     def _server_died(self, index: int, reason: str, *, replace_host: bool = False) -> None:
         self.servers.count(index, reason, replace_host)
-        url = self.parts.urls[index]
+        url = self.parts.servers[index].url
         self.parts.rollouter.remove_server(url)
         self.parts.trainer.remove_server(url)
         self.servers.restart(index, replace_host)
@@ -135,7 +136,7 @@ class Supervisor:
         for index, url in self.servers.finished():
             self._no_room.discard(index)
             self._catch_up(index, url)
-        for index in self.servers.starting:
+        for index in sorted(self.servers.restarting):
             self._check_room(index)
 
     def _catch_up(self, index: int, url: str) -> None:
@@ -166,7 +167,7 @@ class Supervisor:
             return
         if self.clock() - self._restart_began.get(index, 0.0) < c.health_interval_s * c.unhealthy_checks:
             return
-        left = len(self.parts.servers) - len(self.servers.starting)
+        left = len(self.parts.servers.live_urls())
         what = (
             f"inference server {index} lost its node and the rollout pool has no room left for it "
             f"({self.cluster.demand(name)})"

@@ -419,6 +419,10 @@ class QueueServerActor:
     def is_alive(self) -> bool:
         return self._server.is_alive()
 
+    def pid(self) -> int:
+        """This process's (the server runs on a thread of it)."""
+        return os.getpid()
+
     def stop(self) -> None:
         self._server.stop()
 

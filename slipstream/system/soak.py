@@ -64,7 +64,7 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from slipstream.cli_args import add_json_flag, command_parser, doc_paragraph
 
@@ -123,12 +123,11 @@ def soak_overrides(out: Path) -> list[str]:
     ]
 
 
+if TYPE_CHECKING:
+    from slipstream.pipeline.controller import Pipeline
+
+
 # ----------------------------------------------------------------------------------------------- processes
-def _actor_pid(actor: Any) -> int:
-    """Runs inside an actor (``__ray_call__``): the pid of its process."""
-    return os.getpid()
-
-
 def rss_mb(pid: int | None) -> float | None:
     import psutil
 
@@ -164,18 +163,15 @@ class Processes:
     def __init__(self) -> None:
         self._fixed: dict[str, int] = {}
 
-    def pids(self, pipeline: Any) -> dict[str, int | None]:
-        import ray
-
+    def pids(self, pipeline: Pipeline) -> dict[str, int | None]:
+        parts = pipeline.parts
         if not self._fixed:
             self._fixed["driver"] = os.getpid()
-            self._fixed["queue"] = ray.get(pipeline.queue_actor.__ray_call__.remote(_actor_pid), timeout=60)
-            self._fixed["rollouter"] = ray.get(pipeline.rollouter.__ray_call__.remote(_actor_pid), timeout=60)
+            self._fixed["queue"] = parts.queue.pid()
+            self._fixed["rollouter"] = parts.rollouter.pid()
         out: dict[str, int | None] = dict(self._fixed)
-        servers = ray.get([h.pid.remote() for h in pipeline.hosts], timeout=60)
-        ranks = ray.get([r.pid.remote() for r in pipeline.ranks], timeout=60)
-        out.update({f"server-{i}": pid for i, pid in enumerate(servers)})
-        out.update({f"trainer-{r}": pid for r, pid in enumerate(ranks)})
+        out.update({f"server-{i}": host.pid() for i, host in enumerate(parts.servers.hosts())})
+        out.update({f"trainer-{r}": pid for r, pid in enumerate(parts.trainer.pids())})
         return out
 
 
@@ -269,24 +265,25 @@ class SoakPlan:
         other = "trainer" if self.first == "server" else "server"
         return self.first if len(self.done) % 2 == 0 else other
 
-    def _kill(self, pipeline: Any, version: int) -> None:
-        import ray
-
+    def _kill(self, pipeline: Pipeline, version: int) -> None:
         from slipstream.trainer.trainer import latest_checkpoint
 
         kind = self._next_kind()
         nth = sum(1 for k in self.done if k.kind == kind)
+        pid: int | None
         if kind == "server":
-            if not pipeline.hosts or pipeline.servers_restarting:
+            hosts = pipeline.parts.servers.hosts()
+            if not hosts or pipeline.servers_restarting:
                 return  # servers given by URL are not the run's to kill; a restart is still going on
-            target = nth % len(pipeline.hosts)
-            pid = ray.get(pipeline.hosts[target].pid.remote(), timeout=60)
+            target = nth % len(hosts)
+            pid = hosts[target].pid()
             before = pipeline.restarts.get(f"server-{target}", 0)
         else:
             if latest_checkpoint(pipeline.ckpt_root) is None:
                 return  # nothing to restart from yet: the next step looks again
-            target = nth % len(pipeline.ranks)
-            pid = ray.get(pipeline.ranks[target].pid.remote(), timeout=60)
+            ranks = pipeline.parts.trainer.pids()
+            target = nth % len(ranks)
+            pid = ranks[target]
             before = pipeline.restarts.get("trainer", 0)
         if pid is None:
             return
@@ -295,14 +292,15 @@ class SoakPlan:
         self.pending = Kill(kind, target, pid, version, round(self.elapsed(), 1), before)
         print(f"soak: killed {kind} {target} (pid {pid}) after step {version}", file=sys.stderr, flush=True)
 
-    def _recovered(self, pipeline: Any, metrics: dict[str, float]) -> bool:
+    def _recovered(self, pipeline: Pipeline, metrics: dict[str, float]) -> bool:
         kill = self.pending
         if kill.kind == "trainer":  # a step completed after the restart (on_step runs after steps only)
             return pipeline.restarts.get("trainer", 0) > kill.restarts_before
         restarted = pipeline.restarts.get(f"server-{kill.target}", 0) > kill.restarts_before
         back = kill.target not in pipeline.servers_restarting
         # Serving again: this step's push reached every server, the restarted one included.
-        return restarted and back and metrics.get("sync/servers_ok", -1.0) == float(len(pipeline.hosts))
+        servers = len(pipeline.parts.servers.hosts())
+        return restarted and back and metrics.get("sync/servers_ok", -1.0) == float(servers)
 
 
 # ----------------------------------------------------------------------------------------------- accounting

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from slipstream.config import load_config
-from slipstream.pipeline.cluster import ActorDied, CallFailed, CallTimedOut, Cluster, Pending
+from slipstream.pipeline.cluster import Actor, ActorDied, CallFailed, CallTimedOut, Cluster, Pending
 from slipstream.pipeline.types import PushReport, RolloutStatus, ServerHealth
 
 
@@ -45,6 +45,9 @@ class FakeServer:
     def log_tail(self, lines: int = 20) -> str:
         return f"{self.part}: last words"
 
+    def pid(self) -> int | None:
+        return 1000 + self.starts if self.starts else None
+
     def stop(self) -> None:
         return None
 
@@ -60,6 +63,9 @@ class FakeRank:
 
     def endpoint(self) -> tuple[str, int]:
         return "127.0.0.1", 29500
+
+    def pid(self) -> int:
+        return 2000 + int(self.part.removeprefix("rank"))
 
     def setup(self, setup: Any) -> int:
         return FakeRank.version
@@ -96,6 +102,9 @@ class FakeRollouter:
     def set_judge_urls(self, urls: list[str]) -> None:
         self.judge_urls = list(urls)
 
+    def pid(self) -> int:
+        return 3000
+
 
 class FakeQueue:
     def __init__(self, part: str) -> None:
@@ -107,6 +116,9 @@ class FakeQueue:
     def address(self) -> str:
         return "tcp://queue:5555"
 
+    def pid(self) -> int:
+        return 4000
+
 
 KINDS = {
     "server": FakeServer,
@@ -117,8 +129,9 @@ KINDS = {
 }
 
 
-class FakeActor:
+class FakeActor(Actor):
     def __init__(self, part: str) -> None:
+        super().__init__(self)
         self.part = part
         self.obj = KINDS.get(part.rstrip("0123456789"), FakeQueue)(part)
         self.dead = False
@@ -153,7 +166,7 @@ class FakeCluster(Cluster):
         self._held: dict[tuple[str, str], list[FakeCall]] = {}
 
     # ------------------------------------------------------------------ the interface
-    def spawn(self, part: str, cls: type, *args: Any, **options: Any) -> FakeActor:
+    def spawn(self, part: str, cls: Any, *args: Any, **kwargs: Any) -> FakeActor:
         actor = FakeActor(part)
         self.actors.append(actor)
         return actor

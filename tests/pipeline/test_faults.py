@@ -8,8 +8,6 @@ from __future__ import annotations
 import os
 import signal
 
-import ray
-
 from slipstream.pipeline import Pipeline
 from slipstream.pipeline.checkpoint import read_trained_uids
 from tests.pipeline.conftest import pipeline_config
@@ -23,7 +21,7 @@ def test_a_killed_inference_server_is_restarted_and_nothing_is_lost(ray_pools, t
 
     def kill_server(pipeline, version, metrics):
         if version == 2:
-            pid = ray.get(pipeline.hosts[0].pid.remote())
+            pid = pipeline.parts.servers.hosts()[0].pid()
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
 
@@ -55,7 +53,7 @@ def test_a_killed_trainer_resumes_from_its_checkpoint_and_nothing_is_lost(
     def kill_trainer(pipeline, version, metrics):
         if version == 4 and not before_kill:
             before_kill.update(read_trained_uids(pipeline.run_dir))
-            pid = ray.get(pipeline.ranks[0].pid.remote())
+            pid = pipeline.parts.trainer.pids()[0]
             os.kill(pid, signal.SIGKILL)
             wait_until_gone(pid)
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from slipstream.pipeline.cluster import Pending
-from slipstream.pipeline.handles import RolloutHandle, ServerHandle, TrainerGroup
-from slipstream.pipeline.launcher import Parts
+from slipstream.pipeline.handles import QueueHandle, RolloutHandle, ServerHandle, TrainerGroup
+from slipstream.pipeline.parts import Parts
 from tests.pipeline.fake_cluster import FakeCluster
 
 ROOT = Path(__file__).resolve().parents[2] / "slipstream"
@@ -59,6 +59,17 @@ def test_handles_call_the_actor_classes_methods_behind_a_fake_cluster():
         ("rank0", "endpoint", ()),
         ("rollouter", "add_server", ("http://server0:8001",)),
     ]
+
+
+def test_each_handle_reports_its_process():
+    cluster = FakeCluster()
+    server = ServerHandle(cluster, cluster.spawn("server0", object), "server-0")
+    trainer = TrainerGroup(cluster, [cluster.spawn("rank0", object), cluster.spawn("rank1", object)])
+    assert server.pid() is None  # no server process yet
+    cluster.get(server.start(), 1.0)
+    assert server.pid() == 1001 and trainer.pids() == [2000, 2001]
+    assert RolloutHandle(cluster, cluster.spawn("rollouter", object)).pid() == 3000
+    assert QueueHandle(cluster, cluster.spawn("queue", object)).pid() == 4000
 
 
 def test_a_part_used_before_it_started_names_itself():

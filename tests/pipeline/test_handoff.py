@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from slipstream.config import Config
-from slipstream.pipeline.launcher import Launcher, Parts
+from slipstream.pipeline.launcher import Launcher
+from slipstream.pipeline.parts import Parts
 from slipstream.queue.config import QueueConfig
 from slipstream.rollouter.config import RolloutConfig
 from slipstream.rollouter.settings import RollouterSettings
@@ -22,9 +23,9 @@ class RecordingCluster(FakeCluster):
         super().__init__()
         self.spawned: dict[str, tuple[Any, ...]] = {}
 
-    def spawn(self, part: str, cls: type, *args: Any, **options: Any):
+    def spawn(self, part: str, cls: Any, *args: Any, **kwargs: Any):
         self.spawned[part] = args
-        return super().spawn(part, cls, *args, **options)
+        return super().spawn(part, cls, *args, **kwargs)
 
 
 def test_each_actor_gets_its_roles_settings(tmp_path):

@@ -19,7 +19,6 @@ import time
 
 import httpx
 import pytest
-import ray
 
 from slipstream.config import ConfigError
 from slipstream.pipeline import Pipeline
@@ -111,9 +110,10 @@ def test_a_judge_pool_started_by_the_pipeline_scores_and_never_takes_a_push(
             assert metrics["trainer/reward_mean"] == 1.0, metrics  # every sample: the judge's verdict
             assert metrics.get("rollouter/reward_errors", 0.0) == 0.0, metrics
         parts = pipeline.parts
-        assert len(parts.judge_urls) == 1 and parts.judge_urls[0] not in parts.urls
-        seen.append((version, model_info(parts.urls[0]), model_info(parts.judge_urls[0])))
-        judge_urls.append(parts.judge_urls[0])
+        judge, server = parts.judges.urls, parts.servers.urls
+        assert len(judge) == 1 and judge[0] not in server
+        seen.append((version, model_info(server[0]), model_info(judge[0])))
+        judge_urls.append(judge[0])
         if version == 1:  # reserved in the rollout pool, as `--check-placement` prints it
             layout = pipeline.placement.layout()
             assert [(s.part, s.pool) for s in layout if s.pool == "rollout"][:2] == [
@@ -121,7 +121,7 @@ def test_a_judge_pool_started_by_the_pipeline_scores_and_never_takes_a_push(
                 ("judge0", "rollout"),
             ]
             assert re.search(r"^judge0 +rollout ", format_layout(layout), re.MULTILINE)
-            os.kill(ray.get(parts.judges[0].actor.pid.remote()), signal.SIGKILL)
+            os.kill(parts.judges.hosts()[0].pid(), signal.SIGKILL)
             deadline = time.monotonic() + 120
             while not pipeline.restarts.get("judge-0") or pipeline.supervisor.judges.restarting:
                 assert time.monotonic() < deadline, "the judge server did not come back"

@@ -12,7 +12,7 @@ from slipstream.pipeline.actors import TrainerRank
 from slipstream.pipeline.cluster import ActorDied, Pending, RayCluster, TrainerDied
 from slipstream.pipeline.driver import StepDriver
 from slipstream.pipeline.handles import TrainerGroup
-from slipstream.pipeline.launcher import Parts
+from slipstream.pipeline.parts import Parts
 from tests.pipeline.fake_cluster import FakeCluster, fake_config
 
 

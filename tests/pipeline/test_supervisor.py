@@ -9,7 +9,8 @@ import pytest
 
 from slipstream.pipeline.cluster import PartFailed
 from slipstream.pipeline.handles import QueueHandle, RolloutHandle, ServerHandle, TrainerGroup
-from slipstream.pipeline.launcher import Launcher, Parts
+from slipstream.pipeline.launcher import Launcher
+from slipstream.pipeline.parts import Parts, ServerPool
 from slipstream.pipeline.supervisor import Supervisor
 from slipstream.pipeline.types import PushReport, RankSetup, ServerHealth
 from slipstream.utils import checkpoints
@@ -28,6 +29,17 @@ class Clock:
         return self.now
 
 
+def pool(cluster: FakeCluster, kind: str, count: int) -> ServerPool:
+    """``count`` servers serving at ``http://<kind><i>:8000``, host actors ``<kind><i>``."""
+    out = ServerPool()
+    for i in range(count):
+        out.add(
+            ServerHandle(cluster, cluster.spawn(f"{kind}{i}", object), f"{kind}-{i}"),
+            f"http://{kind}{i}:8000",
+        )
+    return out
+
+
 def running(tmp_path: Path, *overrides: str, servers: int = 1, published: int = 3, judges: int = 0):
     """A supervisor over a run with ``servers`` serving servers, ``judges`` judge servers of
     reward.service.launch, one rank, a rollouter and a queue."""
@@ -37,19 +49,13 @@ def running(tmp_path: Path, *overrides: str, servers: int = 1, published: int = 
     launcher.cluster = cluster
     parts = Parts(
         queue=QueueHandle(cluster, cluster.spawn("queue", object)),
-        servers=[
-            ServerHandle(cluster, cluster.spawn(f"server{i}", object), f"server-{i}") for i in range(servers)
-        ],
-        urls=[f"http://server{i}:8000" for i in range(servers)],
+        servers=pool(cluster, "server", servers),
         trainer=TrainerGroup(cluster, [cluster.spawn("rank0", object)]),
         rollouter=RolloutHandle(cluster, cluster.spawn("rollouter", object)),
         rollouter_started=True,
         version=published,
         published=published,
-        judges=[
-            ServerHandle(cluster, cluster.spawn(f"judge{i}", object), f"judge-{i}") for i in range(judges)
-        ],
-        judge_urls=[f"http://judge{i}:8000" for i in range(judges)],
+        judges=pool(cluster, "judge", judges),
     )
     FakeRank.version, FakeRank.kept_copy = published, True
     supervisor = Supervisor(cfg, cluster, parts, launcher, run_dir=tmp_path, clock=clock)
@@ -76,7 +82,7 @@ def test_a_dead_server_is_restarted_caught_up_and_put_back(tmp_path):
     cluster.finish("server0", "start")
     supervisor.watch()
     new_url = "http://server0:8001"
-    assert supervisor.parts.urls == [new_url] and supervisor.servers_restarting == set()
+    assert supervisor.parts.servers.urls == [new_url] and supervisor.servers_restarting == set()
     assert cluster.calls_of("rank0", "add_server") == [(new_url,)]  # the current weights first
     assert cluster.calls_of("rollouter", "add_server") == [(new_url,)]  # then requests
 
@@ -119,11 +125,9 @@ def test_a_dead_host_actor_is_replaced_before_the_restart(tmp_path):
     old = cluster.actor("server0")
     cluster.die(old)
     supervisor.poll()
-    assert cluster.killed == ["server0"] and supervisor.parts.servers[0].actor is not old
-    assert (
-        supervisor.parts.servers[0].actor is cluster.actor("server0")
-        and cluster.actor("server0").obj.starts == 1
-    )
+    host = supervisor.parts.servers[0].handle
+    assert cluster.killed == ["server0"] and host is not None and host.actor is not old
+    assert host.actor is cluster.actor("server0") and cluster.actor("server0").obj.starts == 1
     assert supervisor.restarts == {"server-0": 1}
 
 
@@ -139,7 +143,7 @@ def test_a_dead_judge_server_is_restarted_without_weights_and_handed_back_to_the
     cluster.finish("judge0", "start")
     supervisor.watch()
     urls = ["http://judge0:8001", "http://judge1:8000"]
-    assert supervisor.parts.judge_urls == urls and supervisor.judges.restarting == set()
+    assert supervisor.parts.judges.urls == urls and supervisor.judges.restarting == set()
     assert cluster.calls_of("rollouter", "set_judge_urls")[-1] == (urls,)
     # A judge is no rollout server: the publisher and the balancer never hear of it.
     for part, method in (("rank0", "add_server"), ("rank0", "remove_server"), ("rollouter", "add_server")):
@@ -154,7 +158,8 @@ def test_a_lone_judge_keeps_its_url_while_its_dead_host_is_replaced_and_restarts
     cluster.hold("judge0", "start")
     cluster.die(old)
     supervisor.poll()
-    assert cluster.killed == ["judge0"] and supervisor.parts.judges[0].actor is cluster.actor("judge0") != old
+    host = supervisor.parts.judges[0].handle
+    assert cluster.killed == ["judge0"] and host is not None and host.actor is cluster.actor("judge0") != old
     # No judge left: the reward service keeps the URL and retries it (samples then score failure_score).
     assert cluster.calls_of("rollouter", "set_judge_urls") == [(["http://judge0:8000"],)]
     cluster.finish("judge0", "start")
@@ -192,7 +197,7 @@ def test_a_server_restarted_before_the_trainer_kept_weights_joins_after_the_next
     set_health(cluster, 0, DEAD)
     supervisor.poll()
     supervisor.watch()  # the start finished: rank 0 is asked for the weights
-    url = supervisor.parts.urls[0]
+    url = supervisor.parts.servers[0].url
     assert cluster.calls_of("rollouter", "add_server") == []  # no requests for stale weights
     supervisor.joined_after_push(PushReport(PublishReport(version=4, ok=[url])), 4)
     assert cluster.calls_of("rollouter", "add_server") == [(url,)]
@@ -318,7 +323,7 @@ def test_a_save_that_died_after_its_queue_snapshot_is_completed_and_resumed_from
 
 
 def test_servers_the_launcher_starts_after_the_supervisor_is_built_are_watched(tmp_path):
-    # The controller builds the supervisor before start-up; the launcher then fills Parts with new lists.
+    # The controller builds the supervisor before start-up; the launcher then fills the pools of Parts.
     cfg = fake_config("cluster.restart_servers=true")
     cluster = FakeCluster()
     launcher = Launcher(cfg, tmp_path, "token")
@@ -329,13 +334,11 @@ def test_servers_the_launcher_starts_after_the_supervisor_is_built_are_watched(t
         rollouter=RolloutHandle(cluster, cluster.spawn("rollouter", object)),
     )
     supervisor = Supervisor(cfg, cluster, parts, launcher, run_dir=tmp_path, clock=Clock())
-    parts.servers = [launcher.new_host(0)]
-    parts.urls = ["http://server0:8000"]
-    parts.judges = [launcher.new_judge_host(0)]
-    parts.judge_urls = ["http://judge0:8000"]
+    parts.servers.add(launcher.new_host(0), "http://server0:8000")
+    parts.judges.add(launcher.new_judge_host(0), "http://judge0:8000")
     set_health(cluster, 0, DEAD)
     cluster.actor("judge0").obj.health_now = DEAD
     supervisor.poll()
     assert supervisor.restarts == {"server-0": 1, "judge-0": 1}
     supervisor.watch()  # the restarts finished: both serve at their new URLs
-    assert parts.urls == ["http://server0:8001"] and parts.judge_urls == ["http://judge0:8001"]
+    assert parts.servers.urls == ["http://server0:8001"] and parts.judges.urls == ["http://judge0:8001"]
