@@ -35,6 +35,10 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
             "slipstream.system.bench_weightsync",
             "weight sync GB/s vs raw transport and naive; --target vllm: a push into a generating vLLM",
         ),
+        "served-dtype": (
+            "slipstream.system.bench_served_dtype",
+            "vLLM's CPU decode tokens/s per dtype, and whether rollout.vllm.dtype auto picks the faster",
+        ),
         "e2e": ("slipstream.system.e2e", "samples/s of fully_async vs sync on a long-tail workload"),
         "soak": (
             "slipstream.system.soak",
@@ -54,6 +58,10 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
     },
     "config": {
         "show": ("slipstream.cli", "validate a config and print it resolved; --help lists every key"),
+        "check": (
+            "slipstream.cli",
+            "check a config as `slipstream train` would, and warn about its CPU split",
+        ),
         "docs": ("slipstream.cli", "print the key reference (docs/config.md) made from the configs"),
         "schema": ("slipstream.cli", "print the JSON schema of a config file, descriptions included"),
     },
@@ -137,6 +145,38 @@ def config_docs(argv: list[str]) -> int:
     """`slipstream config docs`: the key reference in Markdown (`slipstream config docs > docs/config.md`)."""
     from slipstream.cli_args import command_parser
     from slipstream.config import Config
+def config_check(argv: list[str]) -> int:
+    """`slipstream config check CONFIG [key=value ...]`: every check `slipstream train` makes before it starts
+    anything (keys, values, cross-section rules, model files, installed servers), then the warnings it would
+    log (the parts asking for more CPU threads than this machine has cores); exit 1 on an error."""
+    from slipstream.cli_args import config_overrides, config_parser
+    from slipstream.config import Config, ConfigError, load_config
+    from slipstream.pipeline.modes import check_config, config_warnings, prepare_config
+    from slipstream.planning.threads import plan_threads
+
+    parser, keys = config_parser(
+        "slipstream config check",
+        config_check.__doc__.split(": ", 1)[1],
+        Config,
+        epilog="Example: slipstream config check configs/quickstart.yaml cluster.trainer_threads=2",
+    )
+    try:
+        ns = parser.parse_intermixed_args(argv)
+    except SystemExit as stop:
+        return int(stop.code or 0)
+    try:
+        cfg, _ = prepare_config(load_config(ns.config, [*ns.overrides, *config_overrides(ns, keys)]))
+        check_config(cfg)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 1
+    print(plan_threads(cfg).describe())
+    for warning in config_warnings(cfg):
+        print(f"warning: {warning}")
+    print("ok")
+    return 0
+
+
     from slipstream.config_doc import markdown
 
     parser = command_parser("slipstream config docs", config_docs.__doc__.split(": ", 1)[1])
@@ -167,7 +207,7 @@ def config_schema(argv: list[str]) -> int:
     return 0
 
 
-_CONFIG_COMMANDS = {"show": config_show, "docs": config_docs, "schema": config_schema}
+_CONFIG_COMMANDS = {"show": config_show, "check": config_check, "docs": config_docs, "schema": config_schema}
 
 
 if __name__ == "__main__":

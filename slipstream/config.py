@@ -288,8 +288,9 @@ class ClusterConfig(ConfigStruct):
         int,
         Meta(
             ge=0,
-            description="Torch threads per trainer rank on CPU; 0 divides the machine's cores among the "
-            "ranks. The embedded servers' threads are rollout.embedded.num_threads.",
+            description="Torch threads per trainer rank on CPU; 0 divides the cores the CPU inference "
+            "servers leave among the ranks (planning/threads.py; `slipstream config check` shows the split). "
+            "The servers' threads are rollout.embedded.num_threads and rollout.vllm.cpu_threads.",
         ),
     ] = 0
     start_timeout_s: Annotated[

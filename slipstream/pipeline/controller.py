@@ -63,7 +63,13 @@ from slipstream.pipeline.launcher import (
     local_gpus,
     send_ray_token_if_any,
 )
-from slipstream.pipeline.modes import check_config, check_data, make_missing_data, prepare_config
+from slipstream.pipeline.modes import (
+    check_config,
+    check_data,
+    config_warnings,
+    make_missing_data,
+    prepare_config,
+)
 from slipstream.pipeline.parts import Parts
 from slipstream.pipeline.supervisor import Supervisor
 from slipstream.utils.http_auth import env_token, new_token
@@ -174,6 +180,8 @@ class Pipeline:
     def _start(self) -> None:
         for note in self.notes:
             log.info("%s", note)
+        for warning in config_warnings(self.cfg):
+            log.warning("%s", warning)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(_yaml(self.cfg))
         self.cluster = self.launcher.connect(reap_if_killed=self.reap_if_killed)

@@ -29,6 +29,7 @@ from slipstream.pipeline.cluster import Cluster, PartFailed, Pending, RayCluster
 from slipstream.pipeline.handles import QueueHandle, RolloutHandle, ServerHandle, TrainerGroup
 from slipstream.pipeline.parts import Parts
 from slipstream.pipeline.types import RankSetup, RolloutStart
+from slipstream.planning.threads import plan_threads
 from slipstream.rollouter.state import RolloutState
 from slipstream.utils.http_auth import new_token
 from slipstream.utils.logging import get_logger
@@ -180,7 +181,7 @@ class Launcher:
         """New trainer ranks, joined and resumed from ``resume``; returns their version."""
         cfg, cluster = self.cfg, self.cluster
         world = cfg.trainer.num_ranks
-        threads = cfg.cluster.trainer_threads or max(1, (os.cpu_count() or 1) // world)
+        threads = plan_threads(cfg).trainer_threads  # 0 takes the cores the CPU servers leave
         # The controller writes checkpoints (with the rollouter's state), so the trainer's own are off.
         settings = msgspec.structs.replace(trainer_settings(cfg), checkpoint_every=0)
         ranks = [

@@ -96,6 +96,15 @@ def check_config(cfg: Config, *, environment: bool = True) -> None:
 
 
 def _check_registries(cfg: Config) -> None:
+def config_warnings(cfg: Config) -> list[str]:
+    """What a prepared config can run with but should not, one line each naming its keys (logged at the run's
+    start and printed by ``slipstream config check``): the parts asking for more CPU threads than this
+    machine has cores (``planning/threads.py``)."""
+    from slipstream.planning.threads import plan_threads
+
+    return plan_threads(cfg).warnings()
+
+
     from slipstream.trainer.algos import ADVANTAGES, POLICY_LOSSES, REJECTIONS
 
     _check_plugins(cfg)

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Coroutine, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -129,7 +130,10 @@ class VLLMTarget:
     version carries the merged projections it adapts, not k_proj beside q_proj and v_proj) is completed
     with the tensors the model holds now: the last value this target applied for each name, else the
     checkpoint's. The target therefore keeps a host copy of what it applied (the model's size, in host
-    memory, once the first version arrived).
+    memory, once the first version arrived). That copy is taken by :meth:`hold`, which the engine runs on its
+    staging thread after the switch, while the server generates again, not inside the pause: the version's
+    tensors are views of the staging buffer, which the next version's buckets overwrite only after it (the
+    same thread stages them, in order).
     """
 
     model: torch.nn.Module
@@ -138,6 +142,7 @@ class VLLMTarget:
     version: int = 0
     tied: frozenset[str] = field(default_factory=lambda: frozenset({"lm_head.weight"}))
     held: dict[str, torch.Tensor] = field(default_factory=dict)
+    to_hold: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def weight_version(self) -> int:
@@ -168,10 +173,18 @@ class VLLMTarget:
             reload_weights(
                 self.vllm_config, self.model, list(weights.items()), None, is_checkpoint_format=True
             )
-        for name, tensor in weights.items():
-            if name not in self.held or self.held[name] is not tensor:
-                self.held[name] = tensor.detach().to("cpu", copy=True)
+        self.to_hold = {n: t for n, t in weights.items() if self.held.get(n) is not t}
         self.version = version
+
+    def hold(self) -> None:
+        """Copy what the last version applied into the host copy (class docstring), reusing its buffers."""
+        pending, self.to_hold = self.to_hold, {}
+        for name, tensor in pending.items():
+            kept = self.held.get(name)
+            if kept is not None and kept.shape == tensor.shape and kept.dtype == tensor.dtype:
+                kept.copy_(tensor)
+            else:
+                self.held[name] = tensor.detach().to("cpu", copy=True)
 
 
 class _Loop:
@@ -223,11 +236,14 @@ class SlipstreamWeightEngine(_Base):  # type: ignore[misc, valid-type]
         dtype = vllm_config.model_config.dtype
         specs = checkpoint_specs(vllm_config.model_config.model, dtype)
         self.target = VLLMTarget(model, vllm_config, specs)
-        self.receiver = WeightReceiver(self.target, WeightSyncConfig(require_all_weights=False))
+        # Whole or nothing, as on the embedded server: a version that should cover every parameter (all but a
+        # LoRA adapter-only one) and lacks one is refused, never completed from an older version.
+        self.receiver = WeightReceiver(self.target, WeightSyncConfig(require_all_weights=True))
         self._loop = _Loop()
         # One thread stages the buckets, in the order vLLM hands them over (module docstring).
         self._stager = ThreadPoolExecutor(1, thread_name_prefix="slipstream-stage")
         self._staging: list[Future[None]] = []
+        self._holding: Future[None] | None = None  # the last version's host copy (VLLMTarget.hold)
 
     def parse_init_info(self, init_dict: dict[str, Any]):
         from slipstream.weightsync.types import InitWeightsUpdateGroupReq
@@ -250,7 +266,10 @@ class SlipstreamWeightEngine(_Base):  # type: ignore[misc, valid-type]
     def start_weight_update(self) -> None:
         from slipstream.weightsync.types import BeginWeightUpdateReq
 
+        self._raise_failed_hold()
+        started = time.perf_counter()
         _raise_failed(self._loop.run(self.receiver.begin(BeginWeightUpdateReq())))
+        log.debug("begin took %.3f s", time.perf_counter() - started)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # No device synchronise afterwards (the base class's): the receiver waits for each bucket itself.
@@ -267,8 +286,15 @@ class SlipstreamWeightEngine(_Base):  # type: ignore[misc, valid-type]
 
     def switch(self) -> None:
         """Wait until every queued bucket is staged, then apply the version whole (the server is paused)."""
+        started = time.perf_counter()
         self._wait_staged()
+        staged = time.perf_counter()
         self._apply()
+        log.info(
+            "switched to the staged version: %.3f s waiting for its last buckets, %.3f s applying it",
+            staged - started,
+            time.perf_counter() - staged,
+        )
 
     def finish_weight_update(self) -> None:
         """Nothing left to do after a switched version or a version of which nothing arrived; a version
@@ -304,6 +330,15 @@ class SlipstreamWeightEngine(_Base):  # type: ignore[misc, valid-type]
         from slipstream.weightsync.types import EndWeightUpdateReq
 
         _raise_failed(self._loop.run(self.receiver.end(EndWeightUpdateReq())))
+        # The host copy, after the pause (VLLMTarget.hold): queued before any later bucket, waited for by none
+        # of this version's calls.
+        self._holding = self._stager.submit(self.target.hold)
+
+    def _raise_failed_hold(self) -> None:
+        holding = self._holding
+        if holding is not None and holding.done():
+            self._holding = None
+            holding.result()  # raises the copy's failure (the next version then cannot rely on it)
 
     def shutdown(self) -> None:
         """The trainer left (vLLM keeps this engine for the next ``init_transfer_engine``, so the staging

@@ -176,6 +176,8 @@ class ServerKind:
     """(rollout config) -> the compute threads one of its servers runs on a CPU (0: one per core), what the
     thread plan adds up (``planning/threads.py``) and the launcher puts in ``OMP_NUM_THREADS``; None where its
     servers compute on a GPU under this config."""
+    cpu_threads_key: str = ""
+    """The config key that sets :attr:`cpu_threads` (named by the thread plan's warnings)."""
     """(rollout config) -> whether its servers hold their weights on a GPU (the memory planner counts one)."""
 
     def __repr__(self) -> str:

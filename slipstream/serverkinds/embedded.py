@@ -143,4 +143,5 @@ KIND = ServerKind(
     kv_cache_tokens=embedded_kv_tokens,
     on_gpu=embedded_on_gpu,
     cpu_threads=embedded_cpu_threads,
+    cpu_threads_key="rollout.embedded.num_threads",
 )

@@ -561,4 +561,5 @@ KIND = ServerKind(
     transfer_setting=_transfer_setting,
     served_dtype=vllm_dtype,
     cpu_threads=_cpu_threads,
+    cpu_threads_key="rollout.vllm.cpu_threads",
 )

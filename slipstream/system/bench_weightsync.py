@@ -97,8 +97,12 @@ class Load:
                 except Exception as err:  # noqa: BLE001 - reported with the figures, the load goes on
                     self.errors.append(f"{type(err).__name__}: {err}")
 
+        async def stopper() -> None:  # requests in flight end at once, with their partial tokens
+            await asyncio.to_thread(self._stop.wait)
+            await client.abort_all()
+
         try:
-            await asyncio.gather(*(worker(i) for i in range(self.requests)))
+            await asyncio.gather(stopper(), *(worker(i) for i in range(self.requests)))
         finally:
             await client.aclose()
 

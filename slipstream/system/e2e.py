@@ -1,7 +1,8 @@
 """``slipstream bench e2e``: trained samples per second of ``fully_async`` against ``sync``, end to end.
 
 Both modes run the same workload, one after the other in one invocation on this machine, through the whole
-pipeline (Ray actors, embedded server, queue, FSDP trainer, weight pushes every step): the quickstart
+pipeline (Ray actors, one inference server: the embedded one, or vLLM's CPU build with ``--backend vllm``;
+queue, FSDP trainer, weight pushes every step): the quickstart
 (SmolLM2-135M-Instruct learning "What is a + b? Reply with only the number." from its own rewards) with a
 long tail of response lengths. The tail is the model's own: sampled at temperature 1.0 with the budget
 raised from 32 to ``--max-new-tokens`` (384) tokens, most answers are a few to a few dozen tokens while a
@@ -29,7 +30,9 @@ over a short run it trains more of the short samples, and samples/s alone flatte
 
 The last line of ``--json`` is one JSON object: ``{"sync_samples_s", "fully_async_samples_s",
 "sync_reward", "fully_async_reward", "sync_tokens_s", "fully_async_tokens_s", "speedup", "token_speedup",
-"samples", ...}``. ``--summarize OUT`` reports the runs an earlier invocation left in ``OUT`` again.
+"samples", ...}``; each mode's summary also says where its steps' time went (the mean ``time/*`` of the
+run's records: trainer waiting and computing, the push, the servers paused by it, the rest). ``--summarize
+OUT`` reports the runs an earlier invocation left in ``OUT`` again.
 """
 
 from __future__ import annotations
@@ -46,6 +49,14 @@ from typing import Any
 from slipstream.cli_args import add_json_flag, add_key_option, command_parser, doc_paragraph
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
+TIME_SPLIT = (
+    "time/step_s",
+    "time/trainer_wait_s",
+    "time/trainer_compute_s",
+    "time/push_s",
+    "time/servers_paused_s",
+    "time/other_s",
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--async-trainer-threads", type=int, default=1)
     add_key_option(p, Config, "async.staleness_threshold", default=2.0, note="Set in fully_async runs only.")
     add_key_option(p, Config, "async.max_staleness", default=4, note="Set in fully_async runs only.")
+    add_key_option(
+        p, Config, "rollout.backend", default="embedded", note="The recorded runs are the embedded server's."
+    )
     p.add_argument("--modes", default="sync,fully_async", help="comma-separated, run in this order")
     p.add_argument("--out", help="run directories go here (default: a temporary directory)")
     add_json_flag(p)
@@ -74,6 +88,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _overrides(args: argparse.Namespace, mode: str, out: Path, data: Path) -> list[str]:
+    from slipstream.serverkinds import server_kind
+
     sync = mode == "sync"
     server = args.sync_threads if sync else args.async_server_threads
     trainer = args.sync_threads if sync else args.async_trainer_threads
@@ -89,8 +105,8 @@ def _overrides(args: argparse.Namespace, mode: str, out: Path, data: Path) -> li
         f"rollout.n={args.n}",
         f"trainer.batch_groups={args.batch_groups}",
         "trainer.checkpoint_every=0",
-        "rollout.backend=embedded",  # the recorded runs (docs/recorded/simulate-own) are the embedded server's
-        f"rollout.embedded.num_threads={server}",
+        f"rollout.backend={args.backend}",
+        f"{server_kind(args.backend).cpu_threads_key}={server}",
         f"cluster.trainer_threads={trainer}",
         "wandb.mode=disabled",
     ]
@@ -123,6 +139,8 @@ def _summary(run_dir: Path, cap: int) -> dict[str, float]:
             statistics.fmean(r["trainer/staleness_versions_mean"] for r in records), 3
         ),
         "cap": cap,
+        # where a step's time went (driver.step_time_split), mean seconds per step
+        **{k: round(statistics.fmean(r.get(k, 0.0) for r in records), 3) for k in TIME_SPLIT},
     }
 
 

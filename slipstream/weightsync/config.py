@@ -57,10 +57,11 @@ class WeightSyncConfig(ConfigStruct):
     pause_mode: Annotated[
         Literal["in_place", "abort", "retract"],
         Meta(
-            description="How a real SGLang/vLLM server treats in-flight requests while it loads weights (it "
-            "cannot stage): `in_place` keeps them on the old KV cache, `abort` returns partial output, "
-            "`retract` (SGLang) requeues them. The pipeline sets it from `async.partial_rollout`. Embedded "
-            "servers stage the new version and pause only for the final copy, whatever this says.",
+            description="How a server treats in-flight requests while it switches to a new version: "
+            "`in_place` keeps them on the old KV cache, `abort` returns partial output, `retract` (SGLang) "
+            "requeues them. The pipeline sets it from `async.partial_rollout`. SGLang and vLLM's own `nccl` "
+            "engine are paused for the whole load; vLLM with the `slipstream` engine stages the version while "
+            "it generates and pauses only for the switch; embedded servers pause only for the final copy.",
         ),
     ] = "in_place"
     keep_last: Annotated[

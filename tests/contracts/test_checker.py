@@ -610,8 +610,10 @@ def test_engine_bodies_for_an_engine_no_class_parses_are_reported(fake_trees):
 
 
 def test_the_recorder_drives_the_vllm_adapter_through_each_engine(recorded):
-    from slipstream.contracts.http import PLUGIN_NESTED, check_struct, plugin_parser_class
+    from slipstream.contracts.http import PLUGIN_NESTED, PLUGIN_OWN_BODIES, check_struct, plugin_parser_class
     from slipstream.contracts.ours import VLLM_ENGINES
+    from slipstream.rollouter.vllm_weights import SWITCH_KEY
+    from slipstream.serverapi.vllm import SWITCH_UPDATE
     from slipstream.serverkinds.vllm import VLLMAdapter
 
     assert set(VLLM_ENGINES) == set(VLLMAdapter.ENGINE_TRANSPORTS)
@@ -625,11 +627,21 @@ def test_the_recorder_drives_the_vllm_adapter_through_each_engine(recorded):
     # the two engines' bodies differ: ours carries the group's address, vLLM's NCCL a unique id
     init = {c.engine: c.body["init_info"] for c in calls if c.path == "/init_weight_transfer_engine"}
     assert "master_address" in init["slipstream"] and "nccl_unique_id_b64" in init["nccl"]
-    for (_, path, key, _), (rel, cls_name, method) in PLUGIN_NESTED.items():
+    for where, (rel, cls_name, method) in PLUGIN_NESTED.items():
+        _, path, key, _ = where
         cls = plugin_parser_class(rel, cls_name, method)
         for c in calls:
-            if c.engine == "slipstream" and c.path == path:
+            if (
+                c.engine == "slipstream"
+                and c.path == path
+                and c.body[key] not in PLUGIN_OWN_BODIES.get(where, [])
+            ):
                 assert check_struct(cls, c.body[key], key) == []
+    # the switch to a staged version is sent, and the plug-in reads its key before it parses anything
+    switch = [
+        c for c in calls if c.engine == "slipstream" and (c.body or {}).get("update_info") == SWITCH_UPDATE
+    ]
+    assert switch and SWITCH_KEY in SWITCH_UPDATE
 
 
 def test_the_plugin_parser_class_is_read_from_the_plugin(tmp_path, monkeypatch):

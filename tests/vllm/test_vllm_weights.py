@@ -4,6 +4,8 @@ engine the package registers in vLLM (gloo on a CPU), and tokens stamped with th
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import httpx
 import pytest
@@ -126,6 +128,29 @@ def test_a_tensor_of_the_wrong_shape_is_refused_by_name(vllm_server, policy):
     assert served_version(vllm_server.url) == serving
 
 
+def test_a_version_missing_a_tensor_is_refused_whole(vllm_server, policy):
+    """A sender that drops a tensor gets its version refused, naming it, and the old one keeps serving (it is
+    never completed from the weights the server held: that would serve a mix of two versions)."""
+    url = vllm_server.url
+    serving = served_version(url)
+    publish(url, serving + 1, policy.tensors())
+    before = generate(url)
+
+    def dropped():
+        for name, t in policy.tensors():
+            if name != "model.layers.0.mlp.down_proj.weight":
+                yield name, t + 1.0
+
+    report = publish(url, serving + 2, dropped(), keep_last=False)
+    assert url in report.failed and "misses 1 parameters" in report.failed[url], report.failed
+    assert "model.layers.0.mlp.down_proj.weight" in report.failed[url]
+    assert served_version(url) == serving + 1
+    after = generate(url)
+    assert after.versions == [serving + 1] * len(after.output_ids)
+    assert torch.allclose(torch.tensor(after.logprobs), policy.logprobs(after.output_ids), atol=1e-4, rtol=0)
+    assert before.versions == after.versions
+
+
 def test_tokens_carry_the_version_that_made_them_when_a_push_lands_mid_request(vllm_server, policy):
     """In place: the request keeps running across the push; its tokens are stamped old then new."""
     old = served_version(vllm_server.url)
@@ -189,3 +214,55 @@ def test_an_aborted_request_resumes_on_the_new_version(vllm_server, policy):
     switch = out.versions.index(old + 1)
     assert 0 < switch < n
     assert out.versions == [old] * switch + [old + 1] * (n - switch)
+
+
+def test_buckets_stage_while_the_server_generates(vllm_server, policy, monkeypatch):
+    """Our engine receives a version's buckets while vLLM keeps generating, and pauses only for the switch:
+    the first bucket's update call returns before a byte of it is sent, and the server generates tokens
+    before the sender sends it. (An engine that received inside the call would block the server until the
+    bytes came: the update call would never return and the sender would give up at its bound.)"""
+    from slipstream.serverkinds.vllm import VLLMAdapter
+    from slipstream.weightsync.groups import DistGroup
+
+    url = vllm_server.url
+    old = served_version(url)
+    publish(url, old + 1, policy.tensors())  # joins the group: every broadcast below is a bucket's
+    returned = threading.Event()
+    tokens_at_return: list[float] = []
+    real_update, real_broadcast = VLLMAdapter.update, DistGroup.broadcast_async
+
+    async def update(self, meta):
+        await real_update(self, meta)
+        if not returned.is_set():
+            tokens_at_return.append(await asyncio.to_thread(generated, self.url))
+            returned.set()
+
+    def broadcast_async(self, tensor):  # the sender's thread, before each part of a bucket goes out
+        assert returned.wait(120), "the first bucket's update call did not return before its bytes were sent"
+        deadline = time.monotonic() + 120
+        while generated(url) <= tokens_at_return[0]:
+            assert time.monotonic() < deadline, "the server generated nothing while the bucket was pending"
+            time.sleep(0.02)
+        return real_broadcast(self, tensor)
+
+    monkeypatch.setattr(VLLMAdapter, "update", update)
+    monkeypatch.setattr(DistGroup, "broadcast_async", broadcast_async)
+
+    async def go():
+        c = VLLMClient(url, api="generate", timeout_s=300)
+        try:
+            task = await start_long(url, lambda: c.generate(PROMPT, LONG, rid="beside-push"))
+            policy.step(seed=old + 2)
+            report = await asyncio.to_thread(publish, url, old + 2, policy.tensors(), pause_mode="in_place")
+            # run beside a short request to its end: the long one has tokens of the new version then
+            await c.generate(PROMPT, SamplingParams(max_new_tokens=4, ignore_eos=True))
+            await c.abort("beside-push")
+            return report, await task
+        finally:
+            await c.aclose()
+
+    report, out = run(go())
+    assert report.ok == [url], report.failed
+    assert 0 < report.paused_s < report.seconds  # paused for the switch only
+    assert served_version(url) == old + 2
+    assert out.versions[0] == old + 1 and out.versions[-1] == old + 2
