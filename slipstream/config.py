@@ -53,6 +53,7 @@ from slipstream.weightsync.config import WeightSyncConfig
 
 __all__ = [
     "AsyncConfig",
+    "AutotuneBounds",
     "Config",
     "ConfigError",
     "ConfigStruct",
@@ -70,6 +71,39 @@ __all__ = [
 
 
 Mode = Literal["sync", "one_step_off", "fully_async"]
+
+
+class AutotuneBounds(ConfigStruct):
+    """The box the autotune controller moves the knobs in; checked against each other and against
+    ``async.max_staleness`` at config check (pipeline/modes.py)."""
+
+    staleness_cap: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="Trained groups never older than this many weight versions (pushes): the controller "
+            "only raises `staleness_threshold` or `sync_every` with room under it, and backs off when "
+            "`trainer/staleness_versions_max` reaches it. At most `async.max_staleness`.",
+        ),
+    ] = 2
+    staleness_threshold_max: Annotated[
+        float, Meta(ge=0.0, description="Highest `async.staleness_threshold` the controller may set.")
+    ] = 2.0
+    sync_every_min: Annotated[int, Meta(ge=1, description="Lowest `async.sync_every` it may set.")] = 1
+    sync_every_max: Annotated[int, Meta(ge=1, description="Highest `async.sync_every` it may set.")] = 4
+    concurrency_min: Annotated[
+        int, Meta(ge=1, description="Lowest `rollout.max_concurrent_per_server` it may set.")
+    ] = 1
+    concurrency_max: Annotated[
+        int, Meta(ge=1, description="Highest `rollout.max_concurrent_per_server` it may set.")
+    ] = 256
+    mismatch_cap: Annotated[
+        Annotated[float, Meta(ge=0.0)] | None,
+        Meta(
+            description="Highest train-inference mismatch (`trainer/approx_kl_behaviour`) the controller "
+            "accepts: above it, it lowers `staleness_threshold` and never raises it; null: no cap.",
+        ),
+    ] = None
 
 
 class AsyncConfig(ConfigStruct):
@@ -136,6 +170,22 @@ class AsyncConfig(ConfigStruct):
             "on the old KV cache), or `off` (wait for in-flight requests to finish before the update).",
         ),
     ] = "abort"
+    autotune: Annotated[
+        Literal["off", "throughput"],
+        Meta(
+            description="Closed-loop tuning of `staleness_threshold`, `sync_every` and "
+            "`rollout.max_concurrent_per_server` during the run (pipeline/autotune.py, docs/tuning.md): `off`, "
+            "or `throughput` (every `autotune_every` steps, move the knobs toward fewer idle seconds, within "
+            "`autotune_bounds`; each change is logged with the measurement that caused it).",
+        ),
+    ] = "off"
+    autotune_every: Annotated[
+        int, Meta(ge=1, description="Trainer steps between two decisions of the autotune controller.")
+    ] = 4
+    autotune_bounds: Annotated[
+        AutotuneBounds,
+        Meta(description="What the autotune controller may never exceed (`async.autotune` other than off)."),
+    ] = msgspec.field(default_factory=lambda: AutotuneBounds())
 
     def staleness(self, trainer_step: int, min_version: int) -> int:
         """Weight versions (pushes) between the oldest token of a group and the trainer at ``trainer_step``:

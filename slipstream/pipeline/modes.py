@@ -86,7 +86,8 @@ def check_config(cfg: Config, *, environment: bool = True) -> None:
     """
     from slipstream.pipeline.placement import check_layout
 
-    checks = [_check_registries, _check_trainer, _check_faults, _check_lengths, check_layout, _check_memory]
+    checks = [_check_registries, _check_trainer, _check_faults, _check_lengths, check_layout, _check_memory,
+              _check_autotune]  # fmt: skip
     if environment:
         checks += [_check_model, _check_backends, _check_judge]
     else:
@@ -95,7 +96,6 @@ def check_config(cfg: Config, *, environment: bool = True) -> None:
         check(cfg)
 
 
-def _check_registries(cfg: Config) -> None:
 def config_warnings(cfg: Config) -> list[str]:
     """What a prepared config can run with but should not, one line each naming its keys (logged at the run's
     start and printed by ``slipstream config check``): the parts asking for more CPU threads than this
@@ -105,6 +105,7 @@ def config_warnings(cfg: Config) -> list[str]:
     return plan_threads(cfg).warnings()
 
 
+def _check_registries(cfg: Config) -> None:
     from slipstream.trainer.algos import ADVANTAGES, POLICY_LOSSES, REJECTIONS
 
     _check_plugins(cfg)
@@ -271,6 +272,44 @@ def _check_trainer(cfg: Config) -> None:
         raise ConfigError("cluster.gpus_per_trainer_rank: GPUs are reserved but trainer.device is cpu")
     if t.device == "cuda" and cfg.cluster.ray_address is None and cfg.cluster.gpus_per_trainer_rank == 0:
         raise ConfigError("cluster.gpus_per_trainer_rank: trainer.device is cuda; reserve 1 GPU per rank")
+
+
+def _check_autotune(cfg: Config) -> None:
+    """With ``async.autotune`` on: its bounds are a box (each range ordered), under the hard cap, and the run
+    starts inside it (the controller never moves a knob outside it)."""
+    a = cfg.async_
+    if a.autotune == "off":
+        return
+    b = a.autotune_bounds
+    if a.mode != "fully_async":
+        raise ConfigError(
+            f"async.autotune: `{a.autotune}` moves the knobs of `fully_async`, but async.mode is `{a.mode}` "
+            "(its preset fixes them)"
+        )
+    key = "async.autotune_bounds"
+    for low, high in (("sync_every_min", "sync_every_max"), ("concurrency_min", "concurrency_max")):
+        if getattr(b, low) > getattr(b, high):
+            raise ConfigError(
+                f"{key}.{low}: {getattr(b, low)} is above {key}.{high} ({getattr(b, high)}); the range is empty"
+            )
+    if b.staleness_cap > a.max_staleness:
+        raise ConfigError(
+            f"{key}.staleness_cap: {b.staleness_cap} versions is above the hard cap async.max_staleness "
+            f"({a.max_staleness}); lower it or raise async.max_staleness"
+        )
+    starts = (
+        ("async.staleness_threshold", a.staleness_threshold, 0.0, b.staleness_threshold_max,
+         "staleness_threshold_max"),
+        ("async.sync_every", a.sync_every, b.sync_every_min, b.sync_every_max, "sync_every_min/_max"),
+        ("rollout.max_concurrent_per_server", cfg.rollout.max_concurrent_per_server, b.concurrency_min,
+         b.concurrency_max, "concurrency_min/_max"),
+    )  # fmt: skip
+    for name, value, low, high, bound in starts:
+        if not low <= value <= high:
+            raise ConfigError(
+                f"{name}: the run starts at {value:g}, outside {key}.{bound} ({low:g}..{high:g}); the "
+                "controller only moves inside its bounds"
+            )
 
 
 # HF config keys that bound positions (vLLM takes the smallest present), and rope types whose `factor`

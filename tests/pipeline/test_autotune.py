@@ -1,0 +1,165 @@
+"""The autotune controller as pure logic: it settles on a steady workload, holds and says so on a missing
+metric, never leaves its bounds, backs off over the staleness cap, and its state survives a checkpoint."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from slipstream.config import AutotuneBounds, ConfigError, load_config
+from slipstream.pipeline.autotune import (
+    Autotuner,
+    AutotuneState,
+    Knobs,
+    Observation,
+    in_order_bound,
+)
+from slipstream.pipeline.modes import check_config, prepare_config
+
+START = Knobs(staleness_threshold=0.0, sync_every=1, concurrency=4)
+BOUNDS = AutotuneBounds(staleness_cap=2, staleness_threshold_max=2.0, sync_every_min=1, sync_every_max=4,
+                        concurrency_min=1, concurrency_max=64)  # fmt: skip
+
+
+def plant(k: Knobs, step: int) -> Observation:
+    """A steady workload in closed form: the trainer waits less as the budget and the concurrency grow,
+    requests queue below 32 per server, and staleness is the gate's in-order bound (plus one past 1.5)."""
+    budget = k.sync_every * (1 + k.staleness_threshold)
+    idle = max(0.0, 0.8 - 0.15 * budget - 0.2 * min(k.concurrency, 32) / 32)
+    stale = in_order_bound(k.staleness_threshold, k.sync_every) + (1 if k.staleness_threshold >= 1.5 else 0)
+    return Observation(
+        trainer_idle=idle,
+        rollouter_idle=0.0,
+        requests_queued=8.0 if k.concurrency < 32 else 0.0,
+        staleness_max=float(stale),
+        staleness_mean=stale / 2,
+        dropped_groups=0.0,
+        tokens=1000.0,
+        elapsed_s=10.0 * step / (1.1 - idle),
+        response_len_mean=200.0,
+    )
+
+
+def drive(tuner: Autotuner, steps: int, make=plant) -> list[Knobs]:
+    seen = []
+    for step in range(1, steps + 1):
+        tuner.observe(make(tuner.state.knobs, step))
+        seen.append(tuner.state.knobs)
+    return seen
+
+
+def test_it_settles_on_a_steady_workload_without_oscillating():
+    seen = drive(Autotuner(BOUNDS, every=2, start=START), 200)
+    changes = [i for i in range(1, len(seen)) if seen[i] != seen[i - 1]]
+    assert changes and changes[-1] < 60  # it moved, then settled
+    late = seen[100:]
+    assert all(k == late[0] for k in late)
+    # never back to a setting it left: no A -> B -> A
+    distinct = [seen[0]] + [seen[i] for i in changes]
+    assert len(distinct) == len(set(distinct))
+    assert late[0].concurrency >= 32 and late[0].sync_every > 1
+
+
+def test_a_balanced_run_is_left_alone():
+    tuner = Autotuner(BOUNDS, every=2, start=START)
+    balanced = lambda k, step: msgspec.structs.replace(plant(k, step), trainer_idle=0.01)  # noqa: E731
+    assert all(k == START for k in drive(tuner, 50, balanced))
+    assert tuner.state.changes == 0
+
+
+def test_a_missing_metric_holds_and_names_it():
+    tuner = Autotuner(BOUNDS, every=2, start=START)
+    decisions = []
+    for step in range(1, 11):
+        obs = msgspec.structs.replace(plant(tuner.state.knobs, step), staleness_max=None)
+        if (d := tuner.observe(obs)) is not None:
+            decisions.append(d)
+    assert decisions and all(d.action == "hold" and not d.changed for d in decisions)
+    assert "missing trainer/staleness_versions_max" in decisions[0].reason
+    assert decisions[0].metrics()["autotune/held_missing"] == 1.0
+    assert tuner.state.knobs == START
+
+
+def test_without_the_queue_gauge_concurrency_is_never_guessed():
+    tuner = Autotuner(BOUNDS, every=2, start=START)
+    seen = drive(tuner, 60, lambda k, s: msgspec.structs.replace(plant(k, s), requests_queued=None))
+    assert all(k.concurrency == START.concurrency for k in seen)
+
+
+def test_from_metrics_reads_the_run_keys_and_leaves_the_rest_missing():
+    obs = Observation.from_metrics(
+        {"trainer/idle_ratio": 0.3, "trainer/staleness_versions_max": float("nan")}
+    )
+    assert obs.trainer_idle == 0.3 and obs.staleness_max is None and obs.tokens is None
+
+
+def test_it_never_leaves_its_bounds():
+    tight = AutotuneBounds(staleness_cap=4, staleness_threshold_max=0.5, sync_every_min=1, sync_every_max=2,
+                           concurrency_min=2, concurrency_max=8)  # fmt: skip
+    always_waiting = lambda k, s: msgspec.structs.replace(  # noqa: E731
+        plant(k, s), trainer_idle=0.9, requests_queued=50.0 if s % 2 else 0.0, staleness_max=0.0
+    )
+    seen = drive(Autotuner(tight, every=2, start=START), 100, always_waiting)
+    assert all(
+        k.staleness_threshold <= 0.5 and 1 <= k.sync_every <= 2 and 2 <= k.concurrency <= 8 for k in seen
+    )
+    assert seen[-1] == Knobs(staleness_threshold=0.5, sync_every=2, concurrency=8)
+
+
+def test_over_the_cap_it_backs_off_and_does_not_climb_back():
+    start = Knobs(staleness_threshold=1.0, sync_every=1, concurrency=32)
+    over = lambda k, s: msgspec.structs.replace(  # noqa: E731
+        plant(k, s), trainer_idle=0.5, staleness_max=3.0 if k.staleness_threshold >= 1.0 else 1.0
+    )
+    tuner = Autotuner(BOUNDS, every=2, start=start)
+    seen = drive(tuner, 40, over)
+    assert seen[1].staleness_threshold == 0.5  # the first decision backs off
+    assert max(k.staleness_threshold for k in seen[2:]) < 1.0  # the rung over the cap is a ceiling
+    decisions = [tuner.observe(over(tuner.state.knobs, 41)), tuner.observe(over(tuner.state.knobs, 42))]
+    assert all(d is None or d.action != "lower" for d in decisions)
+
+
+def test_the_mismatch_cap_needs_its_metric_and_backs_off_above_it():
+    bounds = msgspec.structs.replace(BOUNDS, mismatch_cap=0.05)
+    start = Knobs(staleness_threshold=1.0, sync_every=1, concurrency=32)
+    tuner = Autotuner(bounds, every=2, start=start)
+    drive(tuner, 2)
+    assert tuner.state.knobs == start  # no mismatch reported: held
+    tuner = Autotuner(bounds, every=2, start=start)
+    drive(tuner, 2, lambda k, s: msgspec.structs.replace(plant(k, s), mismatch=0.2))
+    assert tuner.state.knobs.staleness_threshold == 0.5
+
+
+def test_the_state_round_trips_a_checkpoint_and_goes_on_the_same():
+    a = Autotuner(BOUNDS, every=2, start=START)
+    drive(a, 9)
+    saved = msgspec.msgpack.encode(a.state)
+    b = Autotuner(BOUNDS, every=2, start=START, state=msgspec.msgpack.decode(saved, type=AutotuneState))
+    for step in range(10, 40):
+        da = a.observe(plant(a.state.knobs, step))
+        db = b.observe(plant(b.state.knobs, step))
+        assert da == db
+
+
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        (["async.autotune_bounds.sync_every_min=3", "async.autotune_bounds.sync_every_max=2"],
+         "async.autotune_bounds.sync_every_min"),
+        (["async.autotune_bounds.concurrency_min=16", "async.autotune_bounds.concurrency_max=8"],
+         "async.autotune_bounds.concurrency_min"),
+        (["async.autotune_bounds.concurrency_min=128"], "rollout.max_concurrent_per_server"),
+        (["async.autotune_bounds.staleness_cap=3"], "async.autotune_bounds.staleness_cap"),
+        (["async.staleness_threshold=3"], "async.staleness_threshold"),
+        (["async.mode=one_step_off"], "async.autotune"),
+    ],
+)  # fmt: skip
+def test_contradicting_bounds_are_refused_naming_the_keys(overrides, key):
+    cfg = load_config(None, ["async.autotune=throughput", "async.max_staleness=2", *overrides])
+    with pytest.raises(ConfigError, match=f"^{key}"):
+        check_config(prepare_config(cfg)[0], environment=False)
+
+
+def test_bounds_are_not_checked_with_autotune_off():
+    cfg = load_config(None, ["async.max_staleness=0"])  # cap 2 > hard cap 0, but the controller is off
+    check_config(prepare_config(cfg)[0], environment=False)
