@@ -246,6 +246,7 @@ class RolloutWorker:
         from slipstream.queue.client import AsyncQueueClient
         from slipstream.rollouter.balancer import balancer_from_config
         from slipstream.rollouter.rollouter import Rollouter
+        from slipstream.rollouter.server_stats import ServerStats
 
         cfg = self.settings
         tokenizer = await asyncio.to_thread(
@@ -262,7 +263,8 @@ class RolloutWorker:
         patience = cfg.rollout.launch_timeout_s + 4 * cfg.health_interval_s if restarting else 0.0
         client = _WaitForServers(self.balancer, patience)
         self.queue = AsyncQueueClient(start.queue_address)
-        self.rollouter = Rollouter(cfg, client, self.queue, tokenizer, prompts)
+        stats = ServerStats(self.balancer.clients)  # each server's own counters: server/* metrics
+        self.rollouter = Rollouter(cfg, client, self.queue, tokenizer, prompts, server_stats=stats)
         if start.judge_token:
             self.rollouter.set_judges(list(start.judge_urls), start.judge_token)
         if start.state is not None:

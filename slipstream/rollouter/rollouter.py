@@ -71,6 +71,7 @@ from slipstream.queue.types import Provenance, SampleOutcome, Trajectory, Trajec
 from slipstream.rollouter.evaluation import Evaluator
 from slipstream.rollouter.gate import StalenessGate
 from slipstream.rollouter.partial import PartialRolloutClient
+from slipstream.rollouter.server_stats import ServerStats
 from slipstream.rollouter.settings import RollouterSettings
 from slipstream.rollouter.state import GateCount, PendingPrompt, PromptPosition, RolloutState
 from slipstream.rollouter.stats import RolloutStats
@@ -82,6 +83,8 @@ log = get_logger(__name__)
 MAX_GROUP_FAILURES = 3
 # Seconds between polls of the queue for groups the trainer dropped as too stale.
 DROPPED_POLL_S = 1.0
+# Seconds between reads of the servers' own counters (server/* metrics; a step takes longer).
+SERVER_STATS_POLL_S = 2.0
 
 
 class _Work(msgspec.Struct, kw_only=True):
@@ -122,8 +125,11 @@ class Rollouter:
         tokenizer: Any,
         prompts: PromptSource,
         val_samples: list[Sample] | None = None,
+        server_stats: ServerStats | None = None,
     ) -> None:
         self.settings = settings
+        # The servers' own counters (server/* metrics), polled beside generation when given.
+        self.server_stats = server_stats
         num_servers = len(settings.rollout.server_urls) or settings.rollout.num_servers
         self.client = PartialRolloutClient(
             client, max_in_flight=settings.rollout.max_concurrent_per_server * num_servers
@@ -171,6 +177,7 @@ class Rollouter:
         self._running = True
         self.evaluator.on_version(self.version)  # a fresh run's version 0 is evaluated before training
         poller = asyncio.create_task(self._poll_dropped())
+        counting = asyncio.create_task(self.server_stats.run(SERVER_STATS_POLL_S)) if self.server_stats else None
         try:
             await self._admit_loop()
         except BaseException:
@@ -180,8 +187,10 @@ class Rollouter:
             if not self.evaluator.running:
                 self.rewards.close()  # the worker processes start again if run() is called again
         finally:
-            poller.cancel()
-            await asyncio.gather(poller, return_exceptions=True)
+            for task in (poller, counting):
+                if task is not None:
+                    task.cancel()
+            await asyncio.gather(*(t for t in (poller, counting) if t is not None), return_exceptions=True)
             self._running = False
             self._changed.set()
         self._raise_fatal()
@@ -239,7 +248,8 @@ class Rollouter:
         out = self.stats.collect(
             tokens=self.client.generated_tokens, busy_s=self.client.busy_seconds(), gauges=gauges
         )
-        return {**out, **self.evaluator.metrics()}
+        servers = self.server_stats.collect() if self.server_stats is not None else {}
+        return {**out, **self.evaluator.metrics(), **servers}
 
     def state_dict(self) -> RolloutState:
         """The prompt position, the gate's count and every prompt owed but not yet put.

@@ -60,6 +60,7 @@ import msgspec
 from slipstream.agents.protocol import GenerateOutput, SamplingParams
 from slipstream.rollouter import launch
 from slipstream.rollouter.clients.base import ServerClient, ServerError, expand_spans, parse_version
+from slipstream.rollouter.server_stats import parse_prometheus
 from slipstream.serverapi import VLLM, ServerAPI
 from slipstream.serverapi.vllm import SWITCH_UPDATE
 from slipstream.serverkinds import ServerKind, args_or_checkpoint_dtype
@@ -179,6 +180,19 @@ def _output(
     )
 
 
+# vLLM's Prometheus series for the counters the run reports per server (rollouter/server_stats.py).
+VLLM_COUNTERS = {
+    "prompt_tokens": "vllm:prompt_tokens_total",
+    "generated_tokens": "vllm:generation_tokens_total",
+    "prefix_cache_queries": "vllm:prefix_cache_queries_total",
+    "prefix_cache_hits": "vllm:prefix_cache_hits_total",
+    "prefill_s": "vllm:request_prefill_time_seconds_sum",
+    "prefill_requests": "vllm:request_prefill_time_seconds_count",
+    "decode_s": "vllm:request_decode_time_seconds_sum",
+    "decode_requests": "vllm:request_decode_time_seconds_count",
+}
+
+
 class VLLMClient(ServerClient):
     """Client of ``vllm serve`` in dev mode (see the module docstring)."""
 
@@ -246,6 +260,11 @@ class VLLMClient(ServerClient):
                     raise
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
+
+    async def engine_counters(self) -> dict[str, float] | None:
+        """vLLM's Prometheus counters (``/metrics``, served in every mode) under our names."""
+        text = (await self._request("GET", "/metrics", timeout=10.0)).text
+        return parse_prometheus(text, VLLM_COUNTERS)
 
     async def weight_version(self) -> int:
         info = self.server_api.weight_version

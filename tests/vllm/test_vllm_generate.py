@@ -147,3 +147,26 @@ def test_client_built_from_the_rollout_config_uses_its_route(vllm_server):
     assert isinstance(c, VLLMClient) and c.route == cfg.vllm.route == "generate"
     assert run(c.health())
     run(c.aclose())
+
+
+def test_the_servers_counters_show_a_shared_prompt_served_from_the_prefix_cache(vllm_server):
+    """A group's later samples reuse the prompt's whole KV blocks (128 tokens each on the CPU build), and the
+    server's own counters, which the run reports as server/*, say so."""
+    shared = [(7 * i) % 250 + 3 for i in range(300)]  # two whole blocks and a partial one
+
+    async def go():
+        c = client(vllm_server)
+        try:
+            before = await c.engine_counters()
+            await c.generate(shared, SamplingParams(max_new_tokens=2, ignore_eos=True))
+            await c.generate(shared, SamplingParams(max_new_tokens=2, ignore_eos=True))
+            return before, await c.engine_counters()
+        finally:
+            await c.aclose()
+
+    before, after = run(go())
+    assert after["prompt_tokens"] - before["prompt_tokens"] == 2 * len(shared)
+    assert after["prefix_cache_queries"] - before["prefix_cache_queries"] == 2 * len(shared)
+    assert after["prefix_cache_hits"] - before["prefix_cache_hits"] == 256  # the second one's two blocks
+    assert after["generated_tokens"] - before["generated_tokens"] == 4
+    assert after["decode_requests"] - before["decode_requests"] == 2

@@ -192,6 +192,12 @@ class ServerClient(ABC):
         """Resume after :meth:`pause`."""
         await self.control.resume()
 
+    async def engine_counters(self) -> dict[str, float] | None:
+        """The server's own cumulative counters under ``rollouter/server_stats.py``'s names (prompt and
+        generated tokens, prefix-cache lookups and hits, time in prefill and decode), or None where its kind
+        reports none."""
+        return None
+
     @abstractmethod
     async def weight_version(self) -> int:
         """The weight version the server serves now."""
