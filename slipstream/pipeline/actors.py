@@ -263,7 +263,7 @@ class RolloutWorker:
         patience = cfg.rollout.launch_timeout_s + 4 * cfg.health_interval_s if restarting else 0.0
         client = _WaitForServers(self.balancer, patience)
         self.queue = AsyncQueueClient(start.queue_address)
-        stats = ServerStats(self.balancer.clients)  # each server's own counters: server/* metrics
+        stats = ServerStats(lambda: self.balancer.clients)  # each server's own counters: server/* metrics
         self.rollouter = Rollouter(cfg, client, self.queue, tokenizer, prompts, server_stats=stats)
         if start.judge_token:
             self.rollouter.set_judges(list(start.judge_urls), start.judge_token)

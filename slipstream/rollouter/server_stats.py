@@ -11,12 +11,12 @@ on the rollouter's event loop, sums the counters over the servers, and each :met
   ``server/prefix_cache_hit_rate``  prompt tokens served from the prefix cache / prompt tokens looked up
   ``server/prefill_s_mean``, ``server/decode_s_mean``  a request's time in prefill and in decode, on average
 
-Counters are cumulative on the servers; a server that restarts starts again from zero, so a negative change
-is read as a restart and that server's interval is skipped.
+Counters are cumulative on the servers: a server's first reading is only its baseline, and a server that
+restarts starts again from zero, so a negative change is read as a restart and that interval is skipped.
 
 Example::
 
-    stats = ServerStats(balancer.clients)       # a callable giving the live clients
+    stats = ServerStats(lambda: balancer.clients)  # a callable giving the live clients
     task = asyncio.create_task(stats.run(5.0))  # polls every 5 s until cancelled
     ...
     stats.collect()   # {"server/generated_tokens_per_s": 97.3, "server/prefix_cache_hit_rate": 0.61, ...}
@@ -94,7 +94,10 @@ class ServerStats:
     async def run(self, interval_s: float) -> None:
         """Poll every ``interval_s`` until cancelled."""
         while True:
-            await self.poll()
+            try:
+                await self.poll()
+            except Exception:  # metrics must never end generation; say why they stopped
+                log.exception("reading the servers' counters failed")
             await asyncio.sleep(interval_s)
 
     def collect(self) -> dict[str, float]:
@@ -104,7 +107,9 @@ class ServerStats:
         delta = dict.fromkeys(COUNTERS, 0.0)
         reported = False
         for url, counters in self._latest.items():
-            before = self._at_collect.get(url, {})
+            before = self._at_collect.get(url)
+            if before is None:  # its first reading: what it counted before this run's first interval
+                continue
             changes = {k: counters[k] - before.get(k, 0.0) for k in counters if k in delta}
             if any(v < 0 for v in changes.values()):  # the server restarted: skip its interval
                 continue
