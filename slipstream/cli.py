@@ -67,7 +67,14 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
     },
     "plot": ("slipstream.plot", "write PNG curves of a run: slipstream plot RUN_DIR"),
     "profile": ("slipstream.sim.profile", "fit a performance profile to a run: slipstream profile RUN_DIR"),
-    "simulate": ("slipstream.sim.simulate", "a run in virtual time: slipstream simulate CONFIG --profile P"),
+    "simulate": (
+        "slipstream.sim.command",
+        "a run in virtual time: slipstream simulate CONFIG --profile P (--autotune-eval: the controller)",
+    ),
+    "tune": (
+        "slipstream.sim.tune",
+        "recommend async knobs by simulation: slipstream tune CONFIG --profile P | --from-run RUN",
+    ),
     "plan": {
         "memory": ("slipstream.planning.memory", "GPU memory a config needs, per trainer and server GPU"),
         "capacity": ("slipstream.sim.plan", "fastest pool split and async knobs under the staleness cap"),
@@ -141,10 +148,6 @@ def config_show(argv: list[str]) -> int:
     return 0
 
 
-def config_docs(argv: list[str]) -> int:
-    """`slipstream config docs`: the key reference in Markdown (`slipstream config docs > docs/config.md`)."""
-    from slipstream.cli_args import command_parser
-    from slipstream.config import Config
 def config_check(argv: list[str]) -> int:
     """`slipstream config check CONFIG [key=value ...]`: every check `slipstream train` makes before it starts
     anything (keys, values, cross-section rules, model files, installed servers), then the warnings it would
@@ -177,6 +180,10 @@ def config_check(argv: list[str]) -> int:
     return 0
 
 
+def config_docs(argv: list[str]) -> int:
+    """`slipstream config docs`: the key reference in Markdown (`slipstream config docs > docs/config.md`)."""
+    from slipstream.cli_args import command_parser
+    from slipstream.config import Config
     from slipstream.config_doc import markdown
 
     parser = command_parser("slipstream config docs", config_docs.__doc__.split(": ", 1)[1])

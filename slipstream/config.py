@@ -176,7 +176,8 @@ class AsyncConfig(ConfigStruct):
             description="Closed-loop tuning of `staleness_threshold`, `sync_every` and "
             "`rollout.max_concurrent_per_server` during the run (pipeline/autotune.py, docs/tuning.md): `off`, "
             "or `throughput` (every `autotune_every` steps, move the knobs toward fewer idle seconds, within "
-            "`autotune_bounds`; each change is logged with the measurement that caused it).",
+            "`autotune_bounds`; each change is logged with the measurement that caused it). Applied in the simulator "
+            "(`slipstream simulate --autotune-eval`); `slipstream train` does not apply it yet and warns.",
         ),
     ] = "off"
     autotune_every: Annotated[

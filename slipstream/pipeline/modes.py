@@ -102,7 +102,13 @@ def config_warnings(cfg: Config) -> list[str]:
     machine has cores (``planning/threads.py``)."""
     from slipstream.planning.threads import plan_threads
 
-    return plan_threads(cfg).warnings()
+    out = plan_threads(cfg).warnings()
+    if cfg.async_.autotune != "off":
+        out.append(
+            f"async.autotune: `{cfg.async_.autotune}` is not applied by the pipeline yet (docs/tuning.md); this "
+            "run keeps its starting knobs (slipstream tune recommends them)"
+        )
+    return out
 
 
 def _check_registries(cfg: Config) -> None:

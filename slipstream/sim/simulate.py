@@ -1,4 +1,6 @@
 """`slipstream simulate CONFIG [key=value ...] --profile P [--steps N] [--json]`: a run in virtual time.
+(`slipstream simulate --autotune-eval [--json]`: the autotune controller against static settings,
+``sim/autotune_eval.py``; ``sim/command.py`` sends the command to one or the other.)
 
 A discrete-event model of the pipeline (design.md §1) that runs the same config through the same rules as
 the real parts, at any scale, in seconds. What is the product's own code, driven with a virtual clock:
@@ -30,7 +32,14 @@ training), its gate unit is refunded so another group starts, and its prompt is 
 ``max_attempts`` times, as the rollouter does. Each group is drawn independently (a prompt's difficulty
 does not carry over to its re-sample).
 
-Not modelled: failures and restarts, queue capacity (the gate bounds the queue in practice), multi-turn
+Changes during a run (what the autotune controller and its evaluation do, ``pipeline/autotune.py``,
+``sim/autotune_eval.py``): ``on_step`` is called after each step's bookkeeping with the step's metrics
+under the run's own keys (:meth:`Simulation.step_metrics`); from it :meth:`Simulation.set_knobs` changes
+``staleness_threshold``, ``sync_every`` (the gate's and the hard cap's) and ``max_concurrent_per_server``
+(the balancer's) as the pipeline does, and :meth:`Simulation.lose_server` / :meth:`Simulation.restore_server`
+take a server out of the balancer and bring it back (its requests move to the others and prefill again).
+
+Not modelled: failures and restarts (but for a server lost on request), queue capacity (the gate bounds the queue in practice), multi-turn
 tools, the dropped-group poll interval (1 s), prefill contention (a prefill is a delay
 that does not slow other requests).
 
@@ -54,8 +63,11 @@ import random
 import statistics
 import sys
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import msgspec
 
 from slipstream.cli_args import (
     JSON_OBJECT,
@@ -102,6 +114,7 @@ class _Group:
     attempt: int
     keep_stale: bool
     pending: int
+    lengths: list[int] = field(default_factory=list)
     resamples: int = 0  # groups of this prompt dynamic sampling filtered before this one
     min_version: int | None = None
     tokens: int = 0
@@ -116,6 +129,7 @@ class _Req:
     thr: float = 0.0  # processor-sharing threshold on its server
     version: int | None = None  # version of its first token
     key: int = 0  # a run-unique number: orders equal thresholds the same way in every run (id() does not)
+    epoch: int = 0  # its server's epoch when it was sent there (a lost server's requests move on)
 
 
 @dataclass
@@ -129,6 +143,8 @@ class _Server:
     parked: list[_Req] = field(default_factory=list)  # prefilled during a pause
     aborted: list[_Req] = field(default_factory=list)
     stamp: int = 0
+    epoch: int = 0  # +1 each time the server is lost
+    down: bool = False
 
     def v(self, t: float) -> float:
         return self.v0 + self.rate * (t - self.t0)
@@ -159,10 +175,11 @@ class SimResult:
     step_s: list[float] = field(default_factory=list)
     trainer_idle: list[float] = field(default_factory=list)  # per step
     rollouter_idle: list[float] = field(default_factory=list)
+    step_log: list[dict[str, float]] = field(default_factory=list)  # per step: Simulation.step_metrics()
 
     def summary(self) -> dict[str, Any]:
         out = asdict(self)
-        for key in ("step_s", "trainer_idle", "rollouter_idle"):
+        for key in ("step_s", "trainer_idle", "rollouter_idle", "step_log"):
             out.pop(key)
         out["time_to_steps_s"] = out.pop("seconds")  # from the start to the end of the last step
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
@@ -227,6 +244,15 @@ class Simulation:
         self.filter_rng = random.Random(seed + 7919)  # its own stream: the lengths drawn stay the same
         self.filtered = 0
         self._decode = profile.decode.rate
+        # per step, for step_metrics() and on_step
+        self.on_step: Callable[[Simulation, dict[str, float]], None] | None = None
+        self.step_log: list[dict[str, float]] = []
+        self._step_stale: list[int] = []
+        self._step_lengths: list[int] = []
+        self._step_tokens = 0
+        self._step_dropped = 0
+        self._step_groups = 0
+        self._step_filtered = 0
 
     # ------------------------------------------------------------------ driver
     def run(self) -> SimResult:
@@ -295,11 +321,15 @@ class Simulation:
         self.lb._outstanding[url] += 1
         idx = self.server_index[url]
         self.servers[idx].slots += 1
-        req.server = idx
-        self._at(self.t + self.prof.prompt_tokens / self.prof.prefill_tokens_per_s, "prefilled", req)
+        req.server, req.epoch = idx, self.servers[idx].epoch
+        prefill = (self.prof.prompt_tokens + req.done) / self.prof.prefill_tokens_per_s
+        self._at(self.t + prefill, "prefilled", req)
 
     def _on_prefilled(self, req: _Req) -> None:
         server = self.servers[req.server]
+        if req.epoch != server.epoch:  # its server was lost while it prefilled
+            self._move(req)
+            return
         if self.paused:
             server.parked.append(req)
             return
@@ -347,11 +377,13 @@ class Simulation:
         group = req.group
         group.pending -= 1
         group.tokens += req.length + int(self.prof.prompt_tokens)
+        group.lengths.append(req.length)
         group.min_version = req.version if group.min_version is None else min(group.min_version, req.version)
         if self.waiting:
             self._submit(self.waiting.popleft())
         if group.pending == 0:
             self.in_flight -= 1
+            self._step_groups += 1
             if self._filtered_out(group):
                 if self.state == "drain" and self.in_flight == 0:
                     self._push()
@@ -370,6 +402,7 @@ class Simulation:
         if not self.filter_on or self.filter_rng.random() >= self.prof.filtered_fraction:
             return False
         self.filtered += 1
+        self._step_filtered += 1
         self.gate.refund(1)
         if group.resamples + 1 < self.max_attempts:
             self.todo.append((group.prompt, group.attempt, group.resamples + 1))
@@ -389,6 +422,7 @@ class Simulation:
             )
             if too_stale:
                 self.dropped += 1
+                self._step_dropped += 1
                 self.gate.refund(1)
                 self.todo.append((group.prompt, group.attempt + 1, 0))
                 refunded = True
@@ -402,7 +436,10 @@ class Simulation:
         tokens = sum(g.tokens for g in self.batch_groups)
         for g in self.batch_groups:
             self.staleness.append(self.acfg.staleness(self.version, g.min_version))
+            self._step_stale.append(self.staleness[-1])
+            self._step_lengths += g.lengths
         self.trained_tokens += tokens
+        self._step_tokens = tokens
         self.batch_groups = []
         self.state = "train"
         rate = self.prof.trainer.tokens_per_s_per_rank * self.ranks
@@ -472,7 +509,91 @@ class Simulation:
         self.steps_done += 1
         self.state = "wait"
         self.wait_since = self.t
+        metrics = self.step_metrics()
+        self.step_log.append(metrics)
+        if self.on_step is not None and self.steps_done < self.steps:
+            self.on_step(self, metrics)
         self._lease()
+
+    def step_metrics(self) -> dict[str, float]:
+        """The step just ended, under the keys the run's record uses (docs/tuning.md); starts the next."""
+        lengths = sorted(self._step_lengths)
+        wall = self.step_walls[-1] if self.step_walls else 0.0
+        stale_mean = statistics.fmean(self._step_stale) if self._step_stale else 0.0
+        out = {
+            "step": float(self.steps_done),
+            "trainer/idle_ratio": self.idle_ratios[-1],
+            "rollouter/idle_ratio": self.rollouter_idle[-1],
+            "trainer/staleness_versions_mean": stale_mean,
+            "trainer/staleness_versions_max": float(max(self._step_stale, default=0)),
+            "trainer/dropped_groups": float(self._step_dropped),
+            "queue/ready_groups": float(len(self.queue)),
+            "rollouter/requests_queued": float(len(self.waiting)),
+            "trainer/response_len_mean": statistics.fmean(lengths) if lengths else 0.0,
+            "trainer/response_len_p90": float(lengths[int(0.9 * (len(lengths) - 1))]) if lengths else 0.0,
+            "perf/step_wall_s": wall,
+            "trainer/tokens": float(self._step_tokens),
+            "perf/trained_tokens_per_s": self._step_tokens / wall if wall > 0 else 0.0,
+            "perf/elapsed_s": self.t,
+        }
+        if self.filter_on and self._step_groups:
+            out["rollouter/filter_ratio"] = self._step_filtered / self._step_groups
+        self._step_stale, self._step_lengths = [], []
+        self._step_dropped = self._step_groups = self._step_filtered = 0
+        return out
+
+    # ------------------------------------------------------------------ changes during a run
+    def set_knobs(
+        self,
+        *,
+        staleness_threshold: float | None = None,
+        sync_every: int | None = None,
+        concurrency: int | None = None,
+    ) -> None:
+        """Change the knobs as the pipeline does between steps: the gate's budget (and the hard cap's unit
+        for ``sync_every``) and the balancer's per-server cap; newly allowed groups and requests start now."""
+        if staleness_threshold is not None:
+            self.gate.staleness_threshold = staleness_threshold
+        if sync_every is not None and sync_every != self.acfg.sync_every:
+            self.gate.sync_every = sync_every
+            self.acfg = msgspec.structs.replace(self.acfg, sync_every=sync_every)
+        if concurrency is not None:
+            self.cap = self.lb.max_concurrent_per_server = concurrency
+            while self.waiting and self.lb._pick(None, set()) is not None:
+                self._submit(self.waiting.popleft())
+        self._admit()
+
+    def lose_server(self, idx: int) -> None:
+        """Server ``idx`` dies: the balancer marks it dead and its requests start again on the others,
+        prompt + what they had generated prefilled again (as a resumed request)."""
+        server = self.servers[idx]
+        self.lb.mark_dead(self.urls[idx])
+        server.down, server.epoch = True, server.epoch + 1
+        v = server.v(self.t)
+        moved = list(server.parked) + list(server.aborted)
+        for req in server.decoding.values():
+            req.done = req.length - max(0.0, req.thr - v)
+            moved.append(req)
+        server.decoding.clear()
+        server.heap.clear()
+        server.parked.clear()
+        server.aborted.clear()
+        self._reschedule(idx)
+        for req in moved:
+            self._move(req)
+
+    def restore_server(self, idx: int) -> None:
+        """Server ``idx`` is back (the balancer's ``add``); waiting requests go to it."""
+        self.servers[idx].down = False
+        self.lb.add(_SimServerClient(self.urls[idx]))
+        while self.waiting and self.lb._pick(None, set()) is not None:
+            self._submit(self.waiting.popleft())
+
+    def _move(self, req: _Req) -> None:
+        self.servers[req.server].slots -= 1
+        self.lb._release(self.urls[req.server])
+        self.resumed += 1
+        self._submit(req)
 
     # ------------------------------------------------------------------ result
     def _result(self) -> SimResult:
@@ -505,6 +626,7 @@ class Simulation:
             step_s=list(self.step_walls),
             trainer_idle=list(self.idle_ratios),
             rollouter_idle=list(self.rollouter_idle),
+            step_log=list(self.step_log),
         )
 
 

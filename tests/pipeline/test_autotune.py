@@ -163,3 +163,10 @@ def test_contradicting_bounds_are_refused_naming_the_keys(overrides, key):
 def test_bounds_are_not_checked_with_autotune_off():
     cfg = load_config(None, ["async.max_staleness=0"])  # cap 2 > hard cap 0, but the controller is off
     check_config(prepare_config(cfg)[0], environment=False)
+
+
+def test_a_run_with_autotune_on_is_warned_that_the_pipeline_does_not_apply_it():
+    from slipstream.pipeline.modes import config_warnings
+
+    cfg = prepare_config(load_config(None, ["async.autotune=throughput", "async.max_staleness=2"]))[0]
+    assert any(w.startswith("async.autotune:") for w in config_warnings(cfg))
