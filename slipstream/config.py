@@ -176,8 +176,9 @@ class AsyncConfig(ConfigStruct):
             description="Closed-loop tuning of `staleness_threshold`, `sync_every` and "
             "`rollout.max_concurrent_per_server` during the run (pipeline/autotune.py, docs/tuning.md): `off`, "
             "or `throughput` (every `autotune_every` steps, move the knobs toward fewer idle seconds, within "
-            "`autotune_bounds`; each change is logged with the measurement that caused it). Applied in the simulator "
-            "(`slipstream simulate --autotune-eval`); `slipstream train` does not apply it yet and warns.",
+            "`autotune_bounds`; each change is logged with the measurement that caused it). In `slipstream train` "
+            "only the threshold moves (sync_every and the concurrency stay as configured, with a warning); the "
+            "simulator moves all three (`slipstream simulate --autotune-eval`).",
         ),
     ] = "off"
     autotune_every: Annotated[

@@ -1,9 +1,9 @@
 """`slipstream plot RUN_DIR`: PNG curves of a run from its metrics.jsonl.
 
-One PNG per panel (reward, staleness, idle ratios, throughput, evaluation) plus ``summary.png`` with all of
-them, written into RUN_DIR/plots (or ``--out``). A panel draws every metric whose key matches one of its
-patterns, so new metrics of the same kind appear without code changes; a panel with no data is skipped with
-a note. Panels are drawn against the trainer step, except the evaluation panel: an evaluation finishes (and
+One PNG per panel (reward, staleness, idle ratios, throughput, evaluation, autotune) plus ``summary.png``
+with all of them, written into RUN_DIR/plots (or ``--out``). A panel draws every metric whose key matches one
+of its patterns, so new metrics of the same kind appear without code changes; a panel with no data is
+skipped with a note. Panels are drawn against the trainer step, except the evaluation panel: an evaluation finishes (and
 is logged) a step or more after the weight version it measured, so its x axis is ``eval/version``.
 """
 
@@ -23,6 +23,8 @@ PANELS: dict[str, tuple[str, tuple[str, ...]]] = {
     "idle_ratio": ("idle ratio", (r"idle_ratio$",)),
     "throughput": ("throughput", (r"tokens_per_s$", r"samples_per_s$")),
     "eval": ("evaluation on data.val_files", (r"^eval/(.+/)?(mean|pass)@\d+$",)),
+    # async.autotune's setting at each decision (pipeline/autotune.py)
+    "autotune": ("autotune setting", (r"^autotune/(staleness_threshold|sync_every)$",)),
 }
 # Panels drawn against another key than the trainer step (key, axis label).
 X_AXES: dict[str, tuple[str, str]] = {"eval": ("eval/version", "weight version evaluated")}

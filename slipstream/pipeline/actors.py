@@ -283,6 +283,9 @@ class RolloutWorker:
     async def set_version(self, version: int) -> None:
         self.rollouter.set_version(version)
 
+    async def set_staleness_threshold(self, staleness_threshold: float) -> None:
+        self.rollouter.set_staleness_threshold(staleness_threshold)
+
     async def drain(self) -> float:
         t0 = time.monotonic()
         await self.rollouter.drain()

@@ -9,6 +9,9 @@ A checkpoint is one directory ``<run_dir>/checkpoints/step_<version>`` holding, 
 3. ``engine/`` and ``trainer_state.json``: the trainer's weights, optimizer and version, then its
    ``COMPLETE`` marker (``Trainer.save`` writes 2 and 3).
 
+With ``async.autotune`` on, ``autotune.msgpack`` (the controller's :class:`AutotuneState`) is written with
+``rollouter.json``, so a resumed run goes on from the controller's setting and memory.
+
 Why this order: the rollouter keeps generating while the trainer saves. A group put after step 1 is both
 owed in ``rollouter.json`` and held in the snapshot; a resumed run generates it again and the queue refuses
 the copy (its group id was seen). Taking the snapshot first would instead lose a group put between the two.
@@ -31,6 +34,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
+
+from slipstream.pipeline.autotune import Autotuner, AutotuneState
 from slipstream.rollouter.state import RolloutState
 from slipstream.utils import checkpoints as layout
 from slipstream.utils.checkpoints import checkpoint_root, commit, latest, prune, staging_dir
@@ -42,6 +48,7 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 ROLLOUTER_STATE = "rollouter.json"
+AUTOTUNE_STATE = "autotune.msgpack"
 UIDS_FILE = "trained_uids.jsonl"
 
 
@@ -54,6 +61,12 @@ def read_rollouter_state(checkpoint: Path) -> RolloutState | None:
     Checkpoints written before the state was a Struct decode as they are (``rollouter/state.py``)."""
     path = checkpoint / ROLLOUTER_STATE
     return RolloutState.decode(path.read_bytes()) if path.is_file() else None
+
+
+def read_autotune_state(checkpoint: Path) -> AutotuneState | None:
+    """The autotune controller's state saved in ``checkpoint`` (None when the run had it off)."""
+    path = checkpoint / AUTOTUNE_STATE
+    return msgspec.msgpack.decode(path.read_bytes(), type=AutotuneState) if path.is_file() else None
 
 
 def salvage(root: Path) -> Path | None:
@@ -86,6 +99,7 @@ class CheckpointCoordinator:
         self.root = checkpoint_root(run_dir)
         self.keep = keep
         self.save_timeout_s = save_timeout_s
+        self.autotune: Autotuner | None = None  # the step driver's controller, saved with the rollouter
 
     def resume_point(self, resume: bool) -> Path | None:
         """The checkpoint to resume from (None: a fresh start, with ``run.resume`` off or none written).
@@ -104,6 +118,8 @@ class CheckpointCoordinator:
         t0 = time.monotonic()
         staging = staging_dir(self.root, version)
         write_rollouter_state(staging, self.parts.rollouter.state_dict())
+        if self.autotune is not None:
+            (staging / AUTOTUNE_STATE).write_bytes(msgspec.msgpack.encode(self.autotune.state))
         self.parts.trainer.save(str(staging), self.save_timeout_s)
         final = commit(staging)
         prune(self.root, self.keep)
@@ -131,6 +147,7 @@ def read_trained_uids(run_dir: str | Path) -> dict[int, list[str]]:
 
 __all__ = [
     "CheckpointCoordinator",
+    "read_autotune_state",
     "checkpoint_root",
     "commit",
     "latest",

@@ -193,6 +193,7 @@ class Pipeline:
         state = ckpt.read_rollouter_state(resume) if resume else None
         # Fresh servers serve the model's initial weights as version 0: a resumed run pushes first.
         self.launcher.start_parts(self.parts, resume, state, push=self.driver.push)
+        self.driver.resume_autotune(resume)
         from slipstream.metrics import MetricsLogger
 
         self.logger = MetricsLogger(

@@ -6,7 +6,10 @@ supervisor watches health; every ``async.sync_every`` steps the rollouter is dra
 (``partial_rollout: off``), the ranks push the new version and the rollouter is told (``set_version``
 opens the staleness gate); every ``trainer.checkpoint_every`` steps the checkpoint coordinator saves; then
 one record of metrics (the trainer's, idle ratio and throughput, the push's, the queue's and the
-rollouter's).
+rollouter's). With ``async.autotune`` on, the controller (pipeline/autotune.py) reads that record; a decision
+that moves ``async.staleness_threshold`` goes to the rollouter's gate, and its ``autotune/*`` keys and reason
+join the record and the log. The pipeline moves only the threshold: ``sync_every`` and the concurrency stay
+as configured (the trainer ranks and the rollout client are built with them).
 
 A rank that dies during a step or a push raises :class:`~slipstream.pipeline.cluster.TrainerDied`; the
 ``Pipeline`` hands it to the supervisor, which restarts the ranks or ends the run.
@@ -15,9 +18,13 @@ A rank that dies during a step or a push raises :class:`~slipstream.pipeline.clu
 from __future__ import annotations
 
 import time
+from pathlib import Path
+
+import msgspec
 
 from slipstream.config import Config, rollouter_settings
 from slipstream.pipeline import checkpoint as ckpt
+from slipstream.pipeline.autotune import Autotuner, Knobs, Observation
 from slipstream.pipeline.checkpoint import CheckpointCoordinator
 from slipstream.pipeline.cluster import (
     CALL_TIMEOUT_S,
@@ -56,6 +63,8 @@ class StepDriver:
         self.total_steps = total_steps
         self.t0 = t0
         self.last_step_end = time.monotonic()
+        self.autotune = make_autotuner(cfg)
+        checkpoints.autotune = self.autotune
 
     # ------------------------------------------------------------------ one step
     def step(self) -> dict[str, float]:
@@ -118,6 +127,8 @@ class StepDriver:
             # The last record carries the evaluation of the weights the run ends with.
             self.parts.rollouter.finish_eval(self.parts.published, self.cfg.cluster.step_timeout_s)
         metrics.update(self._side_metrics())
+        if self.autotune is not None:
+            metrics.update(self._autotune(version, metrics))
         self.last_step_end = time.monotonic()
         metrics.update(step_time_split(metrics, self.last_step_end - (now - window)))
         return metrics
@@ -169,9 +180,45 @@ class StepDriver:
         out["cluster/trainer_restarts"] = float(restarts.get("trainer", 0))
         return out
 
+    def _autotune(self, version: int, metrics: dict[str, float]) -> dict[str, float]:
+        """One step's record to the controller; a decision that moves the threshold goes to the rollouter."""
+        assert self.autotune is not None
+        decision = self.autotune.observe(Observation.from_metrics(metrics))
+        if decision is None:
+            return {}
+        if decision.changed:
+            self.parts.rollouter.set_staleness_threshold(decision.knobs.staleness_threshold)
+            log.info("autotune at step %d: %s", version, decision.reason)
+        elif decision.reason.startswith("hold: missing"):
+            log.warning("autotune at step %d: %s", version, decision.reason)
+        return decision.metrics()
+
+    def resume_autotune(self, checkpoint: Path | None) -> None:
+        """A resumed run: the controller goes on from the state saved in ``checkpoint`` and the rollouter
+        takes its threshold (it started with the configured one)."""
+        state = ckpt.read_autotune_state(checkpoint) if checkpoint is not None else None
+        if self.autotune is None or state is None:
+            return
+        self.autotune.state = state
+        self.parts.rollouter.set_staleness_threshold(state.knobs.staleness_threshold)
+        log.info("autotune resumed at %s", state.knobs.describe())
+
     def _drain_timeout_s(self) -> float:
         """How long the controller waits for a drain: the rollouter's own bound, plus a minute for the call."""
         return rollouter_settings(self.cfg).drain_timeout_s + 60
+
+
+def make_autotuner(cfg: Config) -> Autotuner | None:
+    """The controller of ``async.autotune`` (None when off), its ``sync_every`` and concurrency pinned to the
+    config's: the pipeline moves only the threshold (module docstring)."""
+    a = cfg.async_
+    if a.autotune == "off":
+        return None
+    conc = cfg.rollout.max_concurrent_per_server
+    bounds = msgspec.structs.replace(a.autotune_bounds, sync_every_min=a.sync_every, sync_every_max=a.sync_every,
+                                     concurrency_min=conc, concurrency_max=conc)  # fmt: skip
+    start = Knobs(staleness_threshold=a.staleness_threshold, sync_every=a.sync_every, concurrency=conc)
+    return Autotuner(bounds, every=a.autotune_every, start=start, max_staleness=a.max_staleness)
 
 
 def step_time_split(metrics: dict[str, float], wall_s: float) -> dict[str, float]:
@@ -190,4 +237,4 @@ def step_time_split(metrics: dict[str, float], wall_s: float) -> dict[str, float
     }
 
 
-__all__ = ["StepDriver", "step_time_split"]
+__all__ = ["StepDriver", "make_autotuner", "step_time_split"]

@@ -191,6 +191,9 @@ class RolloutHandle:
     def set_version(self, version: int) -> None:
         self._ask(self.cluster.call(self.actor, RolloutWorker.set_version, version))
 
+    def set_staleness_threshold(self, staleness_threshold: float) -> None:
+        self._ask(self.cluster.call(self.actor, RolloutWorker.set_staleness_threshold, staleness_threshold))
+
     def drain(self, timeout_s: float) -> float:
         """Wait until no group is in flight; returns the seconds it took."""
         return self._ask(self.cluster.call(self.actor, RolloutWorker.drain), timeout_s, "rollouter drain")

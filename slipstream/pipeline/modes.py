@@ -105,8 +105,9 @@ def config_warnings(cfg: Config) -> list[str]:
     out = plan_threads(cfg).warnings()
     if cfg.async_.autotune != "off":
         out.append(
-            f"async.autotune: `{cfg.async_.autotune}` is not applied by the pipeline yet (docs/tuning.md); this "
-            "run keeps its starting knobs (slipstream tune recommends them)"
+            f"async.autotune: `{cfg.async_.autotune}` moves only async.staleness_threshold in a run; "
+            "async.sync_every and rollout.max_concurrent_per_server stay as configured (docs/tuning.md; "
+            "slipstream tune recommends them)"
         )
     return out
 

@@ -128,6 +128,14 @@ class StalenessGate:
         self.closed = False
         self._notify()
 
+    def set_threshold(self, staleness_threshold: float) -> None:
+        """A new ``staleness_threshold`` from now on (the autotune controller's): the budget follows it, up or
+        down; groups already admitted stay admitted."""
+        if staleness_threshold < 0:
+            raise ValueError(f"staleness_threshold must be >= 0, got {staleness_threshold}")
+        self.staleness_threshold = staleness_threshold
+        self._notify()
+
     def close(self) -> None:
         """Admit nothing until the next :meth:`set_version`."""
         self.closed = True

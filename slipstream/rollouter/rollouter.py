@@ -221,6 +221,11 @@ class Rollouter:
         self._changed.set()
         self.evaluator.on_version(self.version)
 
+    def set_staleness_threshold(self, staleness_threshold: float) -> None:
+        """The autotune controller moved ``async.staleness_threshold``: the gate's budget follows it."""
+        self.gate.set_threshold(staleness_threshold)
+        self._changed.set()
+
     async def drain(self) -> None:
         """Stop admitting until the next :meth:`set_version` and wait until no group is in flight."""
         self.gate.close()

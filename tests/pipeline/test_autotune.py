@@ -3,6 +3,8 @@ metric, never leaves its bounds, backs off over the staleness cap, and its state
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgspec
 import pytest
 
@@ -165,8 +167,80 @@ def test_bounds_are_not_checked_with_autotune_off():
     check_config(prepare_config(cfg)[0], environment=False)
 
 
-def test_a_run_with_autotune_on_is_warned_that_the_pipeline_does_not_apply_it():
+def test_a_run_with_autotune_on_is_warned_that_the_pipeline_moves_only_the_threshold():
     from slipstream.pipeline.modes import config_warnings
 
     cfg = prepare_config(load_config(None, ["async.autotune=throughput", "async.max_staleness=2"]))[0]
     assert any(w.startswith("async.autotune:") for w in config_warnings(cfg))
+
+
+class _Rollouter:
+    def __init__(self) -> None:
+        self.thresholds: list[float] = []
+
+    def set_staleness_threshold(self, x: float) -> None:
+        self.thresholds.append(x)
+
+
+def test_the_step_driver_sends_a_new_threshold_to_the_rollouter_and_records_it(caplog):
+    from types import SimpleNamespace
+
+    from slipstream.pipeline.driver import StepDriver, make_autotuner
+
+    cfg = load_config(None, ["async.autotune=throughput", "async.autotune_every=2", "async.max_staleness=2",
+                             "async.staleness_threshold=0", "rollout.max_concurrent_per_server=4"])  # fmt: skip
+    assert make_autotuner(load_config(None, [])) is None
+    driver = StepDriver.__new__(StepDriver)  # only the controller's part of a step is exercised
+    driver.autotune, rollouter = make_autotuner(cfg), _Rollouter()
+    driver.parts = SimpleNamespace(rollouter=rollouter)
+    records = []
+    for step in range(1, 9):
+        metrics = msgspec.structs.asdict(plant(driver.autotune.state.knobs, step))
+        keys = {"trainer_idle": "trainer/idle_ratio", "rollouter_idle": "rollouter/idle_ratio",
+                "requests_queued": "rollouter/requests_queued", "staleness_max": "trainer/staleness_versions_max",
+                "dropped_groups": "trainer/dropped_groups", "tokens": "trainer/tokens",
+                "elapsed_s": "perf/elapsed_s"}  # fmt: skip
+        record = {key: metrics[name] for name, key in keys.items()}
+        record["rollouter/requests_queued"] = 0.0  # the servers have room: the gate is what holds back
+        with caplog.at_level("INFO", logger="slipstream.pipeline.driver"):
+            records.append(driver._autotune(step, record))
+    assert rollouter.thresholds and rollouter.thresholds[0] > 0  # the trainer waited: the budget grew
+    knobs = driver.autotune.state.knobs
+    assert knobs.sync_every == 1 and knobs.concurrency == 4  # pinned in the pipeline
+    assert records[0] == {} and records[1]["autotune/staleness_threshold"] == rollouter.thresholds[0]
+    assert "autotune at step 2: raise async.staleness_threshold" in caplog.text
+
+
+def test_the_controller_state_is_in_the_checkpoint_and_a_resumed_run_goes_on_from_it(tmp_path):
+    from types import SimpleNamespace
+
+    from slipstream.pipeline import checkpoint as ckpt
+    from slipstream.pipeline.driver import StepDriver, make_autotuner
+    from slipstream.rollouter.state import GateCount, PromptPosition, RolloutState
+    from slipstream.utils import checkpoints
+
+    cfg = load_config(
+        None, ["async.autotune=throughput", "async.max_staleness=2", "async.staleness_threshold=0"]
+    )
+    tuner = make_autotuner(cfg)
+    tuner.state.knobs = Knobs(staleness_threshold=0.5, sync_every=1, concurrency=64)
+    tuner.state.changes = 3
+    state = RolloutState(prompts=PromptPosition(epoch=0, offset=0, seed=0, shuffle=False, size=4),
+                         gate=GateCount(admitted=0), pending=[])  # fmt: skip
+    parts = SimpleNamespace(
+        rollouter=SimpleNamespace(state_dict=lambda: state),
+        trainer=SimpleNamespace(save=lambda staging, timeout: checkpoints.mark_complete(Path(staging), 3)),
+    )
+    coordinator = ckpt.CheckpointCoordinator(parts, tmp_path, keep=2, save_timeout_s=1.0)
+    coordinator.autotune = tuner
+    coordinator.save(3)
+    saved = checkpoints.latest(checkpoints.checkpoint_root(tmp_path))
+    assert ckpt.read_autotune_state(saved) == tuner.state
+    driver = StepDriver.__new__(StepDriver)
+    driver.autotune, rollouter = make_autotuner(cfg), _Rollouter()
+    driver.parts = SimpleNamespace(rollouter=rollouter)
+    driver.resume_autotune(saved)
+    assert driver.autotune.state.knobs.staleness_threshold == 0.5 and driver.autotune.state.changes == 3
+    assert rollouter.thresholds == [0.5]
+    driver.resume_autotune(None)  # a fresh start: nothing to resume
+    assert rollouter.thresholds == [0.5]

@@ -136,3 +136,19 @@ def test_every_gate_takes_its_modes_preset_from_the_one_table(mode, threshold, s
     assert (prepared.staleness_threshold, prepared.sync_every) == (threshold, sync_every)
     assert (settings.staleness_threshold, settings.sync_every) == (threshold, sync_every)
     assert (gate.staleness_threshold, gate.sync_every) == (threshold, sync_every)
+
+
+def test_a_new_threshold_moves_the_budget_and_wakes_a_waiter():
+    async def main():
+        gate = StalenessGate(batch_groups=4, sync_every=1, staleness_threshold=0.0)
+        assert [gate.try_admit() for _ in range(5)] == [True] * 4 + [False]
+        waiter = asyncio.create_task(gate.admit())
+        await asyncio.sleep(0)
+        gate.set_threshold(0.5)  # budget 4 -> 6
+        assert await asyncio.wait_for(waiter, 1.0) and gate.budget == 6
+        gate.set_threshold(0.0)  # down again: what was admitted stays, nothing more starts
+        assert gate.admitted == 5 and gate.available == 0
+        with pytest.raises(ValueError):
+            gate.set_threshold(-1.0)
+
+    asyncio.run(main())
