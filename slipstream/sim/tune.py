@@ -11,7 +11,8 @@ as ``slipstream plan`` ranks its candidates (sim/plan.py: within the cap first, 
 The pool split is the config's own; ``slipstream plan capacity`` searches splits.
 
 Prints the ranked table and the recommended setting with its predicted trained tokens/s, idle ratios and
-staleness; ``--json``: ``{"best", "overrides", "ranked"}``. A run started from the recommended overrides
+staleness; ``--json``: ``{"best", "overrides", "ranked"}``; ``--png``: the same settings as a plot (samples/s
+against mean staleness, red crosses over the cap). A run started from the recommended overrides
 with ``async.autotune=throughput`` tunes on from there (docs/tuning.md).
 
 Worked example::
@@ -36,7 +37,7 @@ from slipstream.cli_args import (
 )
 from slipstream.config import Config, ConfigError
 from slipstream.pipeline.autotune import THRESHOLDS
-from slipstream.sim.plan import Candidate, _key, _run, _table
+from slipstream.sim.plan import Candidate, _key, _run, _table, draw_frontier
 from slipstream.sim.profile import ProfileError, load_profile, profile_from_run
 from slipstream.sim.simulate import sim_config
 from slipstream.sim.types import Profile
@@ -94,6 +95,7 @@ def main(argv: list[str]) -> int:
     src.add_argument("--from-run", help="a run directory: its profile is fitted first (slipstream profile)")
     p.add_argument("--steps", type=int, default=16, help="simulated trainer steps per setting")
     p.add_argument("--top", type=int, default=10, help="rows of the table")
+    p.add_argument("--png", help="draw the table here: samples/s against mean staleness (sim/plan.py's plot)")
     add_json_flag(p, JSON_OBJECT)
     args = p.parse_args(argv)
     try:
@@ -103,6 +105,8 @@ def main(argv: list[str]) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     best = ranked[0]
+    if args.png:
+        draw_frontier(ranked, args.png)
     knobs = [o for o in best.overrides() if o.startswith(("async.staleness", "async.sync", "rollout.max"))]
     if args.json:
         print(json.dumps({"best": {**best.row(), **predicted(best)}, "overrides": knobs,

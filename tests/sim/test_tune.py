@@ -35,8 +35,14 @@ def test_tune_prints_the_recommended_setting(tmp_path, capsys):
     # ranked by steady step time among those within the cap
     ok = [r for r in out["ranked"] if r["within_cap"]]
     assert [r["step_s"] for r in ok] == sorted(r["step_s"] for r in ok)
-    assert tune.main([QUICKSTART, *NARROW, "--profile", str(tmp_path / "p.yaml"), "--steps", "6"]) == 0
-    assert "best: " in capsys.readouterr().out
+    png = tmp_path / "tune.png"
+    assert (
+        tune.main(
+            [QUICKSTART, *NARROW, "--profile", str(tmp_path / "p.yaml"), "--steps", "6", "--png", str(png)]
+        )
+        == 0
+    )
+    assert "best: " in capsys.readouterr().out and png.stat().st_size > 0
 
 
 def test_tune_refuses_a_missing_profile(capsys):
