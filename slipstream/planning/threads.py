@@ -10,7 +10,8 @@ thread beside two trainer threads made the trainer wait on generation; docs/benc
 
 What the plan decides: a ``0`` (one per core) is resolved against what the other parts take. Servers with
 ``0`` get the cores; trainer ranks with ``cluster.trainer_threads: 0`` share the cores the launched CPU servers
-leave (at least one thread each). It applies only where the run starts every part on this machine (no
+leave (at least one thread each). In ``sync`` mode generation and training take turns, so each may use every
+core and the trainer ranks share them all. It applies only where the run starts every part on this machine (no
 ``cluster.ray_address``); a GPU server or trainer takes no CPU compute threads here.
 
 Example::
@@ -48,15 +49,23 @@ class ThreadPlan:
     """What each CPU trainer rank runs (``cluster.trainer_threads``, its 0 resolved)."""
     local: bool = True
     """Whether every part runs on this machine (no ``cluster.ray_address``): only then do they compete."""
+    overlap: bool = True
+    """Whether generation and training run at the same time (every mode but ``sync``, which alternates them:
+    then each part may take every core, and only a part asking for more than there are is a problem)."""
 
     @property
     def total(self) -> int:
+        if not self.overlap:
+            return max((s.threads for s in self.shares), default=0)
         return sum(s.threads for s in self.shares)
 
     def warnings(self) -> list[str]:
         """One line when the parts ask for more compute threads than there are cores, naming the keys."""
         if not self.local or self.total <= self.cores:
             return []
+        if not self.overlap:
+            asks = ", ".join(f"{s.part} {s.threads} ({s.key})" for s in self.shares if s.threads > self.cores)
+            return [f"{asks}: more threads than the {self.cores} cores; lower them to at most {self.cores}"]
         asks = ", ".join(f"{s.part} {s.threads} ({s.key})" for s in self.shares)
         return [
             f"the parts ask for {self.total} compute threads on {self.cores} cores: {asks}. They will take "
@@ -82,13 +91,14 @@ def plan_threads(cfg: Config, cores: int | None = None) -> ThreadPlan:
                 Share(f"{kind.title or kind.name} server {i}", per_server or cores, kind.cpu_threads_key)
             )
     world = cfg.trainer.num_ranks
+    overlap = cfg.async_.mode != "sync"
     trainer = cfg.cluster.trainer_threads
     if not trainer:
-        left = cores - sum(s.threads for s in shares) if local else cores
+        left = cores - sum(s.threads for s in shares) if local and overlap else cores
         trainer = max(1, left // world)
     if cfg.trainer.device == "cpu":
         shares += [Share(f"trainer rank {r}", trainer, "cluster.trainer_threads") for r in range(world)]
-    return ThreadPlan(cores=cores, shares=shares, trainer_threads=trainer, local=local)
+    return ThreadPlan(cores=cores, shares=shares, trainer_threads=trainer, local=local, overlap=overlap)
 
 
 __all__ = ["Share", "ThreadPlan", "plan_threads"]

@@ -45,3 +45,15 @@ def test_parts_elsewhere_do_not_compete():
     assert [s.key for s in plan_threads(given, cores=2).shares] == ["cluster.trainer_threads"]
     cluster = load_config(QUICKSTART, ["cluster.ray_address=auto", "cluster.trainer_threads=8"])
     assert plan_threads(cluster, cores=2).warnings() == []
+
+
+def test_sync_mode_alternates_so_each_part_may_take_every_core():
+    sync = load_config(
+        QUICKSTART, ["async.mode=sync", "rollout.vllm.cpu_threads=2", "cluster.trainer_threads=0"]
+    )
+    plan = plan_threads(sync, cores=2)
+    assert plan.trainer_threads == 2 and plan.warnings() == []
+    (warning,) = plan_threads(
+        load_config(QUICKSTART, ["async.mode=sync", "cluster.trainer_threads=3"]), 2
+    ).warnings()
+    assert "trainer rank 0 3 (cluster.trainer_threads)" in warning and "vLLM" not in warning
