@@ -7,26 +7,30 @@ metrics as an :class:`Observation` and applies the :class:`Decision` it returns.
 :class:`AutotuneState` (a msgspec Struct: it goes into the pipeline checkpoint and a resumed run goes on
 from it).
 
-The rules, in order (docs/tuning.md, "The autotune controller"); one knob moves per decision at most:
+The rules, in order (docs/tuning.md, "The autotune controller"). A window ends on a push step, so that it
+holds whole push cycles:
 
 1. **Hold on a missing metric.** A metric a rule needs that no part reported is never guessed: the
-   decision holds and names it (``hold: missing trainer/idle_ratio``).
+   decision holds and names it (``hold: missing trainer/idle_ratio``); without
+   ``rollouter/requests_queued`` the concurrency is never moved.
 2. **Back off** when the window trained a group over ``staleness_cap``, dropped a group over the hard cap,
    or the mismatch went over ``mismatch_cap``: the threshold goes one rung down the ladder
-   (:data:`THRESHOLDS`), and the rung it left becomes a ceiling it does not climb to again.
-3. **Judge the last change.** The window after a change is compared with the window before it: a change
-   that lost more than ``REVERT_LOSS`` of the trained tokens/s is undone and that move is blocked.
-4. **Generation-bound** (``trainer/idle_ratio`` above ``IDLE_HIGH``): requests waiting for a server slot
-   (``rollouter/requests_queued`` > 0) raise the per-server concurrency (x2); otherwise, with room under
-   the staleness cap, the threshold goes one rung up; at its ceiling, ``sync_every`` goes up by one (a
-   bigger budget, the same staleness in versions).
-5. Otherwise hold: the trainer does not wait, so nothing the knobs do would train faster.
+   (:data:`THRESHOLDS`), and the rung it left becomes a ceiling it does not climb to again (at the lowest
+   rung, ``sync_every`` goes down by one).
+3. **Generation-bound** (``trainer/idle_ratio`` above ``IDLE_HIGH``): requests waiting for a server slot
+   (``rollouter/requests_queued`` > 0) double the per-server concurrency; when the servers have room, the
+   gate's budget grows (``sync_every`` x2, then the threshold one rung), only while the staleness the move
+   adds in order (:func:`in_order_bound`) keeps the window's maximum one version under the cap, and only
+   once the last budget's groups have been trained (the minimum dwell, ``ceil(sync_every * (1 +
+   threshold)) + 1`` steps after a change). Far from balance (``FAR``) every move that applies is made at
+   once; near it, one.
+4. Otherwise hold: the trainer does not wait, so nothing the knobs do would train faster.
 
-Stability: a knob only goes up on rule 4 and only down on rules 2 and 3, and each of those leaves a
-ceiling or a block behind, so on a steady workload the setting climbs, at most once backs off, and stays.
-The blocks and ceilings are forgotten when the workload changes (``REGIME_CHANGE``: the mean response
-length or the filter ratio moved, or the trainer waits much more than when it settled), so a run whose
-responses grow, or that loses a server, is tuned again.
+Stability: a knob only goes up on rule 3 and only down on rule 2, and a back-off leaves a ceiling behind,
+so on a steady workload the setting climbs, backs off at most once per rung, and stays. The ceilings are
+forgotten when the workload changes (``REGIME_CHANGE``, ``FILTER_CHANGE``: the mean response length or the
+filter ratio moved), and raises given up are retried when the trainer waits much more than when the
+controller settled (``IDLE_JUMP``: a lost server), so a run whose responses grow is tuned again.
 
 Worked example::
 
@@ -34,7 +38,7 @@ Worked example::
     for step in ...:
         decision = tuner.observe(Observation.from_metrics(metrics))
         if decision is not None and decision.changed:
-            apply(decision.knobs)        # the gate's threshold, the driver's sync_every, the balancer's cap
+            apply(decision.knobs)        # the gate's threshold (the pipeline: only it), sync_every, the cap
             log.info("autotune: %s", decision.reason)
 """
 
@@ -154,7 +158,7 @@ class AutotuneState(msgspec.Struct, kw_only=True):
     steps: int = 0
     window: list[Observation] = []
     threshold_ceiling: float | None = None  # a rung that went over the staleness cap
-    blocked: list[str] = []  # "concurrency" / "sync_every" / "threshold": raises undone, not tried again
+    blocked: list[str] = []  # knobs a back-off lowered (sync_every): not raised until the workload changes
     reference: Window | None = None  # the workload when the controller last changed or settled
     changes: int = 0
     since_change: int = 0  # steps since a knob last moved
