@@ -177,7 +177,9 @@ class Rollouter:
         self._running = True
         self.evaluator.on_version(self.version)  # a fresh run's version 0 is evaluated before training
         poller = asyncio.create_task(self._poll_dropped())
-        counting = asyncio.create_task(self.server_stats.run(SERVER_STATS_POLL_S)) if self.server_stats else None
+        counting = (
+            asyncio.create_task(self.server_stats.run(SERVER_STATS_POLL_S)) if self.server_stats else None
+        )
         try:
             await self._admit_loop()
         except BaseException:
