@@ -62,7 +62,7 @@ STRUCT_COMMANDS = [
 
 
 def _bench_parsers() -> list[tuple[str, Any]]:
-    from slipstream.system import bench_logprob, bench_train, e2e, scale
+    from slipstream.system import bench_logprob, bench_served_dtype, bench_train, bench_weightsync, e2e, scale
     from slipstream.system import bench_rollout as rollout_bench
     from slipstream.system import bench_transport as weightsync_bench
 
@@ -72,6 +72,8 @@ def _bench_parsers() -> list[tuple[str, Any]]:
         ("bench train", bench_train._parser),
         ("bench logprob", bench_logprob._parser),
         ("bench e2e", e2e._parser),
+        ("bench weightsync --target vllm", bench_weightsync._parser),
+        ("bench served-dtype", bench_served_dtype._parser),
         ("bench scale", scale._parser),
     ]
 
@@ -88,7 +90,14 @@ BENCH_KEYS = {
         "rollout.sampling.max_new_tokens",
         "async.staleness_threshold",
         "async.max_staleness",
+        "rollout.backend",
     },
+    "bench weightsync --target vllm": {
+        "weightsync.bucket_mb",
+        "weightsync.timeout_s",
+        "weightsync.pause_mode",
+    },
+    "bench served-dtype": {"rollout.sampling.max_new_tokens", "rollout.vllm.cpu_threads"},
     "bench scale": {
         "rollout.sampling.max_new_tokens",
         "rollout.max_concurrent_per_server",
