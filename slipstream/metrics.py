@@ -105,9 +105,8 @@ def _init_wandb(run_dir: Path, cfg: Any) -> Any:
     section = getattr(cfg, "wandb", None)
     if section is None or section.mode == "disabled":
         return None
+    import msgspec
     import wandb  # a dependency of the package; imported here because it is slow to import
-
-    from slipstream.config import to_dict
 
     return wandb.init(
         project=section.project,
@@ -116,7 +115,7 @@ def _init_wandb(run_dir: Path, cfg: Any) -> Any:
         name=cfg.run.name,
         mode=section.mode,
         dir=str(run_dir),
-        config=to_dict(cfg),
+        config=msgspec.to_builtins(cfg),  # the names users write (`async`), as config.to_dict
         resume="allow",
         id=_wandb_id(run_dir),
     )
