@@ -79,9 +79,13 @@ T = TypeVar("T")
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: add the ``slipstream`` weight-transfer engine (lazily: the
-    engine module is imported only by a server configured to use it)."""
+    engine module is imported only by a server configured to use it), and apply our launcher's setting of how
+    long vLLM's processes spin while they wait for each other (``vllm_idle.py``)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+    from slipstream.rollouter.vllm_idle import apply_spin_setting
+
+    apply_spin_setting()
     if ENGINE_NAME in WeightTransferEngineFactory._registry:  # plug-ins may load twice in one process
         return
     WeightTransferEngineFactory.register_engine(ENGINE_NAME, __name__, "SlipstreamWeightEngine")

@@ -5,7 +5,8 @@ One invocation starts vLLM (its CPU build, as the quickstart runs it: ``--enforc
 OpenMP threads, the native generate route) on the quickstart model once per ``--dtypes`` entry, one after the
 other, and times the same wave on each: ``--concurrency`` requests of the quickstart's arithmetic prompts,
 ``--max-new-tokens`` tokens each (``ignore_eos``, so every dtype makes the same number of tokens), after one
-warm-up wave; the best of ``--repeats`` waves counts. What it prints: ``<dtype>_tok_s`` for each dtype,
+warm-up wave; the best of ``--repeats`` waves counts (``--spin`` adds runs of the first dtype with other
+settings of how long vLLM's processes busy-wait for each other). What it prints: ``<dtype>_tok_s`` for each dtype,
 ``bfloat16_over_float32``, the CPU's native bf16 (``native_bf16``: AVX512-BF16 or AMX on x86), the dtype
 ``auto`` resolves to here (``auto_dtype``) and ``auto_is_fastest``.
 
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from slipstream.cli_args import add_json_flag, add_key_option, command_parser, doc_paragraph
 from slipstream.rollouter.config import SamplingConfig, VLLMServerConfig
+from slipstream.rollouter.vllm_idle import SPIN_ENV
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,6 +40,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=2, help="waves per dtype; the best counts")
     add_key_option(p, SamplingConfig, "max_new_tokens", section="rollout.sampling", default=64)
     add_key_option(p, VLLMServerConfig, "cpu_threads", section="rollout.vllm", default=1)
+    p.add_argument(
+        "--spin",
+        default="",
+        help="also time these comma-separated settings of how long vLLM's processes spin while waiting for "
+        "each other ($SLIPSTREAM_VLLM_SPIN_S; `vllm` for vLLM's own 1 s), in the first dtype; the launcher "
+        "sets 0 on the CPU build (rollouter/vllm_idle.py)",
+    )
     p.add_argument("--log-dir", default="", help="vLLM's logs go here (default: a temporary directory)")
     add_json_flag(p)
     return p
@@ -57,7 +66,9 @@ async def _wave(url: str, prompts: list[list[int]], max_new_tokens: int) -> floa
         await client.aclose()
 
 
-def _time_dtype(path: Path, dtype: str, args: argparse.Namespace, prompts, log_dir: Path) -> float:
+def _time_dtype(
+    path: Path, dtype: str, args: argparse.Namespace, prompts, log_dir: Path, spin: str | None = None
+) -> float:
     from slipstream.rollouter.config import RolloutConfig
     from slipstream.rollouter.launch import launch_server
     from slipstream.serverkinds import server_kind
@@ -66,11 +77,14 @@ def _time_dtype(path: Path, dtype: str, args: argparse.Namespace, prompts, log_d
         dtype=dtype, max_model_len=512, max_num_seqs=args.concurrency, cpu_threads=args.cpu_threads
     )
     cfg = RolloutConfig(backend="vllm", vllm=v)
-    with launch_server(server_kind("vllm"), path, cfg=cfg, log_path=log_dir / f"vllm-{dtype}.log") as server:
+    env = {} if spin is None else {SPIN_ENV: "" if spin == "vllm" else spin}  # "": vLLM's own
+    log = log_dir / f"vllm-{dtype}{'' if spin is None else '-spin-' + spin}.log"
+    with launch_server(server_kind("vllm"), path, cfg=cfg, env=env, log_path=log) as server:
         server.wait_healthy(900)
         asyncio.run(_wave(server.url, prompts[:4], 8))  # warm-up
         rates = [asyncio.run(_wave(server.url, prompts, args.max_new_tokens)) for _ in range(args.repeats)]
-    print(f"{dtype}: " + ", ".join(f"{r:.1f}" for r in rates) + " tokens/s", file=sys.stderr, flush=True)
+    what = dtype if spin is None else f"{dtype}, spin {spin}"
+    print(f"{what}: " + ", ".join(f"{r:.1f}" for r in rates) + " tokens/s", file=sys.stderr, flush=True)
     return max(rates)
 
 
@@ -97,6 +111,10 @@ def main(argv: list[str]) -> int:
         out["bfloat16_over_float32"] = round(rates["bfloat16"] / rates["float32"], 3)
     out |= {"native_bf16": native_bf16(), "auto_dtype": auto, "concurrency": args.concurrency}
     out |= {"max_new_tokens": args.max_new_tokens, "cpu_threads": args.cpu_threads}
+    for spin in (x for x in args.spin.split(",") if x):
+        out[f"{dtypes[0]}_spin_{spin}_tok_s"] = round(
+            _time_dtype(path, dtypes[0], args, prompts, log_dir, spin), 1
+        )
     if auto in rates:
         out["auto_is_fastest"] = rates[auto] == max(rates.values())
     print(json.dumps(out) if args.json else "\n".join(f"{k:>24}: {v}" for k, v in out.items()))
