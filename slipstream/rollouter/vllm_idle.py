@@ -1,18 +1,20 @@
-"""How long vLLM's processes spin while they wait for each other, set from ``SLIPSTREAM_VLLM_SPIN_S``.
+"""How long vLLM's processes spin while they wait for each other, set from ``SLIPSTREAM_VLLM_SPIN_S`` (opt-in).
 
 vLLM's engine process and its worker process hand each model step over through a shared-memory queue whose
 reader, after any read, busy-waits (``sched_yield`` in a loop) for a second before it sleeps on a socket
-(``SpinCondition.busy_loop_s``, 1 s in vLLM 0.32, not configurable). On a GPU machine that costs a spare CPU
-core. On a CPU machine the engine process waits on the worker for every step, so it spins for as long as the
-worker computes, on a core the worker's threads or the trainer's need: on the 2-core machine, with one
-vLLM thread and one trainer thread, vLLM's engine process took 70-75% of a core doing nothing
-(``docs/benchmarks.md``, "Quickstart"). The launcher sets ``SLIPSTREAM_VLLM_SPIN_S=0`` for vLLM's CPU build,
-and this package's ``vllm.general_plugins`` entry point (``vllm_weights.register``), which vLLM runs in each
-of its processes before it builds any queue, applies it: the reader then waits on the socket at once (its
-notification costs tens of microseconds against a step of tens of milliseconds).
+(``SpinCondition.busy_loop_s``, 1 s in vLLM 0.32, not configurable). On a CPU the engine process therefore
+spins through every model step of its worker, on a core the worker's OpenMP threads or a trainer may need:
+with two OpenMP threads on the 2-core machine, vLLM made 317 tokens/s spinning and 415 without
+(``slipstream bench served-dtype --cpu-threads 2 --dtypes bfloat16 --spin 0``; ``docs/benchmarks.md``,
+"Served dtype").
 
-Why patch rather than configure: vLLM has no setting for it; the patch is one default of one pinned class,
-checked by ``tests/vllm`` (the server runs with it) and by ``test_vllm_idle.py`` (the class still has it).
+It is not the launcher's default, because vLLM's sleeping reader can miss its wake-up: the writer's
+notification socket drops messages at a high-water mark of one, and a reader that missed one rechecks only
+every 5 s (``SHM_READER_RECHECK_INTERVAL_MS``). Without spinning, the engine's idle moments (a paused server
+switching weights) then stall for those 5 s: the quickstart's pushes kept vLLM paused 10.4 s each instead of
+0.48 s. A user who runs vLLM with several OpenMP threads and no weight pushes can set it in the server's
+environment (``SLIPSTREAM_VLLM_SPIN_S=0``); this package's ``vllm.general_plugins`` entry point
+(``vllm_weights.register``), which vLLM runs in each of its processes, applies it.
 """
 
 from __future__ import annotations

@@ -61,7 +61,6 @@ from slipstream.agents.protocol import GenerateOutput, SamplingParams
 from slipstream.rollouter import launch
 from slipstream.rollouter.clients.base import ServerClient, ServerError, expand_spans, parse_version
 from slipstream.rollouter.server_stats import parse_prometheus
-from slipstream.rollouter.vllm_idle import SPIN_ENV
 from slipstream.serverapi import VLLM, ServerAPI
 from slipstream.serverapi.vllm import SWITCH_UPDATE
 from slipstream.serverkinds import ServerKind, args_or_checkpoint_dtype
@@ -504,7 +503,6 @@ def vllm_env(cfg: RolloutConfig) -> dict[str, str]:
     env = {"VLLM_SERVER_DEV_MODE": "1"}
     if vllm_build() == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.vllm.cpu_kv_cache_gib)
-        env[SPIN_ENV] = "0"  # its engine process must not spin on a core the worker or trainer needs
         if cfg.vllm.cpu_threads:
             env["OMP_NUM_THREADS"] = str(cfg.vllm.cpu_threads)
             env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"

@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
         default="",
         help="also time these comma-separated settings of how long vLLM's processes spin while waiting for "
         "each other ($SLIPSTREAM_VLLM_SPIN_S; `vllm` for vLLM's own 1 s), in the first dtype; the launcher "
-        "sets 0 on the CPU build (rollouter/vllm_idle.py)",
+        "leaves vLLM's own (rollouter/vllm_idle.py says why)",
     )
     p.add_argument("--log-dir", default="", help="vLLM's logs go here (default: a temporary directory)")
     add_json_flag(p)
