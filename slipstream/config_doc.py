@@ -140,7 +140,9 @@ def format_type(info: mi.Type, order: list[Any] | None = None) -> str:
     if isinstance(info, (mi.IntType, mi.FloatType)):
         name = "int" if isinstance(info, mi.IntType) else "float"
         pairs = [(">", info.gt), (">=", info.ge), ("<", info.lt), ("<=", info.le)]
-        bounds = [f"{op} {v}" for op, v in pairs if v is not None]
+        # Floats as %g: typing caches Annotated[float, Meta(ge=0.0)] as an equal Annotated[float, Meta(ge=0)]
+        # made earlier in the process, so the bound's own type depends on import order.
+        bounds = [f"{op} {v:g}" if name == "float" else f"{op} {v}" for op, v in pairs if v is not None]
         return f"{name} {', '.join(bounds)}" if bounds else name
     if isinstance(info, mi.ListType):
         return f"list[{format_type(info.item_type)}]"

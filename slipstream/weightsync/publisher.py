@@ -42,7 +42,7 @@ from slipstream.utils.http_auth import env_token
 from slipstream.utils.http_client import HTTPClient
 from slipstream.utils.logging import get_logger
 from slipstream.weightsync.adapters import AdapterKind, ServerAdapter
-from slipstream.weightsync.base import resolve_device
+from slipstream.weightsync.base import TransportName, resolve_device
 from slipstream.weightsync.buckets import BufferPool
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.errors import SourceFailed, TransferError
@@ -415,7 +415,14 @@ class WeightPublisher:
         # stuck in a broadcast when the link failed) must not refuse the new one for its name.
         name = self.cfg.group_name if not self._builds else f"{self.cfg.group_name}-{self._builds}"
         self._builds += 1
-        self._link = await ServerLink.open(
+        self._link = await self._open_link(transport, adapters, name)
+        self._link_members = members
+        return members
+
+    async def _open_link(
+        self, transport: TransportName, adapters: list[ServerAdapter], name: str
+    ) -> ServerLink:
+        return await ServerLink.open(
             transport,
             adapters,
             self.cfg,
@@ -424,8 +431,6 @@ class WeightPublisher:
             self.pool,
             typed_buckets=self._record.typed_buckets,
         )
-        self._link_members = members
-        return members
 
     async def _drop_link(self) -> None:
         if self._link is not None:
@@ -487,15 +492,7 @@ class WeightPublisher:
         transport = await choose_transport(self.cfg, self._record, adapters, self.device)
         saved = self._link, self._link_members
         try:
-            self._link = await ServerLink.open(
-                transport,
-                adapters,
-                self.cfg,
-                self.device,
-                name,
-                self.pool,
-                typed_buckets=self._record.typed_buckets,
-            )
+            self._link = await self._open_link(transport, adapters, name)
             self._link_members = urls
             report.sent = "lora" if self.snapshot.lora_scale else "full"
             await self._push(urls, version, iter(self.snapshot.items()), report, self._whole_info())
