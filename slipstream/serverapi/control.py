@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -37,7 +38,7 @@ class ServerControl:
 
     def __init__(self, api: ServerAPI, send: Send) -> None:
         self.api = api
-        self._send = send
+        self._send_call = send
         self.paused: str | None = None
         self.paused_s = 0.0
         self._paused_at: float | None = None
@@ -65,3 +66,7 @@ class ServerControl:
 
     async def abort_all(self) -> None:
         await self._send(self.api.abort_all_call())
+
+    async def _send(self, call: Call) -> Any:
+        """Every call here is repeatable: a second pause, resume or abort changes nothing."""
+        return await self._send_call(dataclasses.replace(call, repeatable=True))

@@ -37,12 +37,15 @@ class Endpoint:
 
 @dataclass(frozen=True)
 class Call:
-    """One HTTP request to send: ``json`` None sends no body; ``params`` go in the query string."""
+    """One HTTP request to send: ``json`` None sends no body; ``params`` go in the query string.
+    ``repeatable``: sending it twice leaves the server as sending it once (pause, resume, abort), so a
+    connection dropped before the answer may be retried once."""
 
     method: str
     path: str
     json: Any = None
     params: Mapping[str, str] = field(default_factory=dict)
+    repeatable: bool = False
 
     @property
     def endpoint(self) -> Endpoint:

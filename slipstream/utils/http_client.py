@@ -13,7 +13,10 @@ out), so callers handle one error type. Keep-alive connections (up to ``max_conn
 after ``keepalive_s`` idle (2 s): below the 5 s after which uvicorn, which serves vLLM, SGLang and our
 embedded server, closes an idle connection. aiohttp's own default is 15 s, and a request sent on a
 connection the server had just closed failed with ``ServerDisconnectedError`` and got the server marked
-dead (POSTs are not retried). An optional
+dead (POSTs are not retried). A connection the server closes anyway (seen once on a loaded 2-core machine,
+within the 2 s) fails while the request is being written: the server cannot have acted on a request it
+never read whole, so that one case is sent again, once, on a fresh connection (:func:`_unsent`); a failure
+after the request went out is never retried. An optional
 ``Authorization: Bearer`` token on every call, no proxy from the environment (these calls go to the
 cluster's own servers). The session is opened on the first call, so a client can be made outside the
 event loop it will be used in (but used in one loop only).
@@ -49,6 +52,17 @@ def _drop_connection(resp: aiohttp.ClientResponse) -> None:
     handler = resp.connection.protocol if resp.connection is not None else getattr(resp, "_protocol", None)
     if handler is not None:
         handler.close()
+
+
+def _unsent(err: BaseException) -> bool:
+    """True when ``err`` is aiohttp's failure to write the request itself (its "Can not write request body",
+    raised from the socket's own reset or broken pipe): the server never got the whole request."""
+    cause = err.__cause__
+    return (
+        isinstance(err, aiohttp.ClientOSError)
+        and not isinstance(err, aiohttp.ClientConnectorError)
+        and isinstance(cause, (ConnectionResetError, BrokenPipeError))
+    )
 
 
 class HTTPClientError(Exception):
@@ -118,23 +132,48 @@ class HTTPClient:
         json: Any = None,
         params: dict[str, str] | None = None,
         timeout: float | None = None,
+        repeatable: bool = False,
     ) -> Reply:
+        """One request, its body read whole. ``repeatable`` (a call that changes nothing when sent twice):
+        also sent once more when the server drops the connection before answering."""
         if url.startswith("/"):
             url = self.base_url + url
         limit = aiohttp.ClientTimeout(
             total=self.timeout_s if timeout is None else timeout, sock_connect=self.connect_timeout_s
         )
-        session = self._open()
         try:
-            async with session.request(
-                method, url, json=json, params=params, timeout=limit, headers=self.headers
-            ) as resp:
+            async with await self._send(method, url, json, params, limit, repeatable) as resp:
                 reply = Reply(resp.status, await resp.read(), resp.reason or "")
                 if resp.status >= 500:
                     _drop_connection(resp)
                 return reply
         except (aiohttp.ClientError, TimeoutError) as err:
             raise HTTPClientError(f"{type(err).__name__}: {err or 'timed out'}") from err
+
+    async def _send(
+        self,
+        method: str,
+        url: str,
+        json: Any,
+        params: dict[str, str] | None,
+        limit: aiohttp.ClientTimeout,
+        repeatable: bool = False,
+    ) -> aiohttp.ClientResponse:
+        """The response's head, the request sent once more when it never got out whole (:func:`_unsent`) or,
+        ``repeatable``, when the server dropped the connection without an answer."""
+        try:
+            return await self._open().request(
+                method, url, json=json, params=params, timeout=limit, headers=self.headers
+            )
+        except aiohttp.ClientOSError as err:
+            if not _unsent(err):
+                raise
+        except aiohttp.ServerDisconnectedError:
+            if not repeatable:
+                raise
+        return await self._open().request(
+            method, url, json=json, params=params, timeout=limit, headers=self.headers
+        )
 
     async def stream_lines(
         self, method: str, url: str, *, json: Any = None, timeout: float | None = None
@@ -147,9 +186,7 @@ class HTTPClient:
             total=self.timeout_s if timeout is None else timeout, sock_connect=self.connect_timeout_s
         )
         try:
-            async with self._open().request(
-                method, url, json=json, timeout=limit, headers=self.headers
-            ) as resp:
+            async with await self._send(method, url, json, None, limit) as resp:
                 if resp.status >= 400:
                     body = await resp.read()
                     if resp.status >= 500:

@@ -161,11 +161,18 @@ class ServerAdapter:
             return False
         return resp.status_code == 200
 
-    async def call(self, method: str, path: str, *, json: Any = None, params: Any = None) -> dict:
+    async def call(
+        self, method: str, path: str, *, json: Any = None, params: Any = None, repeatable: bool = False
+    ) -> dict:
         """One control call; TransferError naming the server and path unless it answers success."""
         try:
             resp = await self.http.request(
-                method, f"{self.url}{path}", json=json, params=params, timeout=self.cfg.timeout_s
+                method,
+                f"{self.url}{path}",
+                json=json,
+                params=params,
+                timeout=self.cfg.timeout_s,
+                repeatable=repeatable,
             )
         except HTTPClientError as err:
             raise TransferError(f"{self.url}{path}: {err}") from err
@@ -184,7 +191,13 @@ class ServerAdapter:
 
     async def _send(self, call: Call) -> dict:
         """Send a request the description built (the control's transport)."""
-        return await self.call(call.method, call.path, json=call.json, params=dict(call.params) or None)
+        return await self.call(
+            call.method,
+            call.path,
+            json=call.json,
+            params=dict(call.params) or None,
+            repeatable=call.repeatable,
+        )
 
 
 def slipstream_layout(cfg: WeightSyncConfig) -> Layout:

@@ -146,9 +146,10 @@ class ServerClient(ABC):
         json: Any = None,
         params: dict | None = None,
         timeout: float | None = None,
+        repeatable: bool = False,
     ) -> Reply:
         """Send one request; raise :class:`ServerUnavailable` / :class:`ServerError` on failure."""
-        kwargs: dict[str, Any] = {"json": json, "params": params}
+        kwargs: dict[str, Any] = {"json": json, "params": params, "repeatable": repeatable}
         if timeout is not None:
             kwargs["timeout"] = timeout
         try:
@@ -163,7 +164,13 @@ class ServerClient(ABC):
 
     async def _send(self, call: Call) -> Reply:
         """Send a request the server's description built (the control's transport)."""
-        return await self._request(call.method, call.path, json=call.json, params=dict(call.params) or None)
+        return await self._request(
+            call.method,
+            call.path,
+            json=call.json,
+            params=dict(call.params) or None,
+            repeatable=call.repeatable,
+        )
 
     @abstractmethod
     async def generate(
