@@ -167,7 +167,9 @@ class AsyncConfig(ConfigStruct):
         Meta(
             description="In-flight requests at a weight push: `abort` (return partial tokens, re-submit "
             "prompt + partial after the update, KV recomputed), `in_place` (generation pauses and continues "
-            "on the old KV cache), or `off` (wait for in-flight requests to finish before the update).",
+            "on the old KV cache; vLLM recomputes it under the new weights), or `off` (wait for in-flight "
+            "requests to finish before the update). No request started after a push reuses cache of an older "
+            "version.",
         ),
     ] = "abort"
     autotune: Annotated[

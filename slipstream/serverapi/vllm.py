@@ -8,8 +8,14 @@
   token_in_token_out/serving.py``); an abort must name that id, sent to the route's own
   ``abort_requests {request_ids}`` (an empty list aborts every request). Aborted requests come back with
   ``finish_reason == "abort"`` and their partial tokens.
-* Pause: ``POST /pause?mode=abort|wait|keep`` (``clear_cache=true`` with ``abort`` drops the prefix
-  cache of the old weights), resume ``POST /resume``. In ``abort`` and ``wait`` mode new requests get
+* Pause: ``POST /pause?mode=abort|wait|keep&clear_cache=true``, resume ``POST /resume``. ``clear_cache``
+  empties the prefix cache once the pause is complete, so no request after the push reuses a block
+  computed under older weights (vLLM keys blocks by token ids and salt only, never by weights). In
+  ``keep`` mode it also preempts the frozen requests (``_reset_caches(reset_running_requests=True)`` in
+  ``v1/engine/core.py``): they stay on the server and recompute their cache under the new weights after
+  resume, which is our ``retract``. The route's docstring calls the flag deprecated and ignored for
+  ``keep``; the engine honours it in every mode on 0.32 and 0.33, and it is sent explicitly so a changed
+  default cannot bring stale blocks back (``tests/vllm/test_vllm_fresh_cache.py``). In ``abort`` and ``wait`` mode new requests get
   503 until resume (the client retries them; 0.32 holds them instead); in ``keep`` mode they are queued. vLLM has no ``retract``:
   ours maps to ``abort`` (the rollouter re-submits the partial output, which has the same effect).
 * A version: pause → ``/start_weight_update`` → N × ``/update_weights {update_info}`` (after
@@ -30,10 +36,12 @@ from slipstream.serverapi.spec import Call, GenerateRoute, PauseMode, ServerAPI,
 SWITCH_UPDATE = {"slipstream_switch": True}
 
 # Paused in abort or wait mode, 0.33 answers new requests 503 until resume (the client retries them); 0.32,
-# the CPU build, holds them instead (docs/contracts.md). In keep mode both hold them.
-_ABORT = PauseMode("abort", in_flight="abort", new_requests="rejected", extra={"clear_cache": "true"})
-_KEEP = PauseMode("keep", in_flight="keep", new_requests="held")
-_WAIT = PauseMode("wait", in_flight="finish", new_requests="rejected")
+# the CPU build, holds them instead (docs/contracts.md). In keep mode both hold them. Every mode clears the
+# prefix cache (module docstring), which makes vLLM's keep a retract.
+_FRESH = {"clear_cache": "true"}
+_ABORT = PauseMode("abort", in_flight="abort", new_requests="rejected", extra=_FRESH)
+_KEEP = PauseMode("keep", in_flight="retract", new_requests="held", extra=_FRESH)
+_WAIT = PauseMode("wait", in_flight="finish", new_requests="rejected", extra=_FRESH)
 
 
 class VLLMAPI(ServerAPI):

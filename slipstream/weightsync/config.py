@@ -58,7 +58,8 @@ class WeightSyncConfig(ConfigStruct):
         Literal["in_place", "abort", "retract"],
         Meta(
             description="How a server treats in-flight requests while it switches to a new version: "
-            "`in_place` keeps them on the old KV cache, `abort` returns partial output, `retract` (SGLang) "
+            "`in_place` keeps them on the old KV cache (on vLLM, which clears its prefix cache at every pause, "
+            "they stay but recompute it under the new weights), `abort` returns partial output, `retract` (SGLang) "
             "requeues them. The pipeline sets it from `async.partial_rollout`. SGLang and vLLM's own `nccl` "
             "engine are paused for the whole load; vLLM with the `slipstream` engine stages the version while "
             "it generates and pauses only for the switch; embedded servers pause only for the final copy.",

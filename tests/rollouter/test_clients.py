@@ -254,7 +254,7 @@ def test_vllm_client_completions_retries_503_while_paused(fake):
     assert len(fake.bodies("/v1/completions")) == 3
     assert fake.bodies("/v1/completions")[0]["session_id"] == "s1"
     pauses = [r["query"] for r in fake.requests if r["path"] == "/pause"]
-    assert pauses == [{"mode": ["keep"]}, {"mode": ["abort"], "clear_cache": ["true"]}]
+    assert pauses == [{"mode": ["keep"], "clear_cache": ["true"]}, {"mode": ["abort"], "clear_cache": ["true"]}]
     assert fake.bodies("/abort_requests") == [{"request_ids": ["cmpl-r1-0"]}, {"request_ids": []}]
 
 

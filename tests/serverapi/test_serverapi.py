@@ -36,7 +36,10 @@ def test_pause_modes_map_our_names_to_each_servers():
     assert names(VLLM) == {"abort": "abort", "in_place": "keep", "retract": "abort", "wait": "wait"}
     for api in APIS:
         assert set(api.pause_modes) <= set(OUR_PAUSE_MODES)
-        assert api.pause_mode("in_place").keeps_requests and not api.pause_mode("abort").keeps_requests
+        assert not api.pause_mode("abort").keeps_requests
+    # vLLM clears its prefix cache at every pause, which preempts the frozen requests (serverapi/vllm.py)
+    assert [api.pause_mode("in_place").keeps_requests for api in APIS] == [True, True, False]
+    assert {VLLM.pause_call(m).params["clear_cache"] for m in VLLM.pause_modes} == {"true"}
     assert (
         VLLM.pause_mode("abort").new_requests == "rejected"
         and SGLANG.pause_mode("abort").new_requests == "held"
@@ -53,7 +56,7 @@ def test_control_requests_per_server():
     assert SGLANG.resume_call() == Call("POST", "/continue_generation", json={})
     assert SGLANG.abort_call("r1") == Call("POST", "/abort_request", json={"rid": "r1"})
     assert SGLANG.abort_all_call() == Call("POST", "/abort_request", json={"rid": "", "abort_all": True})
-    assert VLLM.pause_call("in_place") == Call("POST", "/pause", params={"mode": "keep"})
+    assert VLLM.pause_call("in_place") == Call("POST", "/pause", params={"mode": "keep", "clear_cache": "true"})
     assert VLLM.pause_call("abort") == Call("POST", "/pause", params={"mode": "abort", "clear_cache": "true"})
     assert VLLM.resume_call() == Call("POST", "/resume")
     # vLLM aborts by the id it gave the engine request, never by the bare request_id we sent
@@ -96,8 +99,9 @@ def test_control_sends_through_its_owner_and_tracks_its_own_pause():
         await control.abort_all()
         return states
 
-    assert asyncio.run(main()) == [("in_place", True), None]
+    assert asyncio.run(main()) == [("in_place", False), None]  # vLLM's keep recomputes (serverapi/vllm.py)
     assert [c.path for c in sent] == ["/pause", "/resume", "/inference/v1/abort_requests", "/abort_requests"]
+    assert all(c.repeatable for c in sent)  # sent twice, each changes nothing more: safe to retry
 
 
 def test_a_failed_send_leaves_the_pause_state_as_it_was():

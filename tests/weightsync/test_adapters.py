@@ -239,7 +239,7 @@ def test_vllm_gets_init_pause_start_packed_updates_finish_resume(pause_mode, vll
         asyncio.run(drive())
     finally:
         fake.close()
-    pause_query = {"mode": vllm_mode, **({"clear_cache": "true"} if vllm_mode == "abort" else {})}
+    pause_query = {"mode": vllm_mode, "clear_cache": "true"}  # every mode clears the prefix cache
     assert fake.log == [
         ("GET", "/get_world_size", {"include_dp": "true"}, b""),
         ("POST", "/init_weight_transfer_engine", {}, {"init_info": {
