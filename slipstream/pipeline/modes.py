@@ -99,7 +99,8 @@ def check_config(cfg: Config, *, environment: bool = True) -> None:
 def config_warnings(cfg: Config) -> list[str]:
     """What a prepared config can run with but should not, one line each naming its keys (logged at the run's
     start and printed by ``slipstream config check``): the parts asking for more CPU threads than this
-    machine has cores (``planning/threads.py``)."""
+    machine has cores (``planning/threads.py``), settings the controller leaves alone, and a pause that
+    keeps a server's prefix cache across versions."""
     from slipstream.planning.threads import plan_threads
 
     out = plan_threads(cfg).warnings()
@@ -108,6 +109,12 @@ def config_warnings(cfg: Config) -> list[str]:
             f"async.autotune: `{cfg.async_.autotune}` moves only async.staleness_threshold in a run; "
             "async.sync_every and rollout.max_concurrent_per_server stay as configured (docs/tuning.md; "
             "slipstream tune recommends them)"
+        )
+    if cfg.rollout.backend == "sglang" and cfg.weightsync.pause_mode == "in_place":
+        out.append(
+            "async.partial_rollout: `in_place` on SGLang keeps its radix cache across a push (SGLang flushes it "
+            "only when idle), so a request after the push may reuse prefixes computed under older weights; "
+            "`abort` flushes it (vLLM clears its cache at every pause; the embedded server has none)"
         )
     return out
 

@@ -4,7 +4,7 @@ when the parts ask for more than there are."""
 from __future__ import annotations
 
 from slipstream.config import load_config
-from slipstream.pipeline.modes import config_warnings
+from slipstream.pipeline.modes import config_warnings, prepare_config
 from slipstream.planning.threads import plan_threads
 
 QUICKSTART = "configs/quickstart.yaml"
@@ -57,3 +57,14 @@ def test_sync_mode_alternates_so_each_part_may_take_every_core():
         load_config(QUICKSTART, ["async.mode=sync", "cluster.trainer_threads=3"]), 2
     ).warnings()
     assert "trainer rank 0 3 (cluster.trainer_threads)" in warning and "vLLM" not in warning
+
+
+def test_an_in_place_push_on_sglang_is_a_warning_that_its_cache_outlives_the_push():
+    def warnings(*overrides: str) -> list[str]:
+        cfg, _ = prepare_config(load_config(QUICKSTART, ["cluster.trainer_threads=1", *overrides]))
+        return [w for w in config_warnings(cfg) if "radix cache" in w]
+
+    (warning,) = warnings("rollout.backend=sglang", "async.partial_rollout=in_place")
+    assert warning.startswith("async.partial_rollout: `in_place` on SGLang")
+    assert warnings("rollout.backend=sglang", "async.partial_rollout=abort") == []
+    assert warnings("async.partial_rollout=in_place") == []  # vLLM clears its cache at every pause
