@@ -126,6 +126,30 @@ class Snapshot:
         return [(name, t, self.kinds.get(name, DENSE)) for name, t in self.tensors.items()]
 
 
+class WholeNames:
+    """The parameter names of the last whole version published: a later whole version that lacks one is a
+    sender's bug, refused (``ValueError`` naming them) at the end of its stream, before any server switches
+    to it. Our receivers refuse such a version themselves; SGLang's loads each bucket as it comes and would
+    serve the missing tensor from the older version."""
+
+    def __init__(self) -> None:
+        self.names: frozenset[str] | None = None
+
+    def check(self, items: Iterable[tuple], version: int) -> Iterator[tuple]:
+        seen: set[str] = set()
+        for item in items:
+            seen.add(item[0])
+            yield item
+        missing = self.names - seen if self.names is not None else set()
+        if missing:
+            listed = ", ".join(sorted(missing)[:5]) + (", ..." if len(missing) > 5 else "")
+            raise ValueError(
+                f"version {version} misses {len(missing)} parameters of the last whole version ({listed}): "
+                "refused whole, the servers keep serving the one they have"
+            )
+        self.names = frozenset(seen)
+
+
 class WeightPublisher:
     """Pushes versions from trainer rank 0 to a set of servers of one kind (module docstring).
 
@@ -154,6 +178,7 @@ class WeightPublisher:
         self.pool = BufferPool(self.device)
         # A delta is computed against the last version sent, so delta pushes keep it whatever keep_last says.
         self.snapshot = Snapshot() if cfg.keep_last or cfg.delta else None
+        self.whole_names = WholeNames()
         self.servers: dict[str, ServerAdapter] = {}
         # The version each server applied last, when this publisher saw it do so (dropped at any failure,
         # join or revival): a delta goes only to servers all on the previous version, an adapter-only
@@ -290,9 +315,9 @@ class WeightPublisher:
         def encode(name: str, tensor: torch.Tensor, prev: torch.Tensor | None) -> list[tuple]:
             return delta_entries(name, tensor, prev, stats) if base[0] >= 0 else [(name, tensor)]
 
-        source: Iterable = named_tensors
+        source: Iterable = self.whole_names.check(named_tensors, version)
         if self.snapshot is not None:
-            source = self.snapshot.record(named_tensors, version, encode=encode if self.cfg.delta else None)
+            source = self.snapshot.record(source, version, encode=encode if self.cfg.delta else None)
         return await self._publish_source(version, iter(source), base, previous, stats)
 
     async def _publish_lora(

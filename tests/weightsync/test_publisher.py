@@ -15,7 +15,7 @@ import httpx
 import pytest
 import torch
 from wsync_helpers import TargetServers, digest, mixed_tensors, served, spawn, status
-from wsync_target_server import serve
+from wsync_target_server import serve, serve_lax
 
 from slipstream.serverkinds import server_kind
 from slipstream.weightsync.config import WeightSyncConfig
@@ -260,3 +260,27 @@ def test_a_version_the_server_cannot_take_is_refused_by_name_and_the_next_one_go
         assert served(url) == {"version": 2, "digest": digest(mixed_tensors(2))}
     finally:
         pub.close()
+
+
+def test_a_whole_version_missing_a_tensor_is_refused_by_the_publisher_for_a_server_that_cannot_tell():
+    """A receiver that takes what comes (SGLang's loads each bucket as it arrives) would serve the dropped tensor
+    from the older version under the new number. The publisher knows the last whole version's names and
+    refuses the version, naming the tensor, before the server switches; the next whole version goes through."""
+    lax = TargetServers(serve_lax)
+    try:
+        url = lax.start()
+        pub = WeightPublisher(config(), [url], server_kind("embedded"))
+        try:
+            assert pub.publish(1, iter(mixed_tensors(1))).ok == [url]
+            dropped = [(n, t) for n, t in mixed_tensors(2) if n != "layers.0.attn.k.weight"]
+            with pytest.raises(
+                ValueError, match=r"version 2 misses 1 parameters .*layers\.0\.attn\.k\.weight"
+            ):
+                pub.publish(2, iter(dropped))
+            assert served(url) == {"version": 1, "digest": digest(mixed_tensors(1))}
+            assert pub.publish(3, iter(mixed_tensors(3))).ok == [url]
+            assert served(url) == {"version": 3, "digest": digest(mixed_tensors(3))}
+        finally:
+            pub.close()
+    finally:
+        lax.stop()

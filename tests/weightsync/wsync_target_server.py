@@ -14,13 +14,14 @@ import torch
 from wsync_helpers import DictTarget, digest, mixed_tensors
 
 
-def build_app(die_on_update: int | None = None):
+def build_app(die_on_update: int | None = None, require_all_weights: bool = True):
     from fastapi import FastAPI, Request
 
+    from slipstream.weightsync.config import WeightSyncConfig
     from slipstream.weightsync.http_receiver import WeightReceiver
 
     target = DictTarget(mixed_tensors(0))
-    receiver = WeightReceiver(target)
+    receiver = WeightReceiver(target, WeightSyncConfig(require_all_weights=require_all_weights))
     app = FastAPI()
     app.include_router(receiver.router())
     updates = {"n": 0}
@@ -49,3 +50,12 @@ def serve(port: int, die_on_update: int | None = None) -> None:
 
     torch.set_num_threads(1)
     uvicorn.run(build_app(die_on_update), host="127.0.0.1", port=port, log_level="warning")
+
+
+def serve_lax(port: int, die_on_update: int | None = None) -> None:
+    """A server whose receiver takes a version that misses tensors (as SGLang's does: it cannot tell)."""
+    import uvicorn
+
+    torch.set_num_threads(1)
+    app = build_app(die_on_update, require_all_weights=False)
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
