@@ -1,9 +1,9 @@
 """`slipstream plot RUN_DIR`: PNG curves of a run from its metrics.jsonl.
 
-One PNG per panel (reward, staleness, idle ratios, throughput, evaluation, autotune) plus ``summary.png``
-with all of them, written into RUN_DIR/plots (or ``--out``). A panel draws every metric whose key matches one
-of its patterns, so new metrics of the same kind appear without code changes; a panel with no data is
-skipped with a note. Panels are drawn against the trainer step, except the evaluation panel: an evaluation finishes (and
+One PNG per panel (reward, staleness, idle ratios, throughput, evaluation, autotune, train–inference mismatch
+and its importance ratios) plus ``summary.png`` with all of them, written into RUN_DIR/plots (or ``--out``).
+A panel draws every metric whose key matches one of its patterns, so new metrics of the same kind appear
+without code changes; a panel with no data is skipped with a note. Panels are drawn against the trainer step, except the evaluation panel: an evaluation finishes (and
 is logged) a step or more after the weight version it measured, so its x axis is ``eval/version``.
 """
 
@@ -25,9 +25,18 @@ PANELS: dict[str, tuple[str, tuple[str, ...]]] = {
     "eval": ("evaluation on data.val_files", (r"^eval/(.+/)?(mean|pass)@\d+$",)),
     # async.autotune's setting at each decision (pipeline/autotune.py)
     "autotune": ("autotune setting", (r"^autotune/(staleness_threshold|sync_every)$",)),
+    # train-inference mismatch at equal weights (trainer/mismatch.py): its size, then its importance ratios
+    "mismatch": (
+        "train-inference mismatch",
+        (r"^mismatch/(k3|abs_diff_mean|abs_diff_max|ratio_outside)$",),
+    ),
+    "mismatch_ratio": ("importance ratio trainer / server", (r"^mismatch/ratio_p\d+$",)),
 }
 # Panels drawn against another key than the trainer step (key, axis label).
 X_AXES: dict[str, tuple[str, str]] = {"eval": ("eval/version", "weight version evaluated")}
+# Panels whose values span decades (a matching run's k3 is ~1e-9, a broken one's ~1): a y axis linear up to
+# the threshold (so exact zeros show) and logarithmic above it.
+SYMLOG_Y: dict[str, float] = {"mismatch": 1e-6}
 
 
 def series(
@@ -61,7 +70,8 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     out = Path(out_dir) if out_dir else Path(run_dir) / "plots"
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
-    fig_all, axes = plt.subplots(2, 3, figsize=(18, 8))
+    rows = -(-len(PANELS) // 3)
+    fig_all, axes = plt.subplots(rows, 3, figsize=(18, 4 * rows))
     for ax_spare in axes.flat[len(PANELS) :]:
         ax_spare.axis("off")
     for ax_all, (name, (title, patterns)) in zip(axes.flat, PANELS.items(), strict=False):
@@ -77,6 +87,8 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
                 target.plot(steps, values, label=key, marker="." if len(steps) < 50 else None)
             target.set_title(title)
             target.set_xlabel(x_label)
+            if name in SYMLOG_Y:
+                target.set_yscale("symlog", linthresh=SYMLOG_Y[name])
             target.grid(alpha=0.3)
             target.legend(fontsize=7)
         fig.tight_layout()

@@ -6,7 +6,9 @@ with ``w`` = loss mask x truncated-IS weights x rejection mask, ``agg`` the conf
 one a policy loss requires, e.g. GSPO's seq-mean-token-mean) over the *global* mini-batch counts, and the
 ratio's denominator the proximal logprobs when the trainer recomputed them, else the behaviour ones.
 Metrics (clip fraction, KL, entropy, ...) are token means over the same global counts, so the engine's
-sums over micro-batches and ranks are exact global means.
+sums over micro-batches and ranks are exact global means. Given a ``MismatchCollector`` (the step's first
+update, when the run makes no proximal pass), the policy loss also hands it each micro-batch's logprobs for
+the train–inference mismatch figures (``trainer/mismatch.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from slipstream.trainer.algos import (
 )
 from slipstream.trainer.algos.segments import segment_ids
 from slipstream.trainer.config import AlgorithmConfig
+from slipstream.trainer.mismatch import MismatchCollector
 
 
 @dataclass(frozen=True)
@@ -42,13 +45,17 @@ class PolicyLoss:
 
     Reads from the micro-batch: ``loss_mask``, ``old_logprobs`` (behaviour), ``advantages``, ``cu_seqlens``,
     and when present ``prox_logprobs`` (recomputed proximal policy) and ``ref_logprobs`` (KL reference).
+    With ``mismatch``, each micro-batch's logprobs, behaviour logprobs, mask and ``versions`` are added to it.
     """
 
     needs_entropy = True  # always measured; differentiated only when the bonus is on
 
-    def __init__(self, algo: AlgorithmConfig, counts: GlobalCounts) -> None:
+    def __init__(
+        self, algo: AlgorithmConfig, counts: GlobalCounts, mismatch: MismatchCollector | None = None
+    ) -> None:
         self.algo = algo
         self.counts = counts
+        self.mismatch = mismatch
         self.policy_loss = POLICY_LOSSES.get(algo.policy_loss)
         self.kl = KL_ESTIMATORS.get(algo.kl_type) if algo.kl_type else None
         self.rejection = REJECTIONS.get(algo.rejection) if algo.rejection else None
@@ -74,6 +81,8 @@ class PolicyLoss:
         seg, n = segment_ids(mb["cu_seqlens"]), int(mb["cu_seqlens"].numel()) - 1
         behav = mb["old_logprobs"].float()
         prox = mb["prox_logprobs"].float() if "prox_logprobs" in mb.keys() else behav
+        if self.mismatch is not None:
+            self.mismatch.add(logp, behav, mask, mb.get("versions", None))
         out = self.policy_loss(
             PolicyLossInputs(
                 logp=logp,

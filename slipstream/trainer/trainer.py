@@ -14,6 +14,8 @@ batch, so results do not depend on the number of ranks:
   3. advantages per group over the full batch (``algos/advantages``);
   4. ``trainer.epochs`` passes over ``trainer.mini_batches`` mini-batches of whole groups; each mini-batch is
      split over data-parallel replicas by token count and is one optimizer step, its loss normalised by its global counts;
+     the train-inference mismatch (``mismatch/*``, ``trainer/mismatch.py``) is measured on the proximal
+     logprobs, or without them on the first update's, both at the weights held before the step;
   5. rank 0 acks the leases (with the dropped group ids); ``version`` += 1; every ``async.sync_every``
      steps, when the trainer publishes (``publish=True``), :meth:`Trainer.push` runs on every rank (rank 0
      sends through its ``publisher``, the others drive the all-gathers); every ``checkpoint_every`` steps (``trainer.checkpoint_every``; 0 under
@@ -55,6 +57,7 @@ from slipstream.trainer.batching import partition_for_ranks, sample_lengths, sel
 from slipstream.trainer.dist import broadcast_batch, gather_tokens
 from slipstream.trainer.engine.base import ModelEngine
 from slipstream.trainer.loss import GlobalCounts, PolicyLoss, ValueLoss
+from slipstream.trainer.mismatch import MismatchCollector
 from slipstream.utils import checkpoints
 from slipstream.utils.logging import get_logger
 
@@ -264,11 +267,17 @@ class Trainer:
         batch["advantages"], batch["returns"] = out.advantages, out.returns
         minis = [select_samples(batch, idx) for idx in split_groups(batch["group_index"], tcfg.mini_batches)]
         plans = [self._mini_plan(mini) for mini in minis]
+        # the train-inference mismatch at the weights held before the step (trainer/mismatch.py)
+        mismatch, proximal = MismatchCollector(self.version), "prox_logprobs" in batch.keys()
+        if proximal:  # the whole batch, on every rank
+            mismatch.add(batch["prox_logprobs"], batch["old_logprobs"], batch["loss_mask"], batch["versions"])
         sums: dict[str, float] = {}
         norms = []
-        for _ in range(tcfg.epochs):
-            for shard, counts in plans:
-                res = self.engine.forward_backward_batch(shard, PolicyLoss(algo, counts))
+        for epoch in range(tcfg.epochs):
+            for i, (shard, counts) in enumerate(plans):
+                first = epoch == 0 and i == 0 and not proximal  # nothing has stepped yet
+                loss_fn = PolicyLoss(algo, counts, mismatch if first else None)
+                res = self.engine.forward_backward_batch(shard, loss_fn)
                 norms.append(self.engine.optimizer_step())
                 _accumulate(sums, res.metrics)
                 if self.critic is not None:
@@ -282,6 +291,9 @@ class Trainer:
         updates = len(plans) * tcfg.epochs
         metrics = {f"trainer/{k}": v / updates for k, v in sums.items()}
         metrics.update(self._batch_metrics(batch, lengths))
+        # without the proximal pass, each rank holds the tokens of its own micro-batches
+        world = 1 if proximal else self.world_size
+        metrics.update(mismatch.reduce(world_size=world, device=self._comm_device()))
         metrics["trainer/grad_norm"] = sum(norms) / len(norms)
         metrics["trainer/grad_norm_max"] = max(norms)
         metrics["trainer/lr"] = lr
