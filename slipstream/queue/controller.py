@@ -58,6 +58,7 @@ import msgspec
 
 from slipstream.queue import protocol as P
 from slipstream.queue.background import Background
+from slipstream.queue.checks import check_lease, check_nbytes, check_wait
 from slipstream.queue.codec import WireError, region_extent, validate_group
 from slipstream.queue.config import QueueConfig
 from slipstream.queue.credits import Credits
@@ -186,6 +187,7 @@ class Controller:
 
     # --------------------------------------------------------------------------------------- puts
     def handle_put(self, unit_index: int, reply_to: ReplyTo, req: P.PutRequest, buffers: list[Any]) -> None:
+        check_wait("PUT", req)
         nbytes = validate_group(req.meta, req.tensors, [len(b) for b in buffers], exact=True)
 
         def store() -> None:
@@ -199,11 +201,14 @@ class Controller:
         self._admit(req, nbytes, reply_to, store, duplicate, frame_bytes=nbytes)
 
     def handle_reserve(self, reply_to: ReplyTo, req: P.ReserveRequest, _buffers: list[Any]) -> None:
+        check_nbytes("RESERVE", "nbytes", req.nbytes, req.req_id, self.cfg)
         self.credits.release(req.release, req.owner)
         credit = self.credits.grant(req.nbytes, req.owner) if req.nbytes > 0 else None
         self._ok(reply_to, P.ReserveReply(req.req_id, credit))
 
     def handle_commit(self, reply_to: ReplyTo, req: P.CommitRequest, _buffers: list[Any]) -> None:
+        check_wait("COMMIT", req)
+        check_nbytes("COMMIT", "next_nbytes", req.next_nbytes, req.req_id, self.cfg)
         self.credits.release(req.release, req.owner)
         held = self.credits.take(req.token, req.req_id, req.owner)  # its until stored, or handed back below
 
@@ -237,10 +242,7 @@ class Controller:
 
     # ------------------------------------------------------------------------------------- leases
     def handle_lease(self, reply_to: ReplyTo, req: P.LeaseRequest, _buffers: list[Any]) -> None:
-        if req.n_groups < 1 or not 1 <= req.min_groups <= req.n_groups:
-            raise WireError(
-                "bad_request", f"need 1 <= min_groups ({req.min_groups}) <= n_groups ({req.n_groups})"
-            )
+        check_lease(req, self.cfg)
         self.ledger.part(req.partition)  # a bad name is refused before anything waits
         if self.parking.leases_full:
             self._serve_waiters(req.partition)  # drops answered waiters from the front
