@@ -17,13 +17,23 @@ Environment variables we set for a server must be known to it: its own (``env_pr
 others (``OMP_NUM_THREADS``) anywhere in its sources. The module we run (``python -m MODULE``) must exist
 and run as a script; a command that is not ``-m`` is checked against ``entry``. A flag value naming an
 entry of an upstream registry (:data:`REGISTRIES`: vLLM's weight-transfer engines) must be registered
-there, or by one of our plug-ins (``ours.plugin_registrations``).
+there, or by one of our plug-ins (``ours.plugin_registrations``). A list flag (``list[T]``) takes its items
+one per value (argparse's ``nargs="+"``, or ``action="append"`` for vLLM's ``--middleware``): each value is
+checked against ``T``.
+
+A flag whose value upstream imports and wires into the server (:data:`MIDDLEWARE`: vLLM's ``--middleware``,
+our token gate) must name a class of ours, and the release must still add such a class with
+``app.add_middleware`` after its own middleware, so that it sees every request first; a release that drops
+the flag, or applies it otherwise, fails the contract rather than serving its control routes open.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
+import inspect
 import json
+import re
 from dataclasses import dataclass, field
 
 from slipstream.contracts.ours import LaunchArgv
@@ -241,10 +251,18 @@ def _value_errors(tree: SourceTree, value: str, f: FieldInfo) -> list[tuple[str,
             pass
     if value.lower() in ("true", "false"):
         candidates.append(value.lower() == "true")
-    results = [check_value(tree, c, f.annotation, f.module, f.name) for c in candidates]
+    ann = _item_annotation(f.annotation)
+    results = [check_value(tree, c, ann, f.module, f.name) for c in candidates]
     if all(results):
         return [("", f"value {value!r} does not fit `{ast.unparse(f.annotation)}`")]  # type: ignore[arg-type]
     return []
+
+
+def _item_annotation(ann: ast.expr | None) -> ast.expr | None:
+    """``T`` of a ``list[T]`` flag (each value on the command line is one item); any other annotation as is."""
+    if isinstance(ann, ast.Subscript) and ast.unparse(ann.value).split(".")[-1] in ("list", "List"):
+        return ann.slice
+    return ann
 
 
 def _object_errors(tree: SourceTree, obj: dict, f: FieldInfo) -> list[tuple[str, str]]:
@@ -287,6 +305,52 @@ def _registry_errors(
             )
             out.append((f"{flag} {key}", msg, files[0]))
     return out
+
+
+@dataclass(frozen=True)
+class MiddlewareUse:
+    """How a release applies the class a flag names: the file that loops over the flag's values (``loop``,
+    a regex) must import each by its dotted path and pass a class to ``add``, and that call must be the file's
+    last ``add_middleware`` (Starlette puts the last one added outermost)."""
+
+    loop: str
+    add: str
+
+
+# (server kind, flag) -> how upstream applies its value.
+MIDDLEWARE: dict[tuple[str, str], MiddlewareUse] = {
+    ("vllm", "--middleware"): MiddlewareUse(
+        loop=r"for (\w+) in args\.middleware:", add="add_middleware(imported)"
+    ),
+}
+
+
+def _middleware_errors(tree: SourceTree, use: MiddlewareUse, value: str) -> list[tuple[str, str, str]]:
+    """(field, message, upstream file) when our value names no class, or the release no longer adds it last."""
+    out = [("", message, "") for message in _our_class_errors(value)]
+    files = tree.grep(use.loop)
+    if not files:
+        return [*out, ("", f"no upstream code applies the flag's values any more (`{use.loop}`)", "")]
+    text = tree.text(files[0])
+    tail = text[re.search(use.loop, text).start() :]  # type: ignore[union-attr]
+    if "import_module(" not in tail or use.add not in tail:
+        out.append(("", f"upstream no longer imports each value and adds a class with `{use.add}`", files[0]))
+    elif text.rfind("add_middleware(") != text.rfind(use.add):
+        message = f"upstream adds middleware after `{use.add}`: ours would no longer see every request first"
+        out.append(("", message, files[0]))
+    return out
+
+
+def _our_class_errors(value: str) -> list[str]:
+    """What is wrong with ``value`` as the dotted path of one of our classes (imported here)."""
+    module, _, name = value.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as err:
+        return [f"names {value}, which does not import here: {err}"]
+    if not inspect.isclass(found):
+        return [f"names {value}, which is not a class (upstream adds a class as ASGI middleware)"]
+    return []
 
 
 def check_launch(trees: dict[str, SourceTree], argvs: list[LaunchArgv]) -> list[Problem]:
@@ -333,6 +397,10 @@ def check_launch(trees: dict[str, SourceTree], argvs: list[LaunchArgv]) -> list[
             if value is not None:
                 for sub, msg, up in _registry_errors(tree, la.kind, flag, value, plugins):
                     problems.append(Problem(where, sub, msg, up, la.source))
+            use = MIDDLEWARE.get((la.kind, flag))
+            if use is not None and value is not None:
+                for sub, msg, up in _middleware_errors(tree, use, value):
+                    problems.append(Problem(where, f"{flag} {sub}".strip(), msg, up, la.source))
         for var in la.env:
             own = not spec.env_prefix or var.startswith(spec.env_prefix)
             files = [r for r in spec.env_files if r in tree.files] if own else []

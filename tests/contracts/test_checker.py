@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from slipstream.contracts import cache
-from slipstream.contracts.flags import LaunchSpec, check_launch, flag_index, parse_argv
+from slipstream.contracts.flags import LaunchSpec, _middleware_errors, check_launch, flag_index, parse_argv
 from slipstream.contracts.http import check_http
 from slipstream.contracts.ours import HttpCall, LaunchArgv, record_launch_argv
 from slipstream.contracts.pins import PINS, Pin
@@ -385,6 +385,60 @@ def test_unknown_launch_flags_and_bad_values_are_reported(tmp_path):
 def test_parse_argv_forms():
     argv = ["x", "--a", "1", "--b=2", "--flag", "--c", "{}"]
     assert parse_argv(argv, 1) == [("--a", "1"), ("--b", "2"), ("--flag", None), ("--c", "{}")]
+
+
+REGISTER = """
+import importlib
+
+
+def init(args, app):
+    app.add_middleware(CORSMiddleware)
+    for middleware in args.middleware:
+        module_path, object_name = middleware.rsplit(".", 1)
+        imported = getattr(importlib.import_module(module_path), object_name)
+        app.add_middleware(imported)
+"""
+FRONTEND = """
+from dataclasses import dataclass, field
+
+
+@dataclass
+class FrontendArgs:
+    middleware: list[str] = field(default_factory=list)
+    max_num_seqs: list[int] = field(default_factory=list)
+"""
+
+
+def test_our_middleware_must_be_a_class_upstream_still_adds_outermost(tmp_path):
+    """vLLM's --middleware carries our token gate: a release that stops adding a class last (outermost), or
+    drops the loop, fails; so does a value of ours that is not a class. A list flag's value is one item."""
+    from slipstream.contracts.flags import MIDDLEWARE
+
+    use = MIDDLEWARE[("vllm", "--middleware")]
+    gate = "slipstream.rollouter.vllm_auth.TokenGate"
+    after = REGISTER + "    app.add_middleware(Outer)\n"
+    trees = {name: _write(tmp_path / name, {"vllm/register.py": text, "vllm/args.py": FRONTEND})
+             for name, text in [("good", REGISTER), ("after", after), ("gone", "def init(args, app): pass\n"),
+                                ("function", REGISTER.replace("app.add_middleware(imported)", "app.middleware(imported)"))]}  # fmt: skip
+    spec = LaunchSpec(entry="", parsers=(), field_classes=(("FrontendArgs", "vllm/args.py"),))
+    argv = LaunchArgv("vllm", "test", ["vllm", "serve", "m", "--middleware", gate, "--max-num-seqs", "x"], {})
+    import slipstream.contracts.flags as flags
+
+    original = flags.LAUNCH["vllm"]
+    flags.LAUNCH["vllm"] = spec
+    try:
+        problems = check_launch({"vllm": trees["good"]}, [argv])
+    finally:
+        flags.LAUNCH["vllm"] = original
+    # the gate's path fits `list[str]` (one item per value), `x` does not fit `list[int]`
+    assert [p.field for p in problems] == ["--max-num-seqs"], problems
+    assert _middleware_errors(trees["good"], use, gate) == []
+    assert "after" in _middleware_errors(trees["after"], use, gate)[0][1]
+    assert "no upstream code applies" in _middleware_errors(trees["gone"], use, gate)[0][1]
+    assert "adds a class" in _middleware_errors(trees["function"], use, gate)[0][1]
+    not_class = _middleware_errors(trees["good"], use, "slipstream.rollouter.vllm_auth.is_open")
+    missing = _middleware_errors(trees["good"], use, "slipstream.rollouter.no_such_gate.Gate")
+    assert "not a class" in not_class[0][1] and "does not import" in missing[0][1]
 
 
 def test_launcher_commands_are_recorded_from_the_real_launcher():
