@@ -1,8 +1,9 @@
 """Where a run's metrics go: a local metrics.jsonl (always), wandb (offline by default), and the console.
 
 The controller calls :meth:`MetricsLogger.log` once per trainer step with a flat dict of numbers whose
-keys are prefixed by the part that measured them (``trainer/``, ``rollouter/``, ``queue/``, ``sync/``, and
-``eval/`` for the evaluation on held-out prompts, whose ``eval/version`` names the weights it measured).
+keys are prefixed by the part that measured them (``trainer/``, ``rollouter/``, ``queue/``, ``sync/``,
+``mismatch/`` for the trainer's train–inference mismatch, and ``eval/`` for the evaluation on held-out
+prompts, whose ``eval/version`` names the weights it measured).
 The jsonl file is the run's record: ``slipstream plot RUN_DIR`` draws from it, and a resumed run appends to
 it. The progress line shows step, reward, staleness, tokens/s and the ETA; on a terminal it is a live rich
 progress bar, elsewhere (CI logs, nohup) one plain line per step.

@@ -253,7 +253,7 @@ def test_a_server_sampling_at_another_temperature_moves_the_figures(
         assert hot[key] == pytest.approx(ref[key], rel=1e-3, abs=1e-6), key
     # ... and far from the matching run's (the random tiny model's next-token distributions are nearly flat,
     # so halving the temperature moves them less than it would a trained model's: k3 0.0116, 8 of 37 tokens
-    # outside the band, ratios from 0.70 to 1.28)
+    # outside the band, ratio p1 0.70 and p99 1.28)
     assert hot["mismatch/k3"] > 0.01
     assert hot["mismatch/abs_diff_mean"] > 0.1
     assert hot["mismatch/ratio_outside"] > 0.2
