@@ -29,7 +29,7 @@ Only ``measured_frac`` is reported (as 0) when no token counts.
 
 Across ranks: sums and counts are all-reduced, the maximum is all-reduced with MAX, and the quantiles come
 from a systematic sample: every rank takes every s-th of its values, with one stride s for all ranks chosen
-so that the gathered sample holds at most ``sample_per_rank`` x world size values; exact when all values
+so that the gathered sample holds about ``sample_per_rank`` x world size values; exact when all values
 fit. A rank that holds a copy of another's tokens (sequence- or tensor-parallel peers) or none (a pipeline
 stage that runs no loss) changes none of the figures: every token then has the same number of copies, and
 all figures are ratios, maxima or quantiles. Everything runs without gradient in one pass over the values.
@@ -63,8 +63,7 @@ class MismatchCollector:
     def __init__(self, version: int | None, *, sample_per_rank: int = 1 << 15) -> None:
         self.version = version
         self.sample_per_rank = sample_per_rank
-        self._diffs: list[torch.Tensor] = []
-        self._seen = 0
+        self._parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (d, counted, response)
 
     @torch.no_grad()
     def add(
@@ -74,14 +73,15 @@ class MismatchCollector:
         mask: torch.Tensor,
         versions: torch.Tensor | None = None,
     ) -> None:
-        """Flat per-token tensors of equal length; ``mask``: response tokens (the loss mask)."""
+        """Flat per-token tensors of equal length; ``mask``: response tokens (the loss mask). The selection
+        waits for :meth:`reduce`, so adding never waits on the device."""
         dev = trainer_logp.device
         mask = mask.to(dev).bool()
-        self._seen += int(mask.sum())
+        counted = mask
         if self.version is not None and versions is not None:
-            mask = mask & (versions.to(dev) == self.version)
+            counted = mask & (versions.to(dev) == self.version)
         f64 = torch.float64  # identical logprobs give exactly 0, and sums over many tokens stay exact
-        self._diffs.append((trainer_logp.detach().to(f64) - server_logp.detach().to(dev, f64))[mask])
+        self._parts.append((trainer_logp.detach().to(f64) - server_logp.detach().to(dev, f64), counted, mask))
 
     @torch.no_grad()
     def reduce(
@@ -93,12 +93,14 @@ class MismatchCollector:
     ) -> dict[str, float]:
         """The figures over every rank's values. Collective when ``world_size`` > 1: every rank of ``group``
         (``world_size`` ranks) calls it, a rank with no values too."""
-        d = torch.cat(self._diffs) if self._diffs else torch.zeros(0)
-        d = d.to(device=device, dtype=torch.float64)
+        d, seen = torch.zeros(0, dtype=torch.float64, device=device), 0
+        if self._parts:
+            diffs, counted, response = (torch.cat(x).to(device) for x in zip(*self._parts, strict=True))
+            d, seen = diffs[counted], int(response.sum())
         clamped = d.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
         ratio = torch.exp(clamped)
         low, high = RATIO_BAND
-        count = torch.tensor([float(d.numel()), float(self._seen)], dtype=torch.float64, device=device)
+        count = torch.tensor([float(d.numel()), float(seen)], dtype=torch.float64, device=device)
         sums = torch.cat(
             [
                 count,
