@@ -172,7 +172,7 @@ class _Recorder:
         return _track(data, "", call.reads) if call is not None else data
 
     def client(self, base_url: str = "http://upstream") -> httpx.AsyncClient:
-        return httpx.AsyncClient(base_url=base_url, transport=httpx.MockTransport(self.handler))
+        return _RecordingClient(base_url=base_url, transport=httpx.MockTransport(self.handler))
 
     async def run(
         self, kind: str, origin: str, step: Callable[[], Awaitable[Any]], errors: list[str]
@@ -182,6 +182,16 @@ class _Recorder:
             await step()
         except Exception as err:  # a step that cannot run is reported, the others still are recorded
             errors.append(f"{origin}: {type(err).__name__}: {err}")
+
+
+class _RecordingClient(httpx.AsyncClient):
+    """The recorder's stand-in for ``HTTPClient``: takes its ``repeatable`` (whether a call may be sent twice,
+    nothing the server sees) and sends the rest as httpx does."""
+
+    async def request(
+        self, method: str, url: Any, *, repeatable: bool = False, **kwargs: Any
+    ) -> httpx.Response:
+        return await super().request(method, url, **kwargs)
 
 
 async def _record_clients(rec: _Recorder, errors: list[str]) -> None:
