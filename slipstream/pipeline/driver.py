@@ -160,6 +160,8 @@ class StepDriver:
             "sync/bytes": float(report.publish.bytes if report.publish is not None else 0),
             # the servers generated nothing for this long (the whole push on a server paused before it)
             "sync/paused_s": report.publish.paused_s if report.publish is not None else 0.0,
+            # refusals for bytes that failed verification (weightsync.verify): corruption on the way
+            "sync/verify_failed": float(report.publish.verify_failed if report.publish is not None else 0),
         })  # fmt: skip
         return out
 

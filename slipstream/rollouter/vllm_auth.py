@@ -64,7 +64,11 @@ def is_open(scope: Scope) -> bool:
 
 class TokenGate:
     """ASGI middleware: every request but ``GET /health`` presents ``$SLIPSTREAM_SERVER_TOKEN`` (module
-    docstring). Without a token it serves only connections from loopback."""
+    docstring). Without a token it serves only connections from loopback.
+
+    vLLM builds it as ``TokenGate(app)`` (Starlette's ``add_middleware``, on the first ASGI call), so the token
+    is read from the environment then; ``token=`` sets it instead (tests).
+    """
 
     required: ClassVar[bool] = False  # TokenRequired: no token refuses start-up instead
 

@@ -259,11 +259,19 @@ class Transport(ABC):
         self._before_send(version)
         chosen = self.layout() if layout == "default" else layout
         if chosen is None:
-            buckets: Iterator[PackedBucket] = per_tensor_buckets(named_tensors, version, self.device, info)
+            buckets: Iterator[PackedBucket] = per_tensor_buckets(
+                named_tensors, version, self.device, info, verify=self.cfg.verify
+            )
         else:
             assert isinstance(chosen, Layout) and self.pool is not None
             buckets = BucketPacker(
-                named_tensors, version, chosen, self.pool, timeout_s=self.cfg.timeout_s, info=info
+                named_tensors,
+                version,
+                chosen,
+                self.pool,
+                timeout_s=self.cfg.timeout_s,
+                info=info,
+                verify=self.cfg.verify,
             )
         if announce is None:
             start, depth = self.start_bucket, (1 if chosen is None else self.depth)

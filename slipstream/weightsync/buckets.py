@@ -43,11 +43,21 @@ import torch
 
 from slipstream.utils import tensors as tensor_utils
 from slipstream.utils.tensors import dtype_name
+from slipstream.weightsync.digest import algorithm_for, digest
 from slipstream.weightsync.types import DENSE, ENTRY_KINDS, BucketMeta, TensorEntry, VersionInfo
 
 
 class BucketError(ValueError):
     """A bucket (or its metadata) that cannot be packed or unpacked as described."""
+
+
+# What a refusal for a digest mismatch says, so a sender can count them (``sync/verify_failed``).
+VERIFY_FAILED = "failed verification"
+
+
+class DigestMismatch(BucketError):
+    """A staged tensor's bytes differ from those the sender digested (``weightsync/digest.py``): the version
+    is refused, and the server keeps serving the one it has."""
 
 
 # ------------------------------------------------------------------------------------------------ dtypes
@@ -210,6 +220,7 @@ class _Pending:
     dtype: torch.dtype
     shape: list[int]
     kind: str = DENSE
+    digest: int | None = None
 
 
 @dataclass
@@ -255,9 +266,12 @@ class BucketPacker:
         pool: BufferPool,
         timeout_s: float = 300.0,
         info: VersionInfo | None = None,
+        verify: bool = False,
     ) -> None:
         self._source: Iterator[tuple] = iter(named_tensors)
         self.info = info or VersionInfo()
+        # Every entry carries its tensor's digest (weightsync/digest.py), by the pool's device's algorithm.
+        self.digest = algorithm_for(pool.device) if verify else ""
         self.version = version
         self.layout = layout
         self.pool = pool
@@ -319,7 +333,9 @@ class BucketPacker:
             return None
         name, tensor, kind = split_item(item)
         self.tensors += 1
-        return _Pending(name, as_bytes(tensor), tensor.dtype, list(tensor.shape), kind)
+        data = as_bytes(tensor)
+        stamp = digest(data, self.digest) if self.digest else None
+        return _Pending(name, data, tensor.dtype, list(tensor.shape), kind, stamp)
 
     def _peek_end(self) -> bool:
         """True when the source is exhausted (one item is pulled ahead and carried)."""
@@ -350,7 +366,9 @@ class BucketPacker:
         start = _round_up(bucket.cursor, self.layout.align)
         end = start + item.data.numel()
         self._put(bucket, start, item.data)
-        entry = TensorEntry(item.name, dtype_name(item.dtype), item.shape, start, end - start, 0, item.kind)
+        entry = TensorEntry(
+            item.name, dtype_name(item.dtype), item.shape, start, end - start, 0, item.kind, item.digest
+        )
         bucket.entries.append(entry)
         bucket.cursor = end
         bucket.dtype = item.dtype
@@ -376,7 +394,9 @@ class BucketPacker:
         size = min(self.layout.capacity, item.data.numel() - offset)
         bucket = self._open(size)
         self._put(bucket, 0, item.data[offset : offset + size])
-        entry = TensorEntry(item.name, dtype_name(item.dtype), item.shape, 0, size, offset, item.kind)
+        entry = TensorEntry(
+            item.name, dtype_name(item.dtype), item.shape, 0, size, offset, item.kind, item.digest
+        )
         bucket.entries.append(entry)
         bucket.cursor = size
         offset += size
@@ -403,6 +423,7 @@ class BucketPacker:
             base=self.info.base,
             keep=self.info.keep,
             lora_scale=self.info.lora_scale,
+            digest=self.digest,
         )
         self._index += 1
         self.bytes += bucket.cursor
@@ -537,8 +558,9 @@ class StagingArea:
             dtype = parse_dtype(entry.dtype)
             if not self._is_chunk(entry):
                 assert buf is not None
-                tensor = _typed_view(buf[entry.offset : entry.offset + entry.nbytes], dtype, entry.shape)
-                self._stage(entry, tensor, done)
+                raw = buf[entry.offset : entry.offset + entry.nbytes]
+                _verify(entry, raw, meta.digest)
+                self._stage(entry, _typed_view(raw, dtype, entry.shape), done)
                 continue
             full = self._full_tensor(entry)
             if not direct:
@@ -551,6 +573,7 @@ class StagingArea:
             got = self._partial.get(key, 0) + entry.nbytes
             if got >= tensor_nbytes(entry.shape, dtype):
                 self._partial.pop(key, None)
+                _verify(entry, full.reshape(-1).view(torch.uint8), meta.digest)
                 self._stage(entry, full, done)
             else:
                 self._partial[key] = got
@@ -588,6 +611,18 @@ class StagingArea:
         return buf
 
 
+def _verify(entry: TensorEntry, raw: torch.Tensor, algo: str) -> None:
+    """:class:`DigestMismatch` when the sender stamped a digest and ``raw`` (the tensor's staged bytes) differs."""
+    if entry.digest is None or not algo:
+        return
+    got = digest(raw, algo)
+    if got != entry.digest:
+        raise DigestMismatch(
+            f"`{entry.name}` {VERIFY_FAILED}: its {raw.numel()} staged bytes have {algo} digest {got}, the "
+            f"sender's had {entry.digest} (corrupted in transit or in the receive buffer)"
+        )
+
+
 def _key(entry: TensorEntry) -> str:
     """Where a chunked entry is assembled: by name for dense tensors, by kind and name otherwise."""
     return entry.name if entry.kind == DENSE else f"{entry.kind}:{entry.name}"
@@ -609,11 +644,16 @@ def segments_of(meta: BucketMeta) -> list[tuple[int, int]]:
 
 
 def per_tensor_buckets(
-    named_tensors: Iterable[tuple], version: int, device: torch.device, info: VersionInfo | None = None
+    named_tensors: Iterable[tuple],
+    version: int,
+    device: torch.device,
+    info: VersionInfo | None = None,
+    verify: bool = False,
 ) -> Iterator[PackedBucket]:
     """One bucket per tensor, without packing (the ``naive`` baseline); ``slot`` is -1 (no pool)."""
     info = info or VersionInfo()
-    stamp = {"base": info.base, "keep": info.keep, "lora_scale": info.lora_scale}
+    algo = algorithm_for(device) if verify else ""
+    stamp = {"base": info.base, "keep": info.keep, "lora_scale": info.lora_scale, "digest": algo}
     source = iter(named_tensors)
     item = next(source, None)
     if item is None:
@@ -625,7 +665,10 @@ def per_tensor_buckets(
         following = next(source, None)
         name, tensor, kind = split_item(item)
         data = as_bytes(tensor).to(device)
-        entry = TensorEntry(name, dtype_name(tensor.dtype), list(tensor.shape), 0, data.numel(), 0, kind)
+        mark = digest(data, algo) if algo else None
+        entry = TensorEntry(
+            name, dtype_name(tensor.dtype), list(tensor.shape), 0, data.numel(), 0, kind, mark
+        )
         meta = BucketMeta(
             version=version,
             index=index,

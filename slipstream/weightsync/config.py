@@ -85,6 +85,15 @@ class WeightSyncConfig(ConfigStruct):
             "trainer.lora, whose pushes carry the adapters alone.",
         ),
     ] = False
+    verify: Annotated[
+        bool,
+        Meta(
+            description="The trainer stamps every tensor it pushes with a digest of its bytes in the pushed "
+            "dtype (XXH3-64 from host memory, a position-weighted word sum on a GPU), and receivers refuse a "
+            "version whose staged bytes differ (the server keeps the old one; `sync/verify_failed`). About "
+            "50 ms per 270 MB on each side, on one core. SGLang's own receiver does not check.",
+        ),
+    ] = True
     require_all_weights: Annotated[
         bool,
         Meta(

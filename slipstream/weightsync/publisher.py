@@ -43,7 +43,7 @@ from slipstream.utils.http_client import HTTPClient
 from slipstream.utils.logging import get_logger
 from slipstream.weightsync.adapters import AdapterKind, ServerAdapter
 from slipstream.weightsync.base import TransportName, resolve_device
-from slipstream.weightsync.buckets import BufferPool
+from slipstream.weightsync.buckets import VERIFY_FAILED, BufferPool
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.errors import SourceFailed, TransferError
 from slipstream.weightsync.send_less import DeltaStats, delta_entries, lora_items
@@ -75,6 +75,9 @@ class PublishReport(msgspec.Struct, kw_only=True):
     # The longest any server was paused by this push (it generated nothing then): the whole transfer for a
     # server that pauses before it, the switch alone for one that stages while it generates.
     paused_s: float = 0.0
+    # Attempts a server refused because a tensor's staged bytes failed verification (``weightsync.verify``):
+    # each means corruption between this trainer and that server (a retry from the kept copy may still land).
+    verify_failed: int = 0
 
 
 class Snapshot:
@@ -467,6 +470,8 @@ class WeightPublisher:
         """Tear the link down at once, then have its servers leave their side of it (bounded, best effort):
         a server that keeps a group it was in can never join another of that name (SGLang)."""
         log.warning("weight push of version %d failed: %s", version, reason)
+        if VERIFY_FAILED in reason:
+            report.verify_failed += 1
         for url in self._link_members or self._live():
             report.failed.setdefault(url, reason)
         report.ok = []

@@ -95,6 +95,9 @@ class TensorEntry(msgspec.Struct, array_like=True, gc=False, frozen=True):
 
     A receiver refuses a kind it does not know at the bucket (``StagingArea``), so a sender that knows
     more kinds never has its payload read as dense values.
+
+    ``digest``: of the whole tensor's bytes (every chunk carries it), by the bucket's ``digest``
+    algorithm (``weightsync/digest.py``); None when the sender does not verify.
     """
 
     name: str
@@ -104,6 +107,7 @@ class TensorEntry(msgspec.Struct, array_like=True, gc=False, frozen=True):
     nbytes: int
     chunk_offset: int = 0
     kind: str = DENSE
+    digest: int | None = None
 
 
 class BucketMeta(msgspec.Struct, kw_only=True, gc=False, omit_defaults=True):
@@ -129,6 +133,8 @@ class BucketMeta(msgspec.Struct, kw_only=True, gc=False, omit_defaults=True):
     base: int = -1
     keep: bool = False
     lora_scale: float = 0.0
+    # The algorithm of the entries' digests (``weightsync/digest.py``); "" when they carry none.
+    digest: str = ""
 
 
 class VersionInfo(msgspec.Struct, kw_only=True, frozen=True):

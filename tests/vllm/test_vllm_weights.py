@@ -19,6 +19,7 @@ from slipstream.serverkinds.vllm import VLLMClient
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.publisher import WeightPublisher
 from tests.vllm.conftest import LONG_TOKENS, generated, run, start_long, until, wait_for_tokens
+from tests.weightsync.wsync_helpers import corrupt_once
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 8]
 LONG = SamplingParams(max_new_tokens=LONG_TOKENS, ignore_eos=True)
@@ -266,3 +267,21 @@ def test_buckets_stage_while_the_server_generates(vllm_server, policy, monkeypat
     assert 0 < report.paused_s < report.seconds  # paused for the switch only
     assert served_version(url) == old + 2
     assert out.versions[0] == old + 1 and out.versions[-1] == old + 2
+
+
+def test_a_version_corrupted_on_the_way_fails_verification_and_the_old_one_keeps_serving(
+    vllm_server, policy, monkeypatch
+):
+    """A byte flipped after the trainer digested it: vLLM's receiver refuses the version, naming the tensor,
+    and serves the old one with the trainer's logprobs; the publisher counts it (``sync/verify_failed``)."""
+    url = vllm_server.url
+    serving = served_version(url)
+    publish(url, serving + 1, policy.tensors())
+    hit = corrupt_once(monkeypatch, version=serving + 2)
+    report = publish(url, serving + 2, (({n: t + 1.0 for n, t in policy.tensors()}).items()), keep_last=False)
+    assert hit["name"] is not None and report.verify_failed == 1
+    assert url in report.failed and f"`{hit['name']}` failed verification" in report.failed[url]
+    assert served_version(url) == serving + 1
+    after = generate(url)
+    assert after.versions == [serving + 1] * len(after.output_ids)
+    assert torch.allclose(torch.tensor(after.logprobs), policy.logprobs(after.output_ids), atol=1e-4, rtol=0)

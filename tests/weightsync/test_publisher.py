@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 import torch
-from wsync_helpers import TargetServers, digest, mixed_tensors, served, spawn, status
+from wsync_helpers import TargetServers, corrupt_once, digest, mixed_tensors, served, spawn, status
 from wsync_target_server import serve, serve_lax
 
 from slipstream.serverkinds import server_kind
@@ -284,3 +284,37 @@ def test_a_whole_version_missing_a_tensor_is_refused_by_the_publisher_for_a_serv
             pub.close()
     finally:
         lax.stop()
+
+
+@pytest.mark.parametrize("keep_last", [False, True])
+def test_bytes_corrupted_in_flight_fail_verification_and_the_version_is_refused(
+    servers, monkeypatch, keep_last
+):
+    url = servers.start()
+    pub = WeightPublisher(config(keep_last=keep_last), [url], server_kind("embedded"))
+    try:
+        assert pub.publish(1, iter(mixed_tensors(1))).ok == [url]
+        hit = corrupt_once(monkeypatch, version=2)
+        report = pub.publish(2, iter(mixed_tensors(2)))
+        assert hit["name"] is not None and report.verify_failed == 1
+        if keep_last:  # the publisher's retry from its kept copy lands the version
+            assert report.retried and report.ok == [url]
+            assert served(url) == {"version": 2, "digest": digest(mixed_tensors(2))}
+        else:  # refused whole: the server serves the old version
+            assert report.ok == [] and f"`{hit['name']}` failed verification" in report.failed[url]
+            assert served(url) == {"version": 1, "digest": digest(mixed_tensors(1))}
+            assert pub.publish(3, iter(mixed_tensors(3))).ok == [url]
+    finally:
+        pub.close()
+
+
+def test_without_verification_the_same_corruption_is_served(servers, monkeypatch):
+    """The check's teeth: the same flipped byte, with weightsync.verify off, is applied and served."""
+    url = servers.start()
+    pub = WeightPublisher(config(verify=False), [url], server_kind("embedded"))
+    try:
+        corrupt_once(monkeypatch, version=1)
+        assert pub.publish(1, iter(mixed_tensors(1))).ok == [url]
+        assert served(url)["version"] == 1 and served(url)["digest"] != digest(mixed_tensors(1))
+    finally:
+        pub.close()
