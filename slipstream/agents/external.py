@@ -225,8 +225,7 @@ class ExternalAgentLoop(AgentLoop):
             end = self.renderer.end_of_turn_id
             out.response_ids, out.loss_mask, out.logprobs = [end if end is not None else 0], [0], [0.0]
             out.versions = [self.gateway.latest_version if self.gateway else 0]
-        earlier = [*session.segments[:-1], *session.asides]  # asides: the unchosen replies of n > 1 requests
-        out.earlier_segments = [seg for seg in earlier if seg.response_ids]
+        out.earlier_segments = [seg for seg in session.segments[:-1] if seg.response_ids]
         out.response_text = session.final_text
         out.num_resumes = session.resumes
         out.finish_reason = "length" if session.aborted else out.finish_reason

@@ -447,7 +447,7 @@ def test_stop_strings_end_the_reply_and_the_record(server, tok):
     assert len(out0.output_ids) > k  # the server sampled on; the record stops at the stop
 
 
-def test_n_samples_concurrently_and_the_reply_sent_back_continues_the_segment(server, tok):
+def test_n_samples_concurrently_and_only_the_reply_sent_back_is_recorded(server, tok):
     async def main():
         gw, rec, raw = await _gateway(server.url, tok, SamplingParams(max_new_tokens=8, temperature=1.0))
         try:
@@ -475,9 +475,9 @@ def test_n_samples_concurrently_and_the_reply_sent_back_continues_the_segment(se
     assert episode.divergences == 0 and seg.num_turns == 2
     ids = [c.model_extra["token_ids"] for c in many.choices]
     assert seg.response_ids[: len(ids[1])] == ids[1]  # the kept reply continues the segment
-    assert sorted(a.response_ids for a in episode.asides) == sorted([ids[0], ids[2]])
-    for aside in episode.asides:
-        assert aside.prompt_ids == seg.prompt_ids and aside.loss_mask == [1] * len(aside.response_ids)
+    out = calls[3][1]  # the next reply ends the segment; between them only the new message (mask 0)
+    assert seg.response_ids[-len(out.output_ids) :] == out.output_ids
+    assert sum(seg.loss_mask) == len(ids[1]) + len(out.output_ids)  # the other replies are not trained
 
 
 def test_streaming_sends_tokens_as_they_are_made_and_hides_an_abort(server, tok):

@@ -160,3 +160,26 @@ def test_bounded_encoding_refuses_by_characters_first_and_keeps_what_fits(tiny_m
     assert encode_bounded(tok, text, 64) == encode(text, add_special_tokens=False)
     with pytest.raises(RequestError, match="tokens; this server accepts at most 3"):
         encode_bounded(tok, text, 3)
+
+
+def test_hostile_bodies_are_400s_naming_the_fault(tiny_model_path, caplog):
+    """10,000-deep JSON where a schema takes any JSON (msgspec recurses per level) and prompt ids outside the vocabulary are the caller's
+    errors: 400, no traceback."""
+    deep = b'{"messages": [{"role": "user", "content": ' + b"[" * 10_000 + b"]" * 10_000 + b"}]}"
+
+    async def main():
+        async with serving(tiny_model_path) as (engine, http):
+            nested = await http.post("/v1/chat/completions", content=deep, headers={"Content-Type": "application/json"})
+            ids = [
+                await http.post("/generate", json={"input_ids": [1, bad, 2]})
+                for bad in (-1, engine.vocab_size)
+            ]
+            return nested, ids, engine.vocab_size
+
+    nested, ids, vocab = run(main())
+    assert nested.status_code == 400
+    assert nested.json()["error"]["message"] == "the request body nests too deeply to decode"
+    for response, bad in zip(ids, (-1, vocab), strict=True):
+        assert response.status_code == 400
+        assert f"token id {bad}, outside the vocabulary [0, {vocab})" in response.json()["error"]["message"]
+    assert not [r for r in caplog.records if r.exc_info]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import threading
 from typing import Any
 
 from slipstream.agents.chat import ChatRenderer
@@ -49,7 +50,8 @@ def tools_system_text(tools: list[dict[str, Any]]) -> str:
 
 
 class GatewayRenderer:
-    """Renders requests for one tokenizer; keeps a :class:`ChatRenderer` per distinct tools list."""
+    """Renders requests for one tokenizer; keeps a :class:`ChatRenderer` per distinct tools list. Thread-safe:
+    the gateway renders in worker threads, one request per session at a time but sessions in parallel."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -57,16 +59,18 @@ class GatewayRenderer:
         self.native_tools = "tools" in source
         self.native_tool_calls = "tool_calls" in source
         self._renderers: dict[str, ChatRenderer] = {}
+        self._lock = threading.Lock()  # guards _renderers
         self.stop_ids = ChatRenderer(tokenizer).stop_ids
 
     def renderer(self, tools_key: str, tools: list[dict[str, Any]] | None) -> ChatRenderer:
-        r = self._renderers.get(tools_key)
-        if r is None:
-            if len(self._renderers) >= _MAX_RENDERERS:
-                self._renderers.pop(next(iter(self._renderers)))
-            r = ChatRenderer(self.tokenizer, tools=tools if self.native_tools else None)
-            self._renderers[tools_key] = r
-        return r
+        with self._lock:
+            r = self._renderers.get(tools_key)
+            if r is None:
+                if len(self._renderers) >= _MAX_RENDERERS:
+                    self._renderers.pop(next(iter(self._renderers)))
+                r = ChatRenderer(self.tokenizer, tools=tools if self.native_tools else None)
+                self._renderers[tools_key] = r
+            return r
 
     def prepare(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict]:
         """Messages the template can render: text content, tool calls as text where it cannot render

@@ -25,10 +25,15 @@ generation (then, like a spent token budget, an empty reply with ``finish_reason
 strings end a reply at the first of them: the text returned leaves it out (as OpenAI does), the record keeps
 the tokens up to the one that completed it (the model's own), and drops what was sampled after it (the
 server generates on until its own stop, as the token-in/token-out interface has no stop strings). ``n`` > 1
-samples n replies from the same prompt concurrently; the one the harness sends back in its next request
-continues the segment, the others are trained as sequences of their own (Session.offer_choices). Bad requests
-get OpenAI-style errors (``{"error": {"message", "type", "code"}}``) and cost nothing but themselves. The
-gateway binds loopback unless told otherwise.
+samples n replies from the same prompt concurrently; only the one the harness continues in its next request
+is recorded (and trained), the others never are (session.py says how "continues" is decided, and what an
+episode ending with replies pending records). Bad requests get OpenAI-style errors (``{"error": {"message",
+"type", "code"}}``) and cost nothing but themselves (checks.py: the body's size, depth and text are bounded
+before anything is rendered). The gateway binds loopback unless told otherwise.
+
+The event loop serves every session of the rollouter, so nothing proportional to a request's size runs on
+it: the body is parsed and measured, and the chat rendered and tokenised, in worker threads, as the
+embedded server does.
 
 Worked example::
 
@@ -51,7 +56,7 @@ import json
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -61,31 +66,26 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from slipstream.agents.base import request_params
+from slipstream.agents.gateway.checks import (
+    MAX_REQUEST_BYTES,
+    GatewayError,
+    check_chat,
+    check_common,
+    check_completion,
+    check_text_size,
+    parse_body,
+)
 from slipstream.agents.gateway.render import GatewayRenderer, cut_at_stop, parse_reply, tool_prefill
 from slipstream.agents.gateway.session import Choice, Session, record
 from slipstream.agents.protocol import TOKEN_SINK, GenerateOutput, InferenceClient, SamplingParams
 from slipstream.utils.logging import get_logger
 from slipstream.utils.net import LOOPBACK, is_loopback
+from slipstream.utils.text_bounds import longest_token_chars
 
 log = get_logger(__name__)
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
-MAX_REQUEST_BYTES = 8 * 1024 * 1024
-# Most replies one request may ask for (`n`), and most stop strings (OpenAI's limit).
-MAX_N = 16
-MAX_STOPS = 4
 # Seconds close_session waits for a request of the session to notice its abort.
 CLOSE_WAIT_S = 30.0
-
-
-class GatewayError(Exception):
-    """An error answered to the harness with ``status`` and an OpenAI-style body."""
-
-    def __init__(self, status: int, message: str, err_type: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.err_type = err_type
 
 
 def _json(payload: Any, status: int = 200) -> Response:
@@ -155,6 +155,8 @@ class Gateway:
         self.client = client
         self.tokenizer = tokenizer
         self.renderer = GatewayRenderer(tokenizer)
+        self.vocab_size = len(tokenizer)
+        self.longest_token = longest_token_chars(tokenizer)
         self.sampling = sampling or SamplingParams()
         self.max_total_tokens = max_total_tokens
         self.max_turns = max_turns
@@ -239,18 +241,20 @@ class Gateway:
         return session
 
     async def _body(self, request: Request) -> dict[str, Any]:
+        """The body, refused past MAX_REQUEST_BYTES as it arrives, too deep, or with more text than an
+        episode's tokens can hold (checks.py); parsed in a worker thread."""
+        too_large = GatewayError(413, f"the request body exceeds {MAX_REQUEST_BYTES} bytes")
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > MAX_REQUEST_BYTES:
-            raise GatewayError(413, f"the request body exceeds {MAX_REQUEST_BYTES} bytes")
-        raw = await request.body()
-        if len(raw) > MAX_REQUEST_BYTES:
-            raise GatewayError(413, f"the request body exceeds {MAX_REQUEST_BYTES} bytes")
-        try:
-            body = json.loads(raw or b"{}")
-        except ValueError as err:
-            raise GatewayError(400, f"the request body is not valid JSON: {err}") from err
-        if not isinstance(body, dict):
-            raise GatewayError(400, "the request body must be a JSON object")
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_REQUEST_BYTES:
+                raise too_large
+            chunks.append(chunk)
+        body, chars = await asyncio.to_thread(parse_body, b"".join(chunks))
+        check_text_size(chars, self.max_total_tokens, self.longest_token)
         return body
 
     async def _models(self, request: Request) -> Response:
@@ -275,8 +279,8 @@ class Gateway:
             check_common(body)
             if chat:
                 check_chat(body)
-            elif not (isinstance(body.get("prompt"), str) or _is_ids(body.get("prompt"))):
-                raise GatewayError(400, "prompt must be a string or a list of token ids (one prompt)")
+            else:
+                check_completion(body, self.vocab_size)
             session.requests += 1
             self.counters["requests"] += 1
             if body.get("stream") and (body.get("n") or 1) == 1 and not _stops(body):
@@ -313,7 +317,7 @@ class Gateway:
             self.counters["divergences"] += session.divergences - divergences
             stops = _stops(body)
             choices = [self._choice(o, prefill, body, chat, bool(tools), stops) for o in outs]
-            self._record(session, body, chat, prompt_ids, choices)
+            self._record(session, body, chat, choices)
             if not choices:  # no budget or turns left: an empty reply (nothing recorded)
                 empty = GenerateOutput(output_ids=[], logprobs=[], versions=[], finish_reason="length")
                 choices = [self._choice(empty, [], body, chat, False, stops)]
@@ -440,10 +444,9 @@ class Gateway:
             choice.finish = "tool_calls"
         return choice
 
-    def _record(self, session: Session, body: dict[str, Any], chat: bool, prompt_ids: list[int],
-                choices: list[Choice]) -> None:  # fmt: skip
-        """Record the replies: one continues the segment, the others of an n > 1 request are sequences of
-        their own (for chat, the one the harness sends back next continues; see Session.offer_choices)."""
+    def _record(self, session: Session, body: dict[str, Any], chat: bool, choices: list[Choice]) -> None:
+        """Record the reply; the n replies of an n > 1 request wait for the next request to show which one
+        the harness used, and only that one is recorded (Session.offer_choices)."""
         for c in choices:
             session.resumes += c.out.num_resumes
             self.counters["resumes"] += c.out.num_resumes
@@ -451,32 +454,33 @@ class Gateway:
                 self.latest_version = max(self.latest_version, c.out.versions[-1])
         if not choices:
             return
-        if chat and len(choices) > 1:
-            session.offer_choices(prompt_ids, choices)
+        if len(choices) > 1:
+            session.offer_choices(choices, prompt_was_text=not chat and isinstance(body["prompt"], str))
             return
         first = choices[0]
         record(session.current, first.prefill, first.out)
-        for other in choices[1:]:
-            session.aside(prompt_ids, other)
         if chat:
             session.replied_chat(first.reply, first.ended)
         else:
             session.replied_completion(first.reply["text"], isinstance(body["prompt"], str))
 
     async def _prompt(self, session: Session, body: dict[str, Any], chat: bool):
+        """The prompt ids of a request, rendered and tokenised in a worker thread (checks.py bounded the
+        text first): a long chat takes seconds of CPU, which on the event loop would stall every session."""
         tok = self.tokenizer
         if not chat:
             encode = lambda text: list(tok.encode(text, add_special_tokens=False))  # noqa: E731
-            return session.begin_completion(body["prompt"], encode), None
+            return await _in_thread(session.begin_completion, body["prompt"], encode), None
         messages, tools = body["messages"], body.get("tools") or None
-        key = json.dumps(tools, sort_keys=True) if tools else ""
         r = self.renderer
 
-        def delta(new: list[dict], ended: bool) -> list[int]:
-            return r.delta_ids(new, tools, key, ended)
+        def begin() -> list[int]:
+            key = json.dumps(tools, sort_keys=True) if tools else ""
+            delta = lambda new, ended: r.delta_ids(new, tools, key, ended)  # noqa: E731
+            return session.begin_chat(messages, key, lambda m: r.full_ids(m, tools, key), delta)
 
         try:
-            ids = session.begin_chat(messages, key, lambda m: r.full_ids(m, tools, key), delta)
+            ids = await _in_thread(begin)
         except GatewayError:
             raise
         except Exception as err:  # a template that cannot render these messages: the caller's input
@@ -572,6 +576,17 @@ class Gateway:
                 "text_offset": offsets}  # fmt: skip
 
 
+async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in a worker thread. A caller cancelled meanwhile (its harness went away) still waits
+    for it to finish: ``fn`` changes the session, and the caller's rollback must see it done, not half-way."""
+    work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        await asyncio.wait({work})
+        raise
+
+
 def _sse(payload: Any) -> bytes:
     return b"data: " + msgspec.json.encode(payload) + b"\n\n"
 
@@ -619,72 +634,3 @@ def _stops(body: dict[str, Any]) -> list[str]:
 def _has_stop(tokenizer: Any, ids: list[int], stops: list[str]) -> bool:
     text = tokenizer.decode(ids, skip_special_tokens=True)
     return any(s in text for s in stops)
-
-
-# ---------------------------------------------------------------------- request checks
-def _is_ids(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(t, int) for t in value)
-
-
-def check_common(body: dict[str, Any]) -> None:
-    n = body.get("n")
-    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N):
-        raise GatewayError(400, f"n must be an integer from 1 to {MAX_N}, got {n!r}")
-    stop = body.get("stop")
-    if stop is not None and not (
-        (isinstance(stop, str) and stop)
-        or (isinstance(stop, list) and len(stop) <= MAX_STOPS and all(isinstance(x, str) and x for x in stop))
-    ):
-        raise GatewayError(400, f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them")
-    for name in ("max_tokens", "max_completion_tokens"):
-        value = body.get(name)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise GatewayError(400, f"{name} must be a positive integer, got {value!r}")
-    if not isinstance(body.get("stream", False), bool):
-        raise GatewayError(400, "stream must be true or false")
-
-
-def check_chat(body: dict[str, Any]) -> None:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise GatewayError(400, "messages must be a non-empty list")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise GatewayError(400, f"messages[{i}] needs a role, one of {list(ROLES)}")
-        content, calls = m.get("content"), m.get("tool_calls")
-        if content is None and not (m["role"] == "assistant" and calls):
-            raise GatewayError(400, f"messages[{i}].content is missing")
-        if content is not None and not isinstance(content, str | list):
-            raise GatewayError(400, f"messages[{i}].content must be a string or a list of text parts")
-        if calls is not None and not (
-            isinstance(calls, list)
-            and all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls)  # fmt: skip
-        ):
-            raise GatewayError(400, f"messages[{i}].tool_calls must be a list of function calls")
-    tools = body.get("tools")
-    if tools is not None and not (
-        isinstance(tools, list)
-        and all(isinstance(t, dict) and isinstance((t.get("function") or {}).get("name"), str) for t in tools)
-    ):
-        raise GatewayError(400, 'tools must be a list of {"type": "function", "function": {"name", ...}}')
-    check_tool_choice(body.get("tool_choice"), tools or [])
-
-
-def check_tool_choice(choice: Any, tools: list[dict[str, Any]]) -> None:
-    if choice is None or choice in ("none", "auto"):
-        return
-    names = [t["function"]["name"] for t in tools]
-    if choice == "required":
-        if not names:
-            raise GatewayError(400, 'tool_choice "required" needs tools')
-        return
-    name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
-    if not (
-        isinstance(choice, dict) and choice.get("type", "function") == "function" and isinstance(name, str)
-    ):
-        raise GatewayError(
-            400,
-            'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name"}}',
-        )
-    if name not in names:
-        raise GatewayError(400, f"tool_choice names {name!r}, which is not among the tools {names}")

@@ -14,6 +14,15 @@ starts a new segment from a fresh rendering and counts a divergence. The episode
 segment (the one that produced the final answer), and every earlier segment is trained too, as its own
 sequence with the episode's reward (``AgentLoopOutput.earlier_segments``, filled by the external loop).
 
+An ``n`` > 1 request's replies wait (:meth:`Session.offer_choices`) until the next request shows which one the
+harness used, and only that one is recorded: a reply the harness did not use had no part in what the
+episode's reward scores, so training it with that reward would credit it with another reply's outcome.
+The harness *used* a reply when its next request continues it: for chat, the message after the earlier
+history is that reply (compared after normalisation); for completions, the prompt starts with the recorded
+text (or ids) followed by that reply's. A next request that continues none of them records none (and, for
+chat, starts a new segment). When the episode ends with replies pending, which one the harness used cannot
+be seen, and the first is recorded: it is the one ``final_text`` holds, so the ``function`` reward scores it.
+
 Worked example (a tool round-trip extends one segment)::
 
     s = Session("e0-p3-0", api_key)
@@ -65,6 +74,10 @@ def canonical(message: dict[str, Any]) -> tuple:
     return (message.get("role"), _text(message.get("content")).strip(), calls, name)
 
 
+def _continues(prompt: list[int], recorded: list[int]) -> bool:
+    return prompt[: len(recorded)] == recorded
+
+
 class Choice:
     """One sampled reply: the tokens forced before it (``tool_choice``), the server's output, the message."""
 
@@ -111,11 +124,10 @@ class Session:
         self.aborted = False
         self.lock = asyncio.Lock()
         self.active_rids: list[str] = []  # requests on the server now (n of them for an n > 1 request)
-        # Sampled choices of an n > 1 chat request not continued in the segment (each its own sequence).
-        self.asides: list[AgentLoopOutput] = []
-        # The choices of the last n > 1 chat request, until the next request shows which one the harness kept.
+        # The replies of the last n > 1 request, until the next request shows which one the harness used,
+        # and whether that request's prompt was text (completions).
         self._choices: list[Choice] = []
-        self._choices_context: list[int] = []
+        self._choices_text = False
 
     @property
     def turns(self) -> int:
@@ -140,8 +152,10 @@ class Session:
         """The prompt ids for a chat request: the segment extended by the new messages' delta, or a new
         segment rendered from scratch (a divergence when a segment existed)."""
         canon = [canonical(m) for m in messages]
-        kept = self._settle_choices(canon)
         k = len(self.history)
+        nxt = canon[k] if len(canon) > k and canon[:k] == self.history else None
+        kept = self._settle_choices(lambda c: canonical(c.reply) == nxt)
+        k = len(self.history)  # the kept reply is history now
         extends = (
             kept
             and self.kind == "chat"
@@ -161,7 +175,12 @@ class Session:
     def begin_completion(self, prompt: str | list[int], encode: Callable[[str], list[int]]) -> list[int]:
         """The prompt ids for a completions request (text extends when it starts with the recorded text;
         token ids when they start with the recorded ids)."""
-        self._settle_choices(None)
+        if isinstance(prompt, list):
+            ctx = self.context_ids()
+            self._settle_choices(lambda c: _continues(prompt, ctx + c.prefill + c.out.output_ids))
+        else:
+            text = self.text if self._choices_text else None
+            self._settle_choices(lambda c: text is not None and prompt.startswith(text + c.reply["text"]))
         if isinstance(prompt, list):
             ctx = self.context_ids()
             if self.kind == "completion" and ctx and len(prompt) > len(ctx) and prompt[: len(ctx)] == ctx:
@@ -181,37 +200,30 @@ class Session:
         self.history.append(canonical(reply))
         self.ended_turn = ended_turn
 
-    def offer_choices(self, context: list[int], choices: list[Choice]) -> None:
-        """The replies of an n > 1 chat request: the one the harness sends back in its next request
-        continues the segment, the others become sequences of their own (:attr:`asides`)."""
-        self._choices, self._choices_context = choices, list(context)
+    def offer_choices(self, choices: list[Choice], *, prompt_was_text: bool = False) -> None:
+        """The replies of an n > 1 request: the one the harness continues in its next request is recorded,
+        the others never are (module docstring)."""
+        self._choices, self._choices_text = choices, prompt_was_text
 
-    def aside(self, context: list[int], choice: Choice) -> None:
-        seg = AgentLoopOutput(prompt_ids=list(context))
-        record(seg, choice.prefill, choice.out)
-        self.asides.append(seg)
-
-    def _settle_choices(self, canon: list[tuple] | None) -> bool:
-        """Resolve pending choices against the next request's canonical messages (None: the episode ended,
-        the first choice is kept); False when the harness kept none of them (the segment cannot go on)."""
+    def _settle_choices(self, used: Callable[[Choice], bool] | None) -> bool:
+        """Record the first pending choice ``used`` accepts (None: the episode ended, the first) and drop
+        the others; False when the harness used none of them (a chat segment cannot go on)."""
         if not self._choices:
             return True
-        k = len(self.history)
-        nxt = canon[k] if canon is not None and len(canon) > k and canon[:k] == self.history else None
-        keep = 0 if canon is None else next(
-            (j for j, c in enumerate(self._choices) if canonical(c.reply) == nxt), -1
-        )  # fmt: skip
-        for j, choice in enumerate(self._choices):
-            if j == keep:
-                record(self.current, choice.prefill, choice.out)
-                self.replied_chat(choice.reply, choice.ended)
-            else:
-                self.aside(self._choices_context, choice)
-        self._choices, self._choices_context = [], []
-        return keep >= 0
+        choices, self._choices = self._choices, []
+        kept = choices[0] if used is None else next((c for c in choices if used(c)), None)
+        if kept is None:
+            return False
+        record(self.current, kept.prefill, kept.out)
+        if self.kind == "chat":
+            self.replied_chat(kept.reply, kept.ended)
+        else:
+            self.replied_completion(kept.reply["text"], self._choices_text)
+        return True
 
     def settle(self) -> None:
-        """At the episode's end: pending choices resolved (the first continues the segment)."""
+        """At the episode's end: of pending choices, the first is recorded (which one the harness used cannot
+        be seen; it is the one ``final_text`` holds)."""
         self._settle_choices(None)
 
     def replied_completion(self, text: str, prompt_was_text: bool) -> None:
@@ -222,20 +234,19 @@ class Session:
         seg = self.current
         size = (len(seg.response_ids), seg.num_turns) if seg is not None else (0, 0)
         fields = (self.kind, list(self.history), self.text, self.tools_key, self.ended_turn, self.divergences,
-                  list(self._choices), list(self._choices_context))  # fmt: skip
-        return len(self.segments), size, len(self.asides), fields
+                  list(self._choices), self._choices_text)  # fmt: skip
+        return len(self.segments), size, fields
 
     def rollback(self, state: tuple) -> None:
-        count, (size, turns), asides, fields = state
+        count, (size, turns), fields = state
         del self.segments[count:]
-        del self.asides[asides:]
         seg = self.current
         if seg is not None:
             seg.num_turns = turns
             for name in ("response_ids", "loss_mask", "logprobs", "versions"):
                 del getattr(seg, name)[size:]
         (self.kind, self.history, self.text, self.tools_key, self.ended_turn, self.divergences,
-         self._choices, self._choices_context) = fields  # fmt: skip
+         self._choices, self._choices_text) = fields  # fmt: skip
 
     def _new_segment(self, prompt_ids: list[int], kind: str) -> None:
         if self.segments:

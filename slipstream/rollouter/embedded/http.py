@@ -14,6 +14,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from slipstream.rollouter.embedded.engine import EmbeddedEngine, RequestError, RequestState
+from slipstream.utils.text_bounds import longest_token_chars
 
 
 def json_response(payload: object, status_code: int = 200) -> Response:
@@ -47,23 +48,16 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
 async def decode_body(request: Request, body_type: type, max_bytes: int):
     """Decode the JSON body into ``body_type``; an empty body means all defaults."""
     raw = await read_body(request, max_bytes)
-    return msgspec.json.decode(raw or b"{}", type=body_type)
+    try:
+        return msgspec.json.decode(raw or b"{}", type=body_type)
+    except RecursionError:  # msgspec recurses per level: a hostile 10,000-deep body must be a 400, not a 500
+        raise RequestError("the request body nests too deeply to decode") from None
 
 
 # A prompt longer than this many characters per allowed token has its head tokenised first (see encode_bounded).
 HEAD_CHARS_PER_TOKEN = 8
 # Tokens the head may exceed the limit by before the prompt is refused: cutting the text can split a word.
 HEAD_MARGIN_TOKENS = 16
-_longest: dict[int, int] = {}
-
-
-def longest_token_chars(tokenizer: Any) -> int:
-    """Characters of the vocabulary's longest token string (byte-level tokens count a character per byte), so
-    no token covers more characters of text than this (cached per tokenizer)."""
-    key = id(tokenizer)
-    if key not in _longest:
-        _longest[key] = max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
-    return _longest[key]
 
 
 def encode_bounded(tokenizer: Any, text: str, max_tokens: int) -> list[int]:
@@ -138,6 +132,7 @@ __all__ = [
     "max_prompt_tokens",
     "error_response",
     "json_response",
+    "longest_token_chars",
     "read_body",
     "sse",
     "wait_or_abort_on_disconnect",
