@@ -346,3 +346,23 @@ def test_trainer_steps_with_a_kl_reference_and_publishes_the_adapters(
     second.resume(ckpt)
     assert second.version == 2
     assert any(p.abs().sum() > 0 for n, p in fresh.get_adapter_params() if n.endswith("lora_B.weight"))
+
+
+def test_a_lora_version_served_merged_and_served_from_adapters_is_one_policy_in_bf16(
+    tiny_model_path, single_process_group
+):
+    """The merged push (to a server that cannot rebuild adapters) and the adapter push (base weights and
+    adapters in the push dtype, merged by the receiver) give the same served weights, bit for bit, in bf16:
+    both merge the bf16 W, A and B in fp32 and round once."""
+    engine = _engine(tiny_model_path, *LORA)
+    _train(engine, 4)
+    bf16 = torch.bfloat16
+    merged = dict(engine.get_per_tensor_param(bf16))
+    base = dict(engine.base_reference().get_per_tensor_param(bf16))
+    received = merge_adapters(base, dict(engine.get_adapter_params(bf16)), scale=8 / 4)
+    assert len(received) == 14 and all(t.dtype == bf16 for t in merged.values())
+    for name, tensor in merged.items():
+        assert _same_bits(tensor, received.get(name, base[name])), name
+    # what a merge in fp32 rounded after (the older merged push) would have served differs
+    fp32 = dict(engine.get_per_tensor_param())
+    assert any(not _same_bits(fp32[n].to(bf16), received[n]) for n in received)

@@ -147,17 +147,26 @@ def merged_named_tensors(
     model: nn.Module, dtype: torch.dtype | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) of the model a server should serve: every base parameter, adapted weights
-    merged as ``W + (alpha / r) B A`` (fp32, cast back to W's dtype, then to ``dtype``); adapter tensors
-    themselves are not yielded. Collective over the FSDP mesh, in the same order on every rank."""
+    merged as ``W + (alpha / r) B A``; adapter tensors themselves are not yielded. Collective over the FSDP
+    mesh, in the same order on every rank.
+
+    With ``dtype``, W, A and B are cast to it first and then merged (``merge_lora``: fp32, rounded once to
+    ``dtype``): exactly what a server that receives the base weights and the adapters in ``dtype`` computes,
+    so a LoRA version served merged and the same version served from adapters are the same bits."""
     layers = {f"{name}.weight": layer for name, layer in lora_layers(model).items()}
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if dtype is not None else t
+
     for name, param in model.named_parameters():
         if is_adapter_name(name):
             continue
-        full = _full(param)
+        full = cast(_full(param))
         layer = layers.get(name)
         if layer is not None:
-            full = merge_lora(full, _full(layer.lora_A.weight), _full(layer.lora_B.weight), layer.scale)
-        yield name, (full.to(dtype) if dtype is not None else full)
+            a, b = cast(_full(layer.lora_A.weight)), cast(_full(layer.lora_B.weight))
+            full = merge_lora(full, a, b, layer.scale)
+        yield name, full
         del full
 
 
