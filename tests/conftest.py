@@ -33,3 +33,23 @@ def tiny_model_path(tmp_path_factory):
     from slipstream.utils.tiny_models import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+class _TinyMoEModels(dict):
+    """family -> path of a tiny random MoE checkpoint, written on first use (utils/tiny_models.py)."""
+
+    def __init__(self, root):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, family):
+        from slipstream.utils.tiny_models import make_tiny_moe_model
+
+        self[family] = make_tiny_moe_model(self.root / family, family)
+        return self[family]
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_models(tmp_path_factory):
+    """``tiny_moe_models["qwen3_moe"]``: a 2-layer, 4-expert, top-2 random MoE per family in MOE_FAMILIES."""
+    return _TinyMoEModels(tmp_path_factory.mktemp("tiny-moe"))

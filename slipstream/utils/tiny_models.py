@@ -124,3 +124,101 @@ def make_tiny_model(
     model.save_pretrained(str(path))
     (path / "slipstream_tiny.json").write_text(json.dumps({"seed": seed, "kind": "tiny-llama"}))
     return path
+
+
+# The MoE families tiny tests run: model_type -> (config class, causal-LM class, the config's name for the
+# expert count). Both keep transformers 5.x's fused expert tensors in memory (``mlp.experts.gate_up_proj``
+# [experts, 2 * moe_intermediate, hidden] and ``mlp.experts.down_proj`` [experts, hidden, moe_intermediate])
+# and save one tensor per expert (``mlp.experts.E.gate_proj.weight`` ...), as the released checkpoints do.
+MOE_FAMILIES = ("qwen3_moe", "olmoe")
+
+
+def make_tiny_moe_model(
+    path: str | Path,
+    family: str = "qwen3_moe",
+    *,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    num_kv_heads: int = 1,
+    head_dim: int = 64,
+    num_experts: int = 4,
+    experts_per_token: int = 2,
+    moe_intermediate_size: int = 32,
+    max_position_embeddings: int = 2048,
+    seed: int = 0,
+    dtype: str = "float32",
+) -> Path:
+    """Write a random-initialised mixture-of-experts causal LM (``family`` in :data:`MOE_FAMILIES`) with the
+    tiny tokenizer to ``path``; return the path.
+
+    Every layer is sparse (``experts_per_token`` of ``num_experts`` experts), top-k weights are renormalised
+    (Qwen3-MoE's ``norm_topk_prob``; OLMoE's default leaves them as softmax shares), and ``head_dim`` is 64 by
+    default because vLLM's CPU attention refuses smaller heads. OLMoE has no ``head_dim`` key: its heads are
+    ``hidden_size / num_heads`` wide, so the default 128 / 2 gives 64 as well. Seeded: calling it twice with
+    the same arguments gives bit-identical weights.
+
+    Worked example::
+
+        path = make_tiny_moe_model(tmp_path / "moe", "olmoe")
+        model = AutoModelForCausalLM.from_pretrained(path)   # model.layers[0].mlp.experts.gate_up_proj
+    """
+    import torch
+
+    from slipstream.utils.tensors import parse_dtype
+
+    if family not in MOE_FAMILIES:
+        raise ValueError(f"unknown MoE family {family!r}; known: {', '.join(MOE_FAMILIES)}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = make_tiny_tokenizer(path)
+    common = dict(
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        num_experts_per_tok=experts_per_token,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tok.pad_token_id,
+        torch_dtype=dtype,
+    )
+    config, model_cls = _moe_config(family, common, head_dim, num_experts, moe_intermediate_size)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(config).to(parse_dtype(dtype))
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.pad_token_id = config.pad_token_id
+    model.save_pretrained(str(path))
+    (path / "slipstream_tiny.json").write_text(json.dumps({"seed": seed, "kind": f"tiny-{family}"}))
+    return path
+
+
+def _moe_config(family: str, common: dict, head_dim: int, num_experts: int, moe_intermediate: int):  # noqa: ANN202
+    if family == "qwen3_moe":
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        config = Qwen3MoeConfig(
+            **common,
+            head_dim=head_dim,
+            intermediate_size=4 * moe_intermediate,  # dense MLPs: none here (every layer is sparse)
+            moe_intermediate_size=moe_intermediate,
+            num_experts=num_experts,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+            router_aux_loss_coef=0.001,
+        )
+        return config, Qwen3MoeForCausalLM
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    if common["hidden_size"] // common["num_attention_heads"] != head_dim:
+        raise ValueError(f"olmoe: head_dim is hidden_size / num_heads, not {head_dim}")
+    config = OlmoeConfig(
+        **common, intermediate_size=moe_intermediate, num_experts=num_experts, router_aux_loss_coef=0.01
+    )
+    return config, OlmoeForCausalLM
