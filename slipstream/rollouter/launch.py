@@ -41,7 +41,7 @@ from slipstream.rollouter.config import RolloutConfig
 from slipstream.serverapi import Endpoint, ServerAPI
 from slipstream.utils.http_auth import TOKEN_ENV
 from slipstream.utils.logging import get_logger
-from slipstream.utils.net import LOOPBACK, free_port
+from slipstream.utils.net import LOOPBACK, free_port, is_loopback
 
 log = get_logger(__name__)
 
@@ -184,6 +184,12 @@ def launch_server(
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     full_env = {**os.environ, **record.env(cfg), **(env or {})}
+    if not is_loopback(host) and not full_env.get(TOKEN_ENV, "").strip():
+        raise ServerLaunchError(
+            f"{kind_name} server on {host}:{port}: it would be reachable from other machines and ${TOKEN_ENV} is "
+            "not set, so its pause, abort and weight routes would answer anyone: set the token (the pipeline "
+            "makes one per run) or bind 127.0.0.1 (cluster.server_host)"
+        )
     if record.open_flag and not full_env.get(TOKEN_ENV, "").strip():
         # launched without a token: open, as the caller asked (the pipeline sets one)
         command.append(record.open_flag)
