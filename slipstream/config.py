@@ -433,6 +433,8 @@ def trainer_settings(cfg: Config) -> TrainerSettings:
             run=cfg.run,
             weightsync=cfg.weightsync,
             sampling_temperature=cfg.rollout.sampling.temperature,
+            sampling_top_k=cfg.rollout.sampling.top_k,
+            sampling_top_p=cfg.rollout.sampling.top_p,
             loss_scale_tokens=cfg.rollout.sampling.max_new_tokens,
             max_staleness=cfg.async_.max_staleness,
             stale_policy=cfg.async_.stale_policy,

@@ -86,8 +86,8 @@ def check_config(cfg: Config, *, environment: bool = True) -> None:
     """
     from slipstream.pipeline.placement import check_layout
 
-    checks = [_check_registries, _check_trainer, _check_faults, _check_lengths, check_layout, _check_memory,
-              _check_autotune]  # fmt: skip
+    checks = [_check_registries, _check_trainer, _check_sampling, _check_faults, _check_lengths, check_layout,
+              _check_memory, _check_autotune]  # fmt: skip
     if environment:
         checks += [_check_model, _check_backends, _check_judge]
     else:
@@ -286,6 +286,29 @@ def _check_trainer(cfg: Config) -> None:
         raise ConfigError("cluster.gpus_per_trainer_rank: GPUs are reserved but trainer.device is cpu")
     if t.device == "cuda" and cfg.cluster.ray_address is None and cfg.cluster.gpus_per_trainer_rank == 0:
         raise ConfigError("cluster.gpus_per_trainer_rank: trainer.device is cuda; reserve 1 GPU per rank")
+
+
+def _check_sampling(cfg: Config) -> None:
+    """With top-k / top-p on, the trainer's logprobs are of the renormalised distribution the servers sample
+    from (``trainer/logprobs.py``, "Sampling masks"): refused where the servers' returned logprobs are not of
+    it (the behaviour policy would be another distribution) or the trainer engine cannot rebuild it."""
+    s = cfg.rollout.sampling
+    if s.temperature <= 0 or (s.top_k <= 0 and s.top_p >= 1.0):
+        return
+    setting = f"top_k {s.top_k}, top_p {s.top_p}"
+    why = server_kind(cfg.rollout.backend, key="rollout.backend").unfiltered_logprobs(cfg.rollout)
+    if why:
+        raise ConfigError(
+            f"rollout.sampling: {setting} samples from a truncated distribution, but {why}; the off-policy "
+            "correction would compare two different distributions. Use rollout.sampling.top_k=-1 and "
+            "top_p=1, or the vllm or embedded backend"
+        )
+    if cfg.trainer.engine == "megatron":
+        raise ConfigError(
+            f"trainer.engine: rollout.sampling {setting} needs the trainer to renormalise its logprobs over "
+            "the tokens top-k / top-p keep, which the megatron engine's vocabulary-parallel logprobs do not "
+            "do; use trainer.engine=fsdp, or top_k=-1 and top_p=1"
+        )
 
 
 def _check_autotune(cfg: Config) -> None:

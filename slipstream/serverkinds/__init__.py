@@ -162,6 +162,10 @@ class ServerKind:
     so again once it is linked (``ServerAdapter.send_less_refusal``: servers started by hand)."""
     transfer_setting: Callable[[RolloutConfig], str] = _no_setting
     """The config that decides :attr:`takes_send_less`, in words for an error (" with ... `nccl`")."""
+    unfiltered_logprobs: Callable[[RolloutConfig], str] = _no_setting
+    """(rollout config) -> why the logprobs its servers return under this config are not of the distribution
+    they sample from when top-k / top-p is on (renormalised over the kept tokens), for the config check's
+    refusal; empty where they are (``trainer/logprobs.py``, "Sampling masks")."""
     served_dtype: Callable[[RolloutConfig, str, str], str] = args_or_checkpoint_dtype
     """(rollout config, ``model.path``, ``model.dtype``) -> the dtype its servers hold weights in (what
     ``weightsync.push_dtype: auto`` pushes and the memory planner counts)."""

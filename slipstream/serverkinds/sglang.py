@@ -237,6 +237,13 @@ def sglang_command(model: str, host: str, port: int, cfg: RolloutConfig) -> list
     return base + ["--port", str(port), "--weight-version", "0"]
 
 
+def _unfiltered_logprobs(cfg: RolloutConfig) -> str:
+    return (
+        "SGLang returns the log of its tempered softmax, before top-k / top-p renormalise it, so its "
+        "logprobs are not of the distribution it samples from"
+    )
+
+
 KIND = ServerKind(
     name="sglang",
     api=SGLANG,
@@ -250,6 +257,7 @@ KIND = ServerKind(
     context_flag="--context-length",
     position_flag="--json-model-override-args",
     typed_buckets=True,
+    unfiltered_logprobs=_unfiltered_logprobs,
     send_less_missing=(
         "SGLang loads dense tensors only, and its one in-memory LoRA route (/load_lora_adapter_from_tensors) "
         "unpickles what it is sent, which Slipstream never sends on a socket"

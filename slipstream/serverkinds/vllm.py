@@ -535,6 +535,22 @@ def _transfer_setting(cfg: RolloutConfig) -> str:
     return f" with rollout.vllm.weight_transfer `{cfg.vllm.weight_transfer}`"
 
 
+def _unfiltered_logprobs(cfg: RolloutConfig) -> str:
+    """Only ``processed_logprobs`` (ours, unless ``rollout.server_args`` overrides it) are of the distribution
+    top-k / top-p leave; the raw modes are of the logits before temperature and filters."""
+    mode = "processed_logprobs"
+    for i, arg in enumerate(cfg.server_args):  # the last one wins, as in argparse
+        if arg.startswith("--logprobs-mode="):
+            mode = arg.partition("=")[2]
+        elif arg == "--logprobs-mode" and i + 1 < len(cfg.server_args):
+            mode = cfg.server_args[i + 1]
+    if mode == "processed_logprobs":
+        return ""
+    return (
+        f"rollout.server_args sets vLLM's --logprobs-mode to {mode}, whose logprobs are not after the filters"
+    )
+
+
 def vllm_dtype(cfg: RolloutConfig, model_path: str, model_dtype: str = "float32") -> str:
     """The dtype vLLM serves: a ``--dtype`` in ``rollout.server_args`` (appended after ours, so it wins), else
     ``rollout.vllm.dtype``, its ``auto`` resolved here (:func:`auto_dtype`) and passed to vLLM as our
@@ -588,6 +604,7 @@ KIND = ServerKind(
     rebuilds_send_less=True,
     takes_send_less=_takes_send_less,
     transfer_setting=_transfer_setting,
+    unfiltered_logprobs=_unfiltered_logprobs,
     served_dtype=vllm_dtype,
     cpu_threads=_cpu_threads,
     cpu_threads_key="rollout.vllm.cpu_threads",

@@ -28,6 +28,29 @@ not fit, and this module is written for the job instead.
 
 :class:`LogprobHead` puts this computation inside the model's forward (see its docstring for why that
 matters under FSDP2).
+
+**Sampling masks.** A run that samples with top-k or top-p (``rollout.sampling.top_k`` > 0, ``top_p`` < 1)
+draws each token from the tempered distribution renormalised over the tokens the filter keeps, and the
+servers return that token's log-probability in it (vLLM with ``--logprobs-mode processed_logprobs``, the
+embedded server). Given a :class:`Truncation`, both paths score the same distribution: per row the kept set is
+rebuilt from the trainer's own tempered logits in the servers' order and arithmetic (vLLM's
+``apply_top_k_top_p_pytorch``, transformers' continuous-batching warpers; :func:`_cut`):
+
+1. ``z = logits / T`` (fp32);
+2. top-k: keep ``z >= `` the k-th largest ``z`` (ties with it are kept);
+3. top-p, on what top-k kept: sort ascending, ``cumsum(softmax)``, drop the prefix whose cumulative mass is
+   ``<= 1 - top_p`` (``1 - top_p`` in fp32), always keep the largest;
+
+and the dropped logits become ``-inf`` before the log-softmax (in the chunked path fp32's lowest number,
+so that its hand-written ``p * log p`` terms stay 0 without special cases), so the logprob, the entropy and
+their gradients are those of the renormalised distribution (a dropped token's gradient is 0). Two rules where the servers'
+own set is not recoverable: (a) the kept set is a threshold set, ``z >= cut``, so an exact tie at the top-p
+cut keeps every tied token, where vLLM keeps the ones its sort puts last; (b) the sampled token is always in
+the set: it was sampled, so the server kept it, and a near-tie (the trainer's logits differ from the server's
+by ~1e-6) that puts it just below the rebuilt cut must not make its logprob ``-inf``. A near-tie of another
+token at the cut is not caught: the normaliser then differs by that token's probability. vLLM's Model Runner
+V2 can return the kept set itself (``return_sampling_mask``; GPU builds only), which this rebuild stands in
+for. ``min_p`` is not a ``rollout.sampling`` key, so no server applies it to training requests.
 """
 
 from __future__ import annotations
@@ -39,6 +62,86 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+# What a dropped token's tempered logit becomes in the chunked path: finite, so that the 0 * log 0 terms of
+# its entropy and entropy gradient are 0 rather than NaN (each is multiplied by p = 0 before anything else).
+DROPPED = torch.finfo(torch.float32).min
+# Rows sorted at a time for top-p: bounds the transient (values and int64 indices of [rows, V]).
+_CUT_ROWS = 256
+
+
+@dataclass(frozen=True)
+class Truncation:
+    """The servers' top-k / top-p filter, replayed on the trainer's logits (module docstring, "Sampling masks").
+
+    ``top_k`` <= 0 and ``top_p`` == 1 are off; build one with :func:`sampling_truncation`, which returns None
+    when neither filter is on, so the plain computation runs unchanged.
+    """
+
+    top_k: int = -1
+    top_p: float = 1.0
+
+
+def sampling_truncation(temperature: float, top_k: int, top_p: float) -> Truncation | None:
+    """The filter training requests sampled through, or None. Greedy requests (temperature 0) take the argmax
+    and no filter, and their logprobs are not sampling probabilities anyway."""
+    if temperature <= 0 or (top_k <= 0 and top_p >= 1.0):
+        return None
+    return Truncation(top_k=top_k if top_k > 0 else -1, top_p=float(top_p))
+
+
+def _cut(z: torch.Tensor, trunc: Truncation) -> torch.Tensor:
+    """Per row of tempered fp32 logits ``z`` [n, V], the smallest logit the servers' filter keeps [n].
+
+    The arithmetic is vLLM's (``apply_top_k_top_p_pytorch``) and transformers' (the continuous-batching top-k
+    then top-p warpers), which agree: top-k keeps ``z >= `` the k-th largest; top-p sorts what is left
+    ascending and drops the prefix whose cumulative probability is ``<= 1 - top_p``, keeping the largest.
+    """
+    v = z.shape[-1]
+    k = min(trunc.top_k, v) if trunc.top_k > 0 else v
+    if trunc.top_p >= 1.0:
+        return z.topk(k, dim=-1).values[:, -1]
+    out = torch.empty(z.shape[0], dtype=z.dtype, device=z.device)
+    drop_mass = 1 - torch.tensor(trunc.top_p, dtype=torch.float32, device=z.device)  # as the servers round it
+    for s in range(0, z.shape[0], _CUT_ROWS):
+        zs = z[s : s + _CUT_ROWS].sort(dim=-1).values
+        if k < v:
+            zs.masked_fill_(zs < zs[:, v - k, None], float("-inf"))
+        cum = zs.softmax(dim=-1).cumsum_(dim=-1)
+        # cum only grows, so the dropped tokens are a prefix; the largest token is always kept
+        first_kept = (cum <= drop_mass).sum(dim=-1).clamp_(max=v - 1)
+        out[s : s + zs.shape[0]] = zs.gather(1, first_kept[:, None])[:, 0]
+    return out
+
+
+def _truncate_(z: torch.Tensor, targets: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
+    """Set every logit below its row's cut to :data:`DROPPED`, in place, except the target's (always kept)."""
+    keep = z.gather(1, targets[:, None])
+    z.masked_fill_(z < cut[:, None], DROPPED)
+    return z.scatter_(1, targets[:, None], keep)
+
+
+def truncate_logits(z: torch.Tensor, targets: torch.Tensor, trunc: Truncation | None) -> torch.Tensor:
+    """Tempered fp32 logits [n, V] with the tokens ``trunc`` drops set to ``-inf`` (out of place, so autograd
+    sees a masked copy); ``z`` itself when ``trunc`` is None. The plain path's version of the replay; take
+    the entropy of the result with :func:`plain_entropy`."""
+    if trunc is None:
+        return z
+    with torch.no_grad():
+        keep = z >= _cut(z.detach(), trunc)[:, None]
+        keep.scatter_(1, targets.long()[:, None], True)
+    return z.masked_fill(~keep, float("-inf"))
+
+
+def plain_entropy(z: torch.Tensor, truncated: bool) -> torch.Tensor:
+    """Entropy per row of logits from :func:`truncate_logits`: with ``truncated`` its ``-inf`` entries count
+    0 log 0 = 0, with no NaN in value or gradient; without, ``entropy_from_logits`` as before."""
+    from slipstream.trainer.algos.kl import entropy_from_logits
+
+    if not truncated:
+        return entropy_from_logits(z)
+    logsm = torch.log_softmax(z.float(), dim=-1)
+    return -(logsm.exp() * logsm.masked_fill(torch.isneginf(z), 0.0)).sum(dim=-1)
+
 
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
     """fp32 tempered logits of one chunk, computed exactly as the plain path computes them."""
@@ -47,26 +150,34 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> 
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
-    """(hidden [N, H], weight [V, H], targets [N]) -> (logprobs [N] fp32, entropy [N] fp32 or [0])."""
+    """(hidden [N, H], weight [V, H], targets [N]) -> (logprobs [N] fp32, entropy [N] fp32 or [0]).
+
+    With a :class:`Truncation`, each row's cut is found in forward and saved ([N] floats), and backward drops
+    the same tokens of the recomputed (bit-identical) logits.
+    """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk, with_entropy):  # noqa: ANN001, ANN205
+    def forward(ctx, hidden, weight, targets, temperature, chunk, with_entropy, trunc):  # noqa: ANN001, ANN205
         n = hidden.shape[0]
         f32 = dict(dtype=torch.float32, device=hidden.device)
         logp, shift = torch.empty(n, **f32), torch.empty(n, 2, **f32)
         ent = torch.empty(n if with_entropy else 0, **f32)
+        cut = torch.empty(n if trunc is not None else 0, **f32)
         step = chunk if chunk > 0 else max(n, 1)
         for s in range(0, n, step):
             e = min(n, s + step)
             z = _chunk_logits(hidden[s:e], weight, temperature)
+            if trunc is not None:
+                cut[s:e] = _cut(z, trunc)
+                _truncate_(z, targets[s:e], cut[s:e])
             p, shift[s:e] = _log_softmax_(z)
             logp[s:e] = z.gather(-1, targets[s:e, None])[:, 0]
             if with_entropy:
                 # -sum p log p: no large terms cancel (logsumexp - E[z] would); the product reuses p's buffer
                 ent[s:e] = -p.mul_(z).sum(dim=-1)
             del z, p
-        ctx.save_for_backward(hidden, weight, targets, shift, ent)
-        ctx.temperature, ctx.step = temperature, step
+        ctx.save_for_backward(hidden, weight, targets, shift, ent, cut)
+        ctx.temperature, ctx.step, ctx.trunc = temperature, step, trunc
         ctx.set_materialize_grads(False)
         if not with_entropy:
             ctx.mark_non_differentiable(ent)
@@ -75,26 +186,30 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_logp, g_ent):  # noqa: ANN001, ANN205
-        hidden, weight, targets, shift, ent = ctx.saved_tensors
+        hidden, weight, targets, shift, ent, cut = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if g_ent is not None and ent.numel() == 0:
             g_ent = None
         if (g_logp is None and g_ent is None) or not (need_h or need_w):
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         gh = torch.empty_like(hidden) if need_h else None
         # fp32 accumulator across chunks: one rounding to the weight's dtype at the end, as one matmul has
         gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         n, step = hidden.shape[0], ctx.step
         for s in range(0, n, step):
             e = min(n, s + step)
+            z = _chunk_logits(hidden[s:e], weight, ctx.temperature)
+            if ctx.trunc is not None:
+                _truncate_(z, targets[s:e], cut[s:e])
             grad = _chunk_grad(
-                _chunk_logits(hidden[s:e], weight, ctx.temperature),
+                z,
                 shift[s:e],
                 ent[s:e] if g_ent is not None else None,
                 targets[s:e],
                 g_logp[s:e] if g_logp is not None else None,
                 g_ent[s:e] if g_ent is not None else None,
             )
+            del z
             if ctx.temperature != 1.0:
                 grad.div_(ctx.temperature)
             grad = grad.to(hidden.dtype)
@@ -106,7 +221,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 else:
                     gw.add_(grad.t() @ hidden[s:e])
             del grad
-        return gh, (gw.to(weight.dtype) if need_w else None), None, None, None, None
+        return gh, (gw.to(weight.dtype) if need_w else None), None, None, None, None, None
 
 
 def _log_softmax_(z: torch.Tensor, shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,19 +267,23 @@ def token_logprobs(
     temperature: float = 1.0,
     chunk: int = 4096,
     entropy: bool = False,
+    truncation: Truncation | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probability of ``targets`` under ``softmax(hidden @ weight^T / temperature)``, and its entropy.
 
     hidden: [N, H] (compute dtype), weight: [V, H], targets: [N] token ids. Returns fp32 ``logprobs`` [N]
     and ``entropy`` [N] (None unless asked), both differentiable in ``hidden`` and ``weight``. ``chunk``
-    rows are projected at a time; 0 projects all N at once (still without autograd's extra copies).
+    rows are projected at a time; 0 projects all N at once (still without autograd's extra copies). With a
+    ``truncation`` both are of the distribution renormalised over the tokens the sampler's top-k / top-p
+    keeps (module docstring, "Sampling masks").
 
     Example::
 
         logp, ent = token_logprobs(h[:-1], lm_head.weight, ids[1:], temperature=0.7, entropy=True)
+        logp, _ = token_logprobs(h[:-1], lm_head.weight, ids[1:], truncation=Truncation(top_k=20, top_p=0.8))
     """
     logp, ent = _ChunkedTokenLogprobs.apply(
-        hidden, weight, targets.long(), float(temperature), int(chunk), bool(entropy)
+        hidden, weight, targets.long(), float(temperature), int(chunk), bool(entropy), truncation
     )
     return logp, (ent if entropy else None)
 
@@ -176,13 +295,12 @@ def full_token_logprobs(
     *,
     temperature: float = 1.0,
     entropy: bool = False,
+    truncation: Truncation | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The plain path, full [N, V] fp32 logits at once: the reference :func:`token_logprobs` must equal."""
-    from slipstream.trainer.algos.kl import entropy_from_logits
-
-    logits = F.linear(hidden, weight).float() / temperature
+    logits = truncate_logits(F.linear(hidden, weight).float() / temperature, targets, truncation)
     logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.long()[:, None])[:, 0]
-    return logp, (entropy_from_logits(logits) if entropy else None)
+    return logp, (plain_entropy(logits, truncation is not None) if entropy else None)
 
 
 @dataclass
@@ -215,11 +333,18 @@ class LogprobHead(torch.nn.Module):
     behaves as the linear layer it replaced (plain logits, e.g. for generation).
     """
 
-    def __init__(self, weight: torch.nn.Parameter, chunk_tokens: int, temperature: float) -> None:
+    def __init__(
+        self,
+        weight: torch.nn.Parameter,
+        chunk_tokens: int,
+        temperature: float,
+        truncation: Truncation | None = None,
+    ) -> None:
         super().__init__()
         self.weight = weight
         self.chunk_tokens = chunk_tokens
         self.temperature = temperature
+        self.truncation = truncation
         self._request: _Request | None = None
 
     @contextlib.contextmanager
@@ -245,13 +370,16 @@ class LogprobHead(torch.nn.Module):
             temperature=self.temperature,
             chunk=self.chunk_tokens,
             entropy=req.entropy is not None,
+            truncation=self.truncation,
         )
         if ent is not None and req.entropy != "grad":
             ent = ent.detach()
         return logp, ent
 
 
-def install_logprob_head(model: torch.nn.Module, chunk_tokens: int, temperature: float) -> LogprobHead | None:
+def install_logprob_head(
+    model: torch.nn.Module, chunk_tokens: int, temperature: float, truncation: Truncation | None = None
+) -> LogprobHead | None:
     """Replace ``model``'s output layer with a :class:`LogprobHead` sharing its weight; None if unsupported.
 
     Supported: a bias-free ``nn.Linear`` output layer whose logits the model's forward returns unchanged
@@ -266,6 +394,6 @@ def install_logprob_head(model: torch.nn.Module, chunk_tokens: int, temperature:
     out = get() if get is not None else None
     if type(out) is not torch.nn.Linear or out.bias is not None:
         return None
-    head = LogprobHead(out.weight, chunk_tokens, temperature)
+    head = LogprobHead(out.weight, chunk_tokens, temperature, truncation)
     model.set_output_embeddings(head)
     return head

@@ -10,6 +10,7 @@ Worked example::
 
     settings = trainer_settings(load_config("configs/quickstart.yaml"))   # slipstream.config
     settings.sampling_temperature        # rollout.sampling.temperature
+    settings.sampling_top_p              # rollout.sampling.top_p (and top_k): the filter logprobs replay
     engine = FSDPEngine(settings); trainer = Trainer(settings, engine, queue, rank=0, world_size=1)
     # the pipeline writes the checkpoints itself, so its ranks never do:
     msgspec.structs.replace(settings, checkpoint_every=0)
@@ -39,6 +40,11 @@ class TrainerSettings(msgspec.Struct, kw_only=True):
     weightsync: WeightSyncConfig
     sampling_temperature: Annotated[float, Meta(ge=0)]
     """The rollouter's sampling temperature: logprobs are of logits / temperature (0 counts as 1)."""
+    sampling_top_k: int = -1
+    """The rollouter's top-k (<= 0: off): logprobs are renormalised over the tokens it keeps."""
+    sampling_top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
+    """The rollouter's top-p (1: off): logprobs are renormalised over the tokens it keeps
+    (``trainer/logprobs.py``, "Sampling masks")."""
     loss_scale_tokens: Annotated[int, Meta(ge=1)]
     """The loss scale when ``trainer.algorithm.loss_scale_factor`` is unset: the response token budget."""
     max_staleness: Annotated[int, Meta(ge=0)]

@@ -15,6 +15,8 @@ OWN_SECTIONS = {"trainer", "model", "run", "weightsync"}
 # Each value a trainer rank takes from another role's section (or a single key of its own), and its root key.
 FROM_OTHER_ROLES = {
     "sampling_temperature": "rollout.sampling.temperature",
+    "sampling_top_k": "rollout.sampling.top_k",
+    "sampling_top_p": "rollout.sampling.top_p",
     "loss_scale_tokens": "rollout.sampling.max_new_tokens",
     "max_staleness": "async.max_staleness",
     "stale_policy": "async.stale_policy",
@@ -44,6 +46,8 @@ def test_each_value_comes_from_its_root_key():
         None,
         [
             "rollout.sampling.temperature=0.7",
+            "rollout.sampling.top_k=20",
+            "rollout.sampling.top_p=0.8",
             "rollout.sampling.max_new_tokens=123",
             "async.max_staleness=3",
             "async.stale_policy=keep",

@@ -25,7 +25,8 @@ Logprobs and entropy (``trainer.logits_chunk_tokens``, default on): the model's 
 before sharding, by a ``LogprobHead`` sharing its weight (``trainer/logprobs.py``), which turns the final
 hidden states into per-token logprobs (and entropy) chunk by chunk inside the model's forward, so FSDP
 all-gathers and reshards the output weight with its own hooks and no [tokens, vocab] logits outlive a chunk.
-0 keeps the full-logits path. Activation checkpointing is HF's own switch
+0 keeps the full-logits path. Both paths replay the rollouts' top-k / top-p filter (``rollout.sampling``;
+``trainer/logprobs.py``, "Sampling masks"). Activation checkpointing is HF's own switch
 (``trainer.activation_checkpointing``).
 
 Sequence parallelism (``trainer.sequence_parallel_size = n``, Ulysses, ``trainer/seqpar.py``): groups of n
@@ -64,7 +65,13 @@ from slipstream.trainer.batching import (
 )
 from slipstream.trainer.engine import lora
 from slipstream.trainer.engine.base import EngineOutput, LossFn, ModelEngine
-from slipstream.trainer.logprobs import LogprobHead, install_logprob_head
+from slipstream.trainer.logprobs import (
+    LogprobHead,
+    install_logprob_head,
+    plain_entropy,
+    sampling_truncation,
+    truncate_logits,
+)
 from slipstream.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -105,6 +112,10 @@ class FSDPEngine(ModelEngine):
         self.value_head = value_head
         self.model_path = model_path or settings.model.path
         self.temperature = float(settings.sampling_temperature) or 1.0
+        # the rollouts' top-k / top-p, replayed on every logprob this engine computes (None: off)
+        self.truncation = sampling_truncation(
+            settings.sampling_temperature, settings.sampling_top_k, settings.sampling_top_p
+        )
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
@@ -203,7 +214,9 @@ class FSDPEngine(ModelEngine):
         model.config.use_cache = False
         if not self.value_head and (self.tcfg.logits_chunk_tokens > 0 or self._sp > 1):
             # before sharding, so FSDP sees the same parameter (tied or not) under the same name
-            self._head = install_logprob_head(model, self.tcfg.logits_chunk_tokens, self.temperature)
+            self._head = install_logprob_head(
+                model, self.tcfg.logits_chunk_tokens, self.temperature, self.truncation
+            )
             if self._head is None and self._sp > 1:
                 raise ValueError(
                     f"sequence parallelism: {type(model).__name__}'s output layer is not supported"
@@ -399,14 +412,12 @@ class FSDPEngine(ModelEngine):
     def _full_logits_forward(self, ids, pos, cu, pad_to, entropy):  # noqa: ANN001, ANN202
         """The plain path: every token's full-vocabulary fp32 logits at once."""
         logits = self._run_model(ids, pos, cu, pad_to)
-        logits = logits.float() / self.temperature
-        logp = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[1:, None])[:, 0]
+        logits = truncate_logits(logits.float()[:-1] / self.temperature, ids[1:], self.truncation)
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[1:, None])[:, 0]
         if entropy is None:
             return logp, None
-        from slipstream.trainer.algos.kl import entropy_from_logits
-
-        source = logits[:-1] if entropy == "grad" else logits[:-1].detach()
-        return logp, entropy_from_logits(source)
+        source = logits if entropy == "grad" else logits.detach()
+        return logp, plain_entropy(source, self.truncation is not None)
 
     def _run_model(self, ids, pos, cu, pad_to: int, raw: bool = False):  # noqa: ANN001, ANN201
         """The model on the packed row (or, with ``pad_to``, the padded grid). Returns what its output layer
