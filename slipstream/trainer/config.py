@@ -219,6 +219,21 @@ class LoRAConfig(ConfigStruct):
         return self.rank > 0
 
 
+class MoEConfig(ConfigStruct):
+    """Mixture-of-experts models (trainer/engine/moe.py): what the trainer adds for their routers."""
+
+    aux_loss_coef: Annotated[
+        float,
+        Meta(
+            ge=0,
+            description="Weight of the router load-balancing loss (Switch Transformer's, as the HF model "
+            "computes it from every layer's router logits) added to the policy loss, token-weighted over "
+            "micro-batches and ranks; 0 leaves the routers to the policy loss alone. The models' own "
+            "router_aux_loss_coef is not used. Needs an MoE model and engine `fsdp`.",
+        ),
+    ] = 0.0
+
+
 class TrainerConfig(ConfigStruct):
     """The trainer ranks: engine, batch shape, optimizer, memory savers and checkpoints."""
 
@@ -358,6 +373,7 @@ class TrainerConfig(ConfigStruct):
     ] = 2
     algorithm: AlgorithmConfig = msgspec.field(default_factory=AlgorithmConfig)
     lora: LoRAConfig = msgspec.field(default_factory=LoRAConfig)
+    moe: MoEConfig = msgspec.field(default_factory=MoEConfig)
     tensor_parallel: Annotated[
         int, Meta(ge=1, description="Megatron tensor-parallel size (ignored by fsdp).")
     ] = 1
@@ -377,3 +393,5 @@ class TrainerConfig(ConfigStruct):
             raise ValueError("algorithm.kl_reference `reference` is supported with engine `fsdp` only")
         if self.lora.enabled and self.engine != "fsdp":
             raise ValueError("lora (rank > 0) is supported with engine `fsdp` only")
+        if self.moe.aux_loss_coef > 0 and self.engine != "fsdp":
+            raise ValueError("moe.aux_loss_coef > 0 is supported with engine `fsdp` only")

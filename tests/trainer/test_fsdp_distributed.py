@@ -1,5 +1,6 @@
 """FSDP2 over 2 gloo ranks computes the same loss, gradients and update as one process, and a checkpoint
-written by 2 ranks resumes in 1 (DCP reshards)."""
+written by 2 ranks resumes in 1 (DCP reshards): for the dense tiny model and each tiny MoE family, whose
+fused expert tensors FSDP shards by expert."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from slipstream.trainer.batching import partition_for_ranks, sample_lengths, sel
 from slipstream.trainer.engine.fsdp import FSDPEngine
 from slipstream.trainer.synthetic import make_packed_batch
 from slipstream.utils.net import free_port
+from slipstream.utils.tiny_models import MOE_FAMILIES
 from tests.trainer.conftest import trainer_settings
 
 
@@ -59,7 +61,12 @@ def _worker(rank, world, port, model_path, out_dir):
         dist.destroy_process_group()
 
 
-def test_two_gloo_ranks_match_one_process(tiny_model_path, single_process_group, tmp_path):
+@pytest.mark.parametrize("family", ["dense", *MOE_FAMILIES])
+def test_two_gloo_ranks_match_one_process(
+    tiny_model_path, tiny_moe_models, single_process_group, tmp_path, family
+):
+    if family != "dense":
+        tiny_model_path = tiny_moe_models[family]
     port = free_port()
     mp.start_processes(
         _worker, args=(2, port, str(tiny_model_path), str(tmp_path)), nprocs=2, start_method="spawn"

@@ -41,12 +41,18 @@ serves), ``get_adapter_params`` the adapter tensors alone, and the KL reference 
 adapters off (``base_reference``). Checkpoints hold only the adapters and their optimizer state (the base
 is model.path's) and record rank, alpha and targets, checked on load.
 
+Mixture-of-experts models (Qwen3-MoE, OLMoE, ...) need nothing of their own here: HF keeps each layer's
+experts as fused 3-D tensors, which FSDP shards along the expert dimension like any other parameter, and
+their HF names are what ``get_per_tensor_param`` yields. ``trainer.moe.aux_loss_coef > 0`` adds the routers'
+load-balancing loss to the policy loss (``engine/moe.py``).
+
 Checkpoints are torch DCP (sharded model + optimizer, any world size can load them), plus the scheduler on
 rank 0 and each rank's RNG state in its own small file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Iterator
@@ -65,6 +71,7 @@ from slipstream.trainer.batching import (
 )
 from slipstream.trainer.engine import lora
 from slipstream.trainer.engine.base import EngineOutput, LossFn, ModelEngine
+from slipstream.trainer.engine.moe import RouterRecorder
 from slipstream.trainer.logprobs import (
     LogprobHead,
     install_logprob_head,
@@ -126,6 +133,7 @@ class FSDPEngine(ModelEngine):
         self._sp = int(self.tcfg.sequence_parallel_size)  # Ulysses group size (1: off)
         self._share_prefix = bool(self.tcfg.share_prompt_prefix)  # engine/prefix.py; needs sdpa_varlen
         self._sp_group = self._dp_group = None
+        self._aux: RouterRecorder | None = None  # records router logits for the load-balancing loss
         # LoRA adapters on the policy only: a critic and a frozen reference stay full models
         lcfg = self.tcfg.lora
         self._lora = lcfg if lcfg.enabled and not frozen and not value_head else None
@@ -137,6 +145,8 @@ class FSDPEngine(ModelEngine):
             self._init_sequence_parallel()
         model = self._load_model()
         self._num_params = sum(p.numel() for p in model.parameters())
+        if self.tcfg.moe.aux_loss_coef > 0 and not self.frozen and not self.value_head:
+            self._aux = RouterRecorder(model)
         if self.frozen:
             model.requires_grad_(False)
         self._shard(model)
@@ -283,6 +293,8 @@ class FSDPEngine(ModelEngine):
         plan = split_by_token_budget(lengths, self.tcfg.micro_batch_tokens, padded=padded)
         steps = self._max_over_ranks(len(plan))
         pad_to = max(lengths) if padded else 0
+        aux = None if forward_only else self._aux
+        aux_tokens = self._sum_over_ranks({"t": torch.tensor(float(sum(lengths)))})["t"] if aux else 1.0
         entropy = "grad" if getattr(loss_fn, "entropy_grad", False) else None
         if entropy is None and getattr(loss_fn, "needs_entropy", False):
             entropy = "metric"
@@ -294,11 +306,15 @@ class FSDPEngine(ModelEngine):
             mb = select_samples(data, plan[i]) if real else truncate_to_one_token(data)
             mb = mb.to(self._device)
             with torch.set_grad_enabled(not forward_only):
-                outputs = self._forward(mb, pad_to if real else 0, entropy)
+                with aux.armed() if aux is not None else contextlib.nullcontext():
+                    outputs = self._forward(mb, pad_to if real else 0, entropy)
                 loss, metrics = loss_fn(outputs, mb) if loss_fn is not None else (None, {})
                 if not real and loss is not None:
                     loss = loss * 0.0 + _touch_all(outputs)
                     metrics = {k: v * 0.0 for k, v in metrics.items()}
+                if aux is not None:
+                    share = mb["input_ids"].numel() / aux_tokens if real else 0.0
+                    loss, metrics = self._add_aux_loss(loss, metrics, mb, pad_to if real else 0, share)
                 if not forward_only:
                     (loss * self.world_size).backward()
             if loss is not None:
@@ -312,6 +328,16 @@ class FSDPEngine(ModelEngine):
         result.metrics = self._sum_over_ranks(sums)
         result.tokens = {k: torch.cat(v) for k, v in pieces.items()}
         return result
+
+    def _add_aux_loss(self, loss, metrics: dict, mb: TensorDict, pad_to: int, share: float):  # noqa: ANN001, ANN202
+        """``loss`` plus this micro-batch's load-balancing loss, weighted by ``share`` (its tokens over the
+        mini-batch's, all ranks; see ``engine/moe.py``). Sequence-parallel peers each hold 1/n of the tokens'
+        router logits and the same micro-batch: their n terms add up to one, and so do their metrics once
+        ``_sum_over_ranks`` divides by n."""
+        mask = _padded_grid(mb["input_ids"].long(), mb["cu_seqlens"].long(), pad_to)[1] if pad_to else None
+        aux = self._aux.take_aux_loss(mask) * share
+        metrics = {**metrics, "moe_aux_loss": aux.detach()}
+        return loss + (self.tcfg.moe.aux_loss_coef / self._sp) * aux, metrics
 
     def _forward(self, mb: TensorDict, pad_to: int, entropy: str | None) -> dict[str, torch.Tensor]:
         """Run the model on one micro-batch; return flat per-token outputs aligned with ``mb``'s tokens.
