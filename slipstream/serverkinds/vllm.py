@@ -24,7 +24,8 @@ with backoff until resume or the client's timeout. Aborted requests come back wi
 with the version ``/weight_info`` reports right after it.
 
 Launch vLLM with ``--logprobs-mode processed_logprobs`` (:func:`vllm_command` does) so logprobs are computed after
-temperature, like the embedded server's and SGLang's.
+temperature, like the embedded server's and SGLang's, and after top-k / top-p, like the embedded server's (the
+trainer replays those filters: ``trainer/logprobs.py``, "Sampling masks").
 
 **Weights** (:class:`VLLMAdapter`, ``VLLM_SERVER_DEV_MODE=1``): ``/pause?mode=keep|abort`` →
 ``/start_weight_update`` → N × ``/update_weights {update_info: {names, dtype_names, shapes}}`` (each one packed
