@@ -95,6 +95,9 @@ def _cut(z: torch.Tensor, trunc: Truncation) -> torch.Tensor:
     The arithmetic is vLLM's (``apply_top_k_top_p_pytorch``) and transformers' (the continuous-batching top-k
     then top-p warpers), which agree: top-k keeps ``z >= `` the k-th largest; top-p sorts what is left
     ascending and drops the prefix whose cumulative probability is ``<= 1 - top_p``, keeping the largest.
+    Where top-k is on, top-p sorts only what top-k kept (ties with the k-th included): the servers' full
+    sort puts the dropped tokens first with probability exactly 0, so the cumulative sums are the same sums
+    (up to the softmax's summation order), at a fraction of the cost.
     """
     v = z.shape[-1]
     k = min(trunc.top_k, v) if trunc.top_k > 0 else v
@@ -103,14 +106,24 @@ def _cut(z: torch.Tensor, trunc: Truncation) -> torch.Tensor:
     out = torch.empty(z.shape[0], dtype=z.dtype, device=z.device)
     drop_mass = 1 - torch.tensor(trunc.top_p, dtype=torch.float32, device=z.device)  # as the servers round it
     for s in range(0, z.shape[0], _CUT_ROWS):
-        zs = z[s : s + _CUT_ROWS].sort(dim=-1).values
-        if k < v:
-            zs.masked_fill_(zs < zs[:, v - k, None], float("-inf"))
+        zs = _ascending_kept_by_top_k(z[s : s + _CUT_ROWS], k)
         cum = zs.softmax(dim=-1).cumsum_(dim=-1)
         # cum only grows, so the dropped tokens are a prefix; the largest token is always kept
-        first_kept = (cum <= drop_mass).sum(dim=-1).clamp_(max=v - 1)
+        first_kept = (cum <= drop_mass).sum(dim=-1).clamp_(max=zs.shape[-1] - 1)
         out[s : s + zs.shape[0]] = zs.gather(1, first_kept[:, None])[:, 0]
     return out
+
+
+def _ascending_kept_by_top_k(rows: torch.Tensor, k: int) -> torch.Tensor:
+    """The values of ``rows`` top-k keeps, sorted ascending, ``-inf`` first where a row keeps fewer than
+    others (ties with the k-th make a row keep more than k); every value when ``k`` is the vocabulary."""
+    v = rows.shape[-1]
+    if k >= v:
+        return rows.sort(dim=-1).values
+    kth = rows.topk(k, dim=-1).values[:, -1:]
+    widest = int((rows >= kth).sum(dim=-1).max())  # k, unless some row ties with its k-th
+    zs = rows.topk(widest, dim=-1).values.flip(-1)
+    return zs.masked_fill_(zs < kth, float("-inf"))
 
 
 def _truncate_(z: torch.Tensor, targets: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:

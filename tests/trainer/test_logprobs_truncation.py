@@ -160,6 +160,30 @@ def test_ties_at_the_top_k_cut_are_kept_like_the_servers():
     assert (_hf_filtered(z, trunc) > float("-inf")).tolist() == kept.tolist()
 
 
+TIES = torch.tensor([[3.0, 2.0, 2.0, 2.0, 1.0, 0.0], [0.5, 2.5, 1.5, 1.0, 0.0, -1.0]])
+
+
+@pytest.mark.parametrize("top_p", [0.4, 0.9, 0.99])
+def test_ties_at_the_top_k_cut_count_in_top_p_like_the_servers(top_p):
+    """A row keeping more than k tokens (three tie with the k-th) beside one keeping k, under top-p; the
+    top-p cut drops the tied group whole (0.4) or keeps it whole (0.9, 0.99)."""
+    trunc = Truncation(top_k=2, top_p=top_p)
+    kept = truncate_logits(TIES, torch.tensor([0, 1]), trunc) > float("-inf")
+    assert (_vllm_filtered(TIES, trunc) > float("-inf")).tolist() == kept.tolist()
+    assert (_hf_filtered(TIES, trunc) > float("-inf")).tolist() == kept.tolist()
+
+
+def test_an_exact_tie_split_by_the_top_p_cut_is_kept_whole():
+    """Top-p 0.5 on row 0 drops two of the three tied 2.0s in the servers (by sort position); the rebuilt
+    set is a threshold set and keeps all three (the documented difference)."""
+    trunc = Truncation(top_k=2, top_p=0.5)
+    kept = truncate_logits(TIES, torch.tensor([0, 1]), trunc) > float("-inf")
+    server = _vllm_filtered(TIES, trunc) > float("-inf")
+    assert kept[0].tolist() == [True, True, True, True, False, False]
+    assert server[0].sum().item() == 2 and server[0, 0]
+    assert kept[1].tolist() == server[1].tolist()
+
+
 def test_no_filter_means_no_truncation():
     assert sampling_truncation(1.0, -1, 1.0) is None
     assert sampling_truncation(1.0, 0, 1.0) is None
