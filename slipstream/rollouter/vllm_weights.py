@@ -65,6 +65,14 @@ from typing import Any, TypeVar
 import msgspec
 import torch
 
+from slipstream.rollouter.vllm_moe import (
+    FusedExperts,
+    fuse_expert_specs,
+    has_per_expert_tensors,
+    hf_parameter_names,
+    repack_cpu_experts,
+    split_fused,
+)
 from slipstream.serverapi.vllm import SWITCH_UPDATE
 from slipstream.utils.logging import get_logger
 
@@ -97,6 +105,15 @@ def checkpoint_specs(
     """Every tensor of the HF checkpoint in ``model_dir`` by name, with its shape and the serving ``dtype``
     (vLLM fuses q/k/v and gate/up internally, so its own parameter names are not the trainer's)."""
     return {name: (shape, dtype) for name, (shape, _) in _checkpoint_index(model_dir).items()}
+
+
+def served_specs(model_config, dtype: torch.dtype) -> tuple[dict, dict[str, FusedExperts]]:
+    """What a push to this server must name: the checkpoint's tensors, except that an MoE layer's per-expert
+    tensors are the HF model's fused ones wherever it holds them (``rollouter/vllm_moe.py``)."""
+    specs = checkpoint_specs(model_config.model, dtype)
+    if not has_per_expert_tensors(specs):
+        return specs, {}
+    return fuse_expert_specs(specs, hf_parameter_names(model_config.model, model_config.trust_remote_code))
 
 
 def _checkpoint_index(model_dir: str | Path) -> dict[str, tuple[tuple[int, ...], Path]]:
@@ -145,6 +162,8 @@ class VLLMTarget:
     specs: dict[str, tuple[tuple[int, ...], torch.dtype]]
     version: int = 0
     tied: frozenset[str] = field(default_factory=lambda: frozenset({"lm_head.weight"}))
+    # MoE: the HF model's fused expert tensors the specs list in place of the checkpoint's (rollouter/vllm_moe.py)
+    fused: dict[str, FusedExperts] = field(default_factory=dict)
     held: dict[str, torch.Tensor] = field(default_factory=dict)
     to_hold: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -170,15 +189,23 @@ class VLLMTarget:
             weights[name] = tensor.to(dtype)
         missing = [n for n in self.specs if n not in weights]
         unheld = [n for n in missing if n not in self.held]
-        from_disk = _read_checkpoint(self.vllm_config.model_config.model, unheld) if unheld else {}
+        from_disk = self._read_checkpoint(unheld) if unheld else {}
         for name in missing:
             weights[name] = self.held[name] if name in self.held else from_disk[name].to(dtype)
+        loaded = list(split_fused(weights.items(), self.fused))  # the checkpoint's names, as vLLM loads them
         with torch.no_grad(), set_current_vllm_config(self.vllm_config):
-            reload_weights(
-                self.vllm_config, self.model, list(weights.items()), None, is_checkpoint_format=True
-            )
+            reload_weights(self.vllm_config, self.model, loaded, None, is_checkpoint_format=True)
+            repack_cpu_experts(self.model)  # the step vLLM's reload skips for CPU MoE kernels (vllm_moe.py)
         self.to_hold = {n: t for n, t in weights.items() if self.held.get(n) is not t}
         self.version = version
+
+    def _read_checkpoint(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """``names`` (the specs' names) from the served checkpoint, fused expert tensors joined from its parts."""
+        parts = [p for n in names if n in self.fused for e in self.fused[n].parts for p in e]
+        read = _read_checkpoint(
+            self.vllm_config.model_config.model, [n for n in names if n not in self.fused] + parts
+        )
+        return {n: self.fused[n].join(read) if n in self.fused else read[n] for n in names}
 
     def hold(self) -> None:
         """Copy what the last version applied into the host copy (class docstring), reusing its buffers."""
@@ -238,8 +265,8 @@ class SlipstreamWeightEngine(_Base):  # type: ignore[misc, valid-type]
 
         super().__init__(config, vllm_config, device, model)
         dtype = vllm_config.model_config.dtype
-        specs = checkpoint_specs(vllm_config.model_config.model, dtype)
-        self.target = VLLMTarget(model, vllm_config, specs)
+        specs, fused = served_specs(vllm_config.model_config, dtype)
+        self.target = VLLMTarget(model, vllm_config, specs, fused=fused)
         # Whole or nothing, as on the embedded server: a version that should cover every parameter (all but a
         # LoRA adapter-only one) and lacks one is refused, never completed from an older version.
         self.receiver = WeightReceiver(self.target, WeightSyncConfig(require_all_weights=True))

