@@ -35,6 +35,10 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
             "slipstream.system.bench_weightsync",
             "weight sync GB/s vs raw transport and naive; --target vllm: a push into a generating vLLM",
         ),
+        "boundary": (
+            "slipstream.system.bench_boundary",
+            "the train-inference boundary on real vLLM: fresh caches, whole and verified versions, masks, auth",
+        ),
         "served-dtype": (
             "slipstream.system.bench_served_dtype",
             "vLLM's CPU decode tokens/s per dtype, and whether rollout.vllm.dtype auto picks the faster",

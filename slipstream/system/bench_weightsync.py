@@ -16,9 +16,12 @@ One warm-up version goes first, with the server idle (it builds the group). Per 
   * ``raw_s``: the same number of bytes as one broadcast of one buffer over the same transport (gloo on
     loopback, to a receiver process), the physical limit, measured in the same run with the server idle.
 
-Figures are medians over the versions. The last line of ``--json`` is one object: ``{"transfer_s",
+Versions alternate between ``weightsync.verify`` on and off (the digests, ``weightsync/digest.py``), ``--reps``
+of each; ``verify_overhead`` is the median verified push over the median unverified one, less one.
+
+Figures are medians over the verified versions. The last line of ``--json`` is one object: ``{"transfer_s",
 "pause_s", "longest_stall_s", "tokens_during_push", "raw_s", "raw_over_transfer", "pause_over_transfer",
-"bytes", "dtype", ...}``.
+"verify_overhead", "unverified_transfer_s", "bytes", "dtype", ...}``.
 
     slipstream bench weightsync --target vllm --json
 """
@@ -223,14 +226,15 @@ def vllm_main(argv: list[str]) -> int:
             counter = TokenCounter(server.url)
             load = Load(server.url, args.requests, max_new_tokens=400)
             try:
-                for version in range(2, 2 + args.reps):
+                for version in range(2, 2 + 2 * args.reps):
+                    cfg.verify = version % 2 == 0  # the link's transport reads it at each version
                     counter.wait_for_tokens()
                     start = time.monotonic()
                     report = _check(publisher.publish(version, tensors))
                     end = time.monotonic()
                     time.sleep(0.1)  # the counter's next sample
                     tokens, stall = counter.window(start, end)
-                    row = {"transfer_s": end - start, "pause_s": report.paused_s}
+                    row = {"transfer_s": end - start, "pause_s": report.paused_s, "verify": cfg.verify}
                     row |= {"longest_stall_s": stall, "tokens_during_push": tokens, "bytes": report.bytes}
                     rows.append(row)
                     print(f"version {version}: " + json.dumps(_rounded(row)), file=sys.stderr, flush=True)
@@ -240,11 +244,14 @@ def vllm_main(argv: list[str]) -> int:
         finally:
             publisher.close()
     raw = _raw_s(cfg, nbytes, reps=max(3, args.reps))
+    unverified = statistics.median(r["transfer_s"] for r in rows if not r["verify"])
+    rows = [r for r in rows if r.pop("verify")]
     out = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    out |= {"unverified_transfer_s": unverified, "verify_overhead": out["transfer_s"] / unverified - 1}
     out |= {"raw_s": raw, "raw_over_transfer": raw / out["transfer_s"]}
     out |= {"pause_over_transfer": out["pause_s"] / out["transfer_s"], "dtype": dtype}
     out |= {"requests": args.requests, "pause_mode": args.pause_mode, "bucket_mb": args.bucket_mb}
-    out |= {"load_errors": len(load.errors), "versions": len(rows)}
+    out |= {"load_errors": len(load.errors), "versions": 2 * len(rows)}
     out = _rounded(out)
     if args.json:
         print(json.dumps(out))

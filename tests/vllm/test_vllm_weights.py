@@ -277,10 +277,10 @@ def test_a_version_corrupted_on_the_way_fails_verification_and_the_old_one_keeps
     url = vllm_server.url
     serving = served_version(url)
     publish(url, serving + 1, policy.tensors())
-    hit = corrupt_once(monkeypatch, version=serving + 2)
+    corrupt = corrupt_once(monkeypatch, version=serving + 2)
     report = publish(url, serving + 2, (({n: t + 1.0 for n, t in policy.tensors()}).items()), keep_last=False)
-    assert hit["name"] is not None and report.verify_failed == 1
-    assert url in report.failed and f"`{hit['name']}` failed verification" in report.failed[url]
+    assert corrupt.name is not None and report.verify_failed == 1
+    assert url in report.failed and f"`{corrupt.name}` failed verification" in report.failed[url]
     assert served_version(url) == serving + 1
     after = generate(url)
     assert after.versions == [serving + 1] * len(after.output_ids)

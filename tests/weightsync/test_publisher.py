@@ -294,14 +294,14 @@ def test_bytes_corrupted_in_flight_fail_verification_and_the_version_is_refused(
     pub = WeightPublisher(config(keep_last=keep_last), [url], server_kind("embedded"))
     try:
         assert pub.publish(1, iter(mixed_tensors(1))).ok == [url]
-        hit = corrupt_once(monkeypatch, version=2)
+        corrupt = corrupt_once(monkeypatch, version=2)
         report = pub.publish(2, iter(mixed_tensors(2)))
-        assert hit["name"] is not None and report.verify_failed == 1
+        assert corrupt.name is not None and report.verify_failed == 1
         if keep_last:  # the publisher's retry from its kept copy lands the version
             assert report.retried and report.ok == [url]
             assert served(url) == {"version": 2, "digest": digest(mixed_tensors(2))}
         else:  # refused whole: the server serves the old version
-            assert report.ok == [] and f"`{hit['name']}` failed verification" in report.failed[url]
+            assert report.ok == [] and f"`{corrupt.name}` failed verification" in report.failed[url]
             assert served(url) == {"version": 1, "digest": digest(mixed_tensors(1))}
             assert pub.publish(3, iter(mixed_tensors(3))).ok == [url]
     finally:

@@ -208,23 +208,12 @@ def status(url: str) -> dict:
     return httpx.get(f"{url}/weightsync/status", timeout=30).json()
 
 
-def corrupt_once(monkeypatch, version: int) -> dict:
-    """Flip one byte of the first packed tensor of ``version``'s first bucket after the sender digested it: bytes
-    changed on the way. Only the first such bucket is hit (a retry then goes through)."""
-    from slipstream.weightsync import buckets as buckets_module
+def corrupt_once(monkeypatch, version: int):
+    """One byte of ``version``'s first packed tensor flipped after the sender digested it (bench_boundary's
+    CorruptOnce); ``.name`` is the tensor hit."""
+    from slipstream.system.bench_boundary import CorruptOnce
+    from slipstream.weightsync.buckets import BucketPacker
 
-    close, hit = buckets_module.BucketPacker._close, {"name": None}
-
-    def corrupting(self, bucket, last):
-        packed = close(self, bucket, last)
-        if self.version == version and hit["name"] is None:
-            packed_runs = [(o, n) for o, n, d in bucket.segments if d is None]
-            for entry in packed.meta.entries:
-                if any(o <= entry.offset < o + n for o, n in packed_runs) and entry.nbytes:
-                    self.pool.buffer(packed.slot)[entry.offset] ^= 0x40
-                    hit["name"] = entry.name
-                    break
-        return packed
-
-    monkeypatch.setattr(buckets_module.BucketPacker, "_close", corrupting)
-    return hit
+    corrupt = CorruptOnce(version)
+    monkeypatch.setattr(BucketPacker, "_close", corrupt.wrap(BucketPacker._close))
+    return corrupt
