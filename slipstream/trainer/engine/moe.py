@@ -1,4 +1,5 @@
-"""Mixture-of-experts pieces of the FSDP engine: the load-balancing auxiliary loss.
+"""Mixture-of-experts pieces of the FSDP engine: the load-balancing auxiliary loss, and the routers' hooks
+routing replay is built on (:class:`RouteReplay`; not wired into the engine yet).
 
 Hugging Face's MoE causal LMs (Qwen3-MoE, OLMoE, Mixtral, Qwen2-MoE, ...) compute Switch Transformer's
 load-balancing loss themselves when called with ``output_router_logits``: each router's logits are recorded
@@ -92,3 +93,84 @@ class RouterRecorder:
         if not logits:
             raise RuntimeError("no router logits recorded: run the forward inside armed()")
         return self._loss_fn(logits, self.num_experts, self.top_k, token_mask)
+
+
+def _routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's routers in layer order (module order is the decoder layers' order)."""
+    cls = router_class(model)
+    return [m for m in model.modules() if cls is not None and isinstance(m, cls)]
+
+
+class RouteReplay:
+    """Forward hooks that make every router of an HF MoE model pick given experts: routing replay (R3).
+
+    ``routes`` is an integer tensor [rows, layers, experts_per_token]: for each row the routers see (the
+    forward's tokens, flattened in the order the model runs them) and each MoE layer, the experts the
+    inference server used, in its order. While routes are set, each router still computes its logits (so
+    the policy gradient reaches its weight), but its top-k is replaced: the experts are the given ones and
+    their weights are the router's own softmax probabilities at them, renormalised over the k as the family's
+    router does (``norm_topk_prob``; routers without the flag, such as Mixtral's, renormalise). With the
+    routes the router itself picks, outputs are unchanged to the bit.
+
+    Lifecycle: :meth:`set` before the forward, :meth:`clear` after the backward (activation checkpointing
+    re-runs the forward inside backward, which must replay the same routes).
+
+    Worked example::
+
+        replay = RouteReplay(model)
+        replay.set(routes)                # [tokens, num_hidden_layers, num_experts_per_tok]
+        loss = model(input_ids=ids[None]).logits.sum(); loss.backward()
+        replay.clear()
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.routers = _routers(model)
+        if not self.routers:
+            raise ValueError(
+                f"routing replay needs a mixture-of-experts model; {type(model).__name__} has none"
+            )
+        self.top_k = int(model.num_experts_per_tok)
+        self.num_experts = int(model.num_experts)
+        self._routes: torch.Tensor | None = None
+        self._layer = {router: i for i, router in enumerate(self.routers)}
+        for router in self.routers:
+            router.register_forward_hook(self._hook)
+
+    def set(self, routes: torch.Tensor) -> None:
+        want = (len(self.routers), self.top_k)
+        if routes.dim() != 3 or tuple(routes.shape[1:]) != want:
+            raise ValueError(f"routes: shape {list(routes.shape)}, want [rows, {want[0]}, {want[1]}]")
+        if routes.numel() and (int(routes.min()) < 0 or int(routes.max()) >= self.num_experts):
+            raise ValueError(f"routes: an expert index outside 0..{self.num_experts - 1}")
+        self._routes = routes.long()
+
+    def clear(self) -> None:
+        self._routes = None
+
+    def _hook(self, module: torch.nn.Module, args: tuple, output):  # noqa: ANN001, ANN202
+        if self._routes is None:
+            return None
+        logits = output[0]
+        idx = self._routes[:, self._layer[module]].to(logits.device)
+        if idx.shape[0] != logits.shape[0]:
+            raise ValueError(f"routes: {idx.shape[0]} rows, but the router sees {logits.shape[0]} tokens")
+        weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(-1, idx)
+        if getattr(module, "norm_topk_prob", True):
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (logits, weights.to(logits.dtype), idx, *output[3:])
+
+
+def record_routes(model: torch.nn.Module, **forward_kwargs) -> torch.Tensor:
+    """Run ``model(**forward_kwargs)`` without gradients and return the experts each router picked:
+    [rows, layers, experts_per_token], as :class:`RouteReplay` takes them."""
+    picked: list[torch.Tensor] = []
+    handles = [r.register_forward_hook(lambda m, a, out: picked.append(out[2])) for r in _routers(model)]
+    try:
+        with torch.no_grad():
+            model(**forward_kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    if not picked:
+        raise ValueError(f"{type(model).__name__} has no router to record")
+    return torch.stack(picked, dim=1)
