@@ -45,7 +45,7 @@ def _hf_logprobs(model, batch):
 @pytest.mark.parametrize(
     "overrides",
     [(), ("trainer.logits_chunk_tokens=0",), ("trainer.attn_implementation=sdpa",)],
-    ids=["chunked-varlen", "full-logits", "sdpa"],
+    ids=["chunked-shared-prompt", "full-logits", "sdpa"],
 )
 def test_moe_logprobs_equal_a_plain_hf_forward(tiny_moe_models, single_process_group, family, overrides):
     from transformers import AutoModelForCausalLM
@@ -53,6 +53,8 @@ def test_moe_logprobs_equal_a_plain_hf_forward(tiny_moe_models, single_process_g
     path = tiny_moe_models[family]
     engine = _engine(path, "trainer.micro_batch_tokens=4096", *overrides)
     batch = _batch()
+    if overrides == ():  # one group's samples share their prompt: run once (engine/prefix.py)
+        batch = make_packed_batch([4] * 4, [4, 1, 7, 3], vocab_size=200, group_size=4, shared_prompts=True)
     got = engine.forward_backward_batch(batch, None, forward_only=True).tokens["logprobs"]
     want = _hf_logprobs(AutoModelForCausalLM.from_pretrained(path), batch)
     scored = batch["loss_mask"].bool()  # the chunked head scores the response tokens only
