@@ -1,4 +1,4 @@
-"""Real vLLM serves a tiny random Qwen3-MoE in fp32 through the native route, and pushes of the trainer's
+"""Real vLLM serves a tiny random Qwen3-MoE and OLMoE in fp32 through the native route, and pushes of the trainer's
 expert weights land: the publisher sends the HF model's own names (``mlp.experts.gate_up_proj`` and
 ``mlp.experts.down_proj``, fused [experts, ...] tensors, as transformers 5 keeps them) and the served model
 then gives the trainer's logprobs, its tokens stamped with the new version."""
@@ -13,16 +13,15 @@ import torch
 from slipstream.rollouter.launch import launch_server
 from slipstream.serverkinds import server_kind
 from slipstream.serverkinds.vllm import vllm_build
+from slipstream.utils.tiny_models import MOE_FAMILIES, make_tiny_moe_model
 from tests.vllm.conftest import MAX_MODEL_LEN, vllm_config
 from tests.vllm.test_vllm_weights import PROMPT, Policy, generate, publish, served_version
 
 
-@pytest.fixture(scope="module")
-def moe_model(tmp_path_factory):
-    from slipstream.utils.tiny_models import make_tiny_moe_model
-
-    path = tmp_path_factory.mktemp("vllm-moe")
-    return make_tiny_moe_model(path, "qwen3_moe", max_position_embeddings=MAX_MODEL_LEN)
+@pytest.fixture(scope="module", params=MOE_FAMILIES)
+def moe_model(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"vllm-{request.param}")
+    return make_tiny_moe_model(path, request.param, max_position_embeddings=MAX_MODEL_LEN)
 
 
 @pytest.fixture(scope="module")
