@@ -51,9 +51,9 @@ class DataGenConfig(ConfigStruct):
     validation files hold only those (agents/datagen.py, `--split`), so the evaluation is on held-out data."""
 
     task: Annotated[
-        Literal["arithmetic", "multiply", "countdown"] | None,
+        Literal["arithmetic", "multiply", "countdown", "shapes"] | None,
         Meta(
-            description="Generator of agents/datagen.py (`arithmetic`, `multiply`, `countdown`); null never "
+            description="Generator of agents/datagen.py (`arithmetic`, `multiply`, `countdown`, `shapes`); null never "
             "makes a file (a missing file is then a config error).",
         ),
     ] = None

@@ -8,6 +8,9 @@ unchanged::
      "reward_model": {"style": "rule", "ground_truth": "7"},
      "extra_info": {"index": 0}}
 
+Multi-modal rows add verl's ``images`` column and ``<image>`` placeholders in the prompt; each image is read
+and checked as the row is (:mod:`slipstream.agents.multimodal`) and kept encoded in ``Sample.images``.
+
 Every row is checked when the file is loaded, not when the rollouter first meets it hours into a run: a
 missing or mistyped field raises one :class:`DatasetError` that names the file, the row and the field.
 
@@ -33,6 +36,8 @@ from typing import Any
 
 import msgspec
 
+from slipstream.agents.multimodal import Image, ImageLimits, ImageProblem, check_placeholders, row_images
+
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -52,6 +57,9 @@ class Sample(msgspec.Struct, kw_only=True, omit_defaults=True):
     # The reference answer handed to the reward function (any JSON value).
     ground_truth: Any = None
     extra_info: dict[str, Any] = {}
+    # The prompt's images in placeholder order, encoded as stored (empty for a text prompt). A default, so
+    # records written before images existed decode unchanged.
+    images: list[Image] = []
 
 
 class PromptRef(msgspec.Struct, frozen=True):
@@ -64,12 +72,25 @@ class PromptRef(msgspec.Struct, frozen=True):
 # ----------------------------------------------------------------------------------------------- loading
 
 
-def load_samples(paths: Iterable[str | Path]) -> list[Sample]:
-    """Load and check every row of ``paths`` (``.parquet`` or ``.jsonl``), in order."""
+def load_samples(paths: Iterable[str | Path], *, image_limits: ImageLimits | None = None) -> list[Sample]:
+    """Load and check every row of ``paths`` (``.parquet`` or ``.jsonl``), in order.
+
+    Image paths in a file's ``images`` column are relative to that file's directory; ``image_limits``
+    bounds each row's images (the defaults of :class:`ImageLimits` when None).
+    """
+    limits = image_limits or ImageLimits()
     samples: list[Sample] = []
     for path in paths:
         for row_number, row in _read_rows(Path(path)):
-            samples.append(row_to_sample(row, index=len(samples), where=f"{path}: row {row_number}"))
+            samples.append(
+                row_to_sample(
+                    row,
+                    index=len(samples),
+                    where=f"{path}: row {row_number}",
+                    base_dir=Path(path).parent,
+                    image_limits=limits,
+                )
+            )
     if not samples:
         raise DatasetError(f"no rows in {', '.join(str(p) for p in paths) or 'the empty file list'}")
     return samples
@@ -121,8 +142,19 @@ def _read_jsonl(path: Path) -> Iterable[tuple[int, Any]]:
     return rows
 
 
-def row_to_sample(row: Any, *, index: int, where: str) -> Sample:
-    """Check one verl-format row and turn it into a :class:`Sample`; ``where`` prefixes every error."""
+def row_to_sample(
+    row: Any,
+    *,
+    index: int,
+    where: str,
+    base_dir: Path | None = None,
+    image_limits: ImageLimits | None = None,
+) -> Sample:
+    """Check one verl-format row and turn it into a :class:`Sample`; ``where`` prefixes every error.
+
+    A row with an ``images`` field (even null) must have one ``<image>`` placeholder per image; a row
+    without one is text, whatever its prompt says.
+    """
     if not isinstance(row, dict):
         raise DatasetError(f"{where}: expected a mapping of fields, got {type(row).__name__}")
     messages = _check_messages(_field(row, "prompt", where), where)
@@ -141,12 +173,20 @@ def row_to_sample(row: Any, *, index: int, where: str) -> Sample:
         extra_info = {}
     if not isinstance(extra_info, dict):
         raise DatasetError(f"{where}: field `extra_info` must be a mapping, got {type(extra_info).__name__}")
+    images: list[Image] = []
+    if "images" in row:
+        try:
+            images = row_images(row, base_dir=base_dir, limits=image_limits or ImageLimits())
+            check_placeholders(messages, len(images))
+        except ImageProblem as err:
+            raise DatasetError(f"{where}: {err}") from None
     return Sample(
         index=index,
         messages=messages,
         data_source=data_source,
         ground_truth=reward_model["ground_truth"],
         extra_info=extra_info,
+        images=images,
     )
 
 

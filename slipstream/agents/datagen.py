@@ -1,7 +1,7 @@
 """`slipstream data make`: verifiable synthetic datasets, made offline in verl's format.
 
 Runs never download data, so the quickstart and the tests need tasks whose answers a program can check.
-Three generators:
+Four generators:
 
 * ``arithmetic``: "What is a + b? Reply with only the number." with a, b in 1..20; the ground truth is
   the sum (the quickstart task, see design.md §4).
@@ -9,9 +9,12 @@ Three generators:
   only with a calculator tool).
 * ``countdown``: reach a target with +, -, *, / using each of 3-4 given numbers once (TinyZero's task);
   the target is the value of a random expression over the numbers, so every prompt has a solution.
+* ``shapes``: count the circles, squares and triangles drawn in a small PNG (agents/shapes.py), in verl's
+  multi-modal format (an ``images`` column, a ``<image>`` placeholder); parquet only, as JSON has no bytes.
 
 Held-out sets: ``--split heldout`` makes prompts from a fixed tenth of the task's problems (chosen by a
-hash of the prompt text, so by content, whatever the seed) and ``--split train`` never makes one of them, so
+hash of the prompt text, or of ``extra_info.problem`` where a task sets it, as ``shapes`` does: so by
+content, whatever the seed) and ``--split train`` never makes one of them, so
 a validation file is disjoint from a training file made with any seed. ``all`` (the default) draws from
 every problem. Held-out prompts are distinct from each other (``arithmetic`` has about 40 such sums).
 
@@ -34,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from slipstream.agents.config import DataGenConfig
+from slipstream.agents.shapes import shapes_row
 from slipstream.cli_args import add_key_option, command_parser, doc_paragraph
 
 ARITHMETIC_PROMPT = "What is {a} + {b}? Reply with only the number."
@@ -98,6 +102,7 @@ GENERATORS: dict[str, Callable[[random.Random, int], dict[str, Any]]] = {
     "arithmetic": arithmetic_row,
     "multiply": multiply_row,
     "countdown": countdown_row,
+    "shapes": shapes_row,
 }
 
 
@@ -106,10 +111,16 @@ SPLITS = ("all", "train", "heldout")
 MAX_DRAWS_PER_ROW = 1000
 
 
+def problem_key(row: dict[str, Any]) -> str:
+    """What makes ``row``'s problem itself: ``extra_info.problem`` when set (a picture's content, where
+    every prompt text is alike), else the prompt text."""
+    problem = row.get("extra_info", {}).get("problem")
+    return json.dumps(row["prompt"] if problem is None else problem, sort_keys=True)
+
+
 def held_out(row: dict[str, Any]) -> bool:
-    """Whether ``row``'s problem belongs to the held-out tenth (by a hash of its prompt text)."""
-    text = json.dumps(row["prompt"], sort_keys=True)
-    return zlib.crc32(text.encode()) % 10 == 0
+    """Whether ``row``'s problem belongs to the held-out tenth (by a hash of :func:`problem_key`)."""
+    return zlib.crc32(problem_key(row).encode()) % 10 == 0
 
 
 def make_rows(task: str, n: int, seed: int = 0, split: str = "all") -> list[dict[str, Any]]:
@@ -129,7 +140,7 @@ def make_rows(task: str, n: int, seed: int = 0, split: str = "all") -> list[dict
         if held_out(row) != (split == "heldout"):
             continue
         if split == "heldout":
-            key = json.dumps(row["prompt"], sort_keys=True)
+            key = problem_key(row)
             if key in seen:
                 continue
             seen.add(key)
@@ -149,6 +160,8 @@ def write_rows(rows: list[dict[str, Any]], out: Path) -> None:
 
         pq.write_table(pa.Table.from_pylist(rows), out)
     elif suffix in (".jsonl", ".json"):
+        if any("images" in row for row in rows):
+            raise ValueError(f"{out}: rows with images need a .parquet file (JSON cannot hold their bytes)")
         with out.open("w", encoding="utf-8") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")

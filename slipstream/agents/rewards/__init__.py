@@ -39,6 +39,8 @@ REWARD_FNS.add("countdown", countdown_reward)
 REWARD_FNS.add("exact_match", exact_match_reward)
 REWARD_FNS.add("math", math_reward)
 REWARD_FNS.add("math_signed", math_signed_reward)
+# `slipstream data make shapes` asks for a count: the last integer of the reply, as for a sum.
+REWARD_FNS.add("shapes", arithmetic_reward)
 
 # The name (in reward.sources) of the served judge / reward model of reward.service (rewards/service.py).
 SERVICE_REWARD = "service"
