@@ -74,3 +74,26 @@ def test_a_pushed_expert_version_serves_with_the_trainers_logprobs(moe_server, m
     assert out.versions == [v + 1] * len(out.output_ids)
     assert float((torch.tensor(out.logprobs) - policy.logprobs(out.output_ids)).abs().max()) < 1e-4
     assert PROMPT  # the prompt every generate() above sent
+
+
+def test_an_expert_version_missing_a_tensor_or_misshapen_is_refused_whole(moe_server, moe_model):
+    """The fused names are what a version must cover: dropping one is refused naming it, a fused tensor of
+    the wrong shape is refused by name, and the version before keeps serving."""
+    policy = Policy(moe_model)
+    url = moe_server.url
+    serving = served_version(url) + 1
+    assert publish(url, serving, policy.tensors()).ok == [url]
+    dropped = "model.layers.0.mlp.experts.down_proj"
+    report = publish(
+        url, serving + 1, ((n, t + 1.0) for n, t in policy.tensors() if n != dropped), keep_last=False
+    )
+    assert (
+        url in report.failed and "misses 1 parameters" in report.failed[url] and dropped in report.failed[url]
+    )
+    misshapen = ((n, t[:-1] if n.endswith("experts.gate_up_proj") else t) for n, t in policy.tensors())
+    report = publish(url, serving + 1, misshapen, keep_last=False)
+    assert url in report.failed and "gate_up_proj" in report.failed[url], report.failed
+    assert served_version(url) == serving
+    out = generate(url)
+    assert out.versions == [serving] * len(out.output_ids)
+    assert float((torch.tensor(out.logprobs) - policy.logprobs(out.output_ids)).abs().max()) < 1e-4
