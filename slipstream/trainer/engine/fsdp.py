@@ -44,7 +44,9 @@ is model.path's) and record rank, alpha and targets, checked on load.
 Mixture-of-experts models (Qwen3-MoE, OLMoE, ...) need nothing of their own here: HF keeps each layer's
 experts as fused 3-D tensors, which FSDP shards along the expert dimension like any other parameter, and
 their HF names are what ``get_per_tensor_param`` yields. ``trainer.moe.aux_loss_coef > 0`` adds the routers'
-load-balancing loss to the policy loss (``engine/moe.py``).
+load-balancing loss to the policy loss (``engine/moe.py``). A micro-batch that carries ``routed_experts``
+(per token and layer, the experts the server used) is run with every router held to them (routing replay,
+``engine/moe.py`` ``RouteReplay``), for the proximal, reference and training passes alike.
 
 Checkpoints are torch DCP (sharded model + optimizer, any world size can load them), plus the scheduler on
 rank 0 and each rank's RNG state in its own small file.
@@ -71,7 +73,7 @@ from slipstream.trainer.batching import (
 )
 from slipstream.trainer.engine import lora
 from slipstream.trainer.engine.base import EngineOutput, LossFn, ModelEngine
-from slipstream.trainer.engine.moe import RouterRecorder
+from slipstream.trainer.engine.moe import ROUTES_KEY, RouteReplay, RouterRecorder, forward_routes, is_moe
 from slipstream.trainer.logprobs import (
     LogprobHead,
     install_logprob_head,
@@ -134,6 +136,7 @@ class FSDPEngine(ModelEngine):
         self._share_prefix = bool(self.tcfg.share_prompt_prefix)  # engine/prefix.py; needs sdpa_varlen
         self._sp_group = self._dp_group = None
         self._aux: RouterRecorder | None = None  # records router logits for the load-balancing loss
+        self._replay: RouteReplay | None = None  # holds the routers to a micro-batch's routed_experts
         # LoRA adapters on the policy only: a critic and a frozen reference stay full models
         lcfg = self.tcfg.lora
         self._lora = lcfg if lcfg.enabled and not frozen and not value_head else None
@@ -147,6 +150,8 @@ class FSDPEngine(ModelEngine):
         self._num_params = sum(p.numel() for p in model.parameters())
         if self.tcfg.moe.aux_loss_coef > 0 and not self.frozen and not self.value_head:
             self._aux = RouterRecorder(model)
+        if not self.value_head and is_moe(model):
+            self._replay = RouteReplay(model)
         if self.frozen:
             model.requires_grad_(False)
         self._shard(model)
@@ -355,14 +360,31 @@ class FSDPEngine(ModelEngine):
             return {"values": values}
         if self._head is not None:
             rows = _scored_rows(mb) if self._sp == 1 else None
-            layout = self._prefix_layout(mb, pad_to)
+            layout = self._replay_routes(mb, pad_to, self._prefix_layout(mb, pad_to))
             logp_next, ent_next = self._head_forward(ids, pos, cu, pad_to, entropy, rows, layout)
         else:
+            self._replay_routes(mb, pad_to, None)
             logp_next, ent_next = self._full_logits_forward(ids, pos, cu, pad_to, entropy)
         out = {"logprobs": _align_next(logp_next, starts)}
         if ent_next is not None:
             out["entropy"] = _align_next(ent_next, starts)
         return out
+
+    def _replay_routes(self, mb: TensorDict, pad_to: int, layout):  # noqa: ANN001, ANN202
+        """Hold the routers to ``mb``'s routes, on the rows this forward runs, until the next micro-batch's
+        forward (its backward, which may re-run the forward, replays them too); none: route freely. Returns
+        the shared-prompt layout to run (None where the samples' routes of a shared row differ)."""
+        if self._replay is None:
+            return layout
+        if ROUTES_KEY not in mb.keys():
+            self._replay.clear()
+            return layout
+        if self._sp > 1:
+            raise NotImplementedError("routing replay with trainer.sequence_parallel_size > 1")
+        grid = _padded_grid(mb["input_ids"], mb["cu_seqlens"].long(), pad_to)[1] if pad_to else None
+        routes, layout = forward_routes(mb[ROUTES_KEY], layout=layout, grid_mask=grid)
+        self._replay.set(routes)
+        return layout
 
     def _prefix_layout(self, mb: TensorDict, pad_to: int):  # noqa: ANN202
         """The shared-prompt layout of ``mb`` (``engine/prefix.py``) where it applies, else None."""

@@ -1,5 +1,6 @@
-"""Mixture-of-experts pieces of the FSDP engine: the load-balancing auxiliary loss, and the routers' hooks
-routing replay is built on (:class:`RouteReplay`; not wired into the engine yet).
+"""Mixture-of-experts pieces of the FSDP engine: the load-balancing auxiliary loss, and routing replay
+(:class:`RouteReplay`: the engine replays a micro-batch's ``routed_experts`` when it carries them; no server
+returns them yet).
 
 Hugging Face's MoE causal LMs (Qwen3-MoE, OLMoE, Mixtral, Qwen2-MoE, ...) compute Switch Transformer's
 load-balancing loss themselves when called with ``output_router_logits``: each router's logits are recorded
@@ -112,6 +113,9 @@ class RouteReplay:
     router does (``norm_topk_prob``; routers without the flag, such as Mixtral's, renormalise). With the
     routes the router itself picks, outputs are unchanged to the bit.
 
+    A row whose routes hold a -1 is routed by the router itself (prompt tokens the server returned no routes
+    for, the padding of a padded batch).
+
     Lifecycle: :meth:`set` before the forward, :meth:`clear` after the backward (activation checkpointing
     re-runs the forward inside backward, which must replay the same routes).
 
@@ -140,8 +144,8 @@ class RouteReplay:
         want = (len(self.routers), self.top_k)
         if routes.dim() != 3 or tuple(routes.shape[1:]) != want:
             raise ValueError(f"routes: shape {list(routes.shape)}, want [rows, {want[0]}, {want[1]}]")
-        if routes.numel() and (int(routes.min()) < 0 or int(routes.max()) >= self.num_experts):
-            raise ValueError(f"routes: an expert index outside 0..{self.num_experts - 1}")
+        if routes.numel() and (int(routes.min()) < -1 or int(routes.max()) >= self.num_experts):
+            raise ValueError(f"routes: an expert index outside 0..{self.num_experts - 1} (or -1: free)")
         self._routes = routes.long()
 
     def clear(self) -> None:
@@ -154,6 +158,7 @@ class RouteReplay:
         idx = self._routes[:, self._layer[module]].to(logits.device)
         if idx.shape[0] != logits.shape[0]:
             raise ValueError(f"routes: {idx.shape[0]} rows, but the router sees {logits.shape[0]} tokens")
+        idx = torch.where((idx < 0).any(-1, keepdim=True), output[2], idx)
         weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(-1, idx)
         if getattr(module, "norm_topk_prob", True):
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -174,3 +179,26 @@ def record_routes(model: torch.nn.Module, **forward_kwargs) -> torch.Tensor:
     if not picked:
         raise ValueError(f"{type(model).__name__} has no router to record")
     return torch.stack(picked, dim=1)
+
+
+ROUTES_KEY = "routed_experts"  # per-token [tokens, layers, experts_per_token] int routes in a batch
+
+
+def forward_routes(routes: torch.Tensor, *, layout=None, grid_mask: torch.Tensor | None = None):  # noqa: ANN001, ANN201
+    """A packed micro-batch's per-token ``routes`` laid out on the rows the model runs, and the shared-prompt
+    layout to run them on: as they are; on the shared-prompt row (``layout``, ``engine/prefix.py``) when
+    every sample sharing a row has the same routes there, else (the samples' prompts were routed differently,
+    e.g. one's are unknown) the layout is dropped and the micro-batch runs packed; or on the padded grid
+    (``grid_mask`` [samples, pad_to]), padding rows free (-1). Returns ``(routes, layout)``."""
+    if layout is not None:
+        out = routes.new_full((layout.ids.numel(), *routes.shape[1:]), -1).index_copy_(
+            0, layout.index, routes
+        )
+        if torch.equal(out.index_select(0, layout.index), routes):
+            return out, layout
+        return routes, None
+    if grid_mask is not None:
+        out = routes.new_full((grid_mask.numel(), *routes.shape[1:]), -1)
+        out[grid_mask.flatten()] = routes
+        return out, None
+    return routes, None
