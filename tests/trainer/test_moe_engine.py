@@ -123,3 +123,43 @@ def test_aux_loss_needs_an_moe_model_and_fsdp(tiny_model_path, single_process_gr
         load_config(
             None, [f"model.path={tiny_model_path}", "trainer.engine=megatron", "trainer.moe.aux_loss_coef=1"]
         )
+
+
+def test_the_trainer_steps_and_publishes_an_moe_model(tiny_moe_models, single_process_group):
+    """The whole trainer step on an MoE model: proximal pass, two mini-batches, the aux loss as a metric, and
+    a push of the fused expert tensors under their HF names."""
+    from slipstream.trainer.engine import make_aux_engines
+    from slipstream.trainer.trainer import Trainer
+    from tests.trainer.conftest import RecordingPublisher
+    from tests.trainer.fake_queue import FakeQueue, collate, make_group
+
+    cfg = trainer_settings(
+        tiny_moe_models["qwen3_moe"],
+        "trainer.batch_groups=2",
+        "trainer.mini_batches=2",
+        "trainer.algorithm.policy_loss=decoupled_ppo",
+        "trainer.moe.aux_loss_coef=0.01",
+        "async.sync_every=1",
+    )
+    queue = FakeQueue()
+    for i in range(2):
+        queue.put(make_group(f"g{i}", 4, version=0, seed=i))
+    engine = FSDPEngine(cfg)
+    engine.initialize()
+    publisher = RecordingPublisher()
+    trainer = Trainer(
+        cfg,
+        engine,
+        queue,
+        rank=0,
+        world_size=1,
+        collate_fn=collate,
+        publisher=publisher,
+        **make_aux_engines(cfg),
+    )
+    (metrics,) = trainer.fit(1)
+    assert [(v, sent) for v, sent, _ in publisher.pushes] == [(1, "full")]
+    pushed = publisher.pushes[0][2]
+    assert pushed["model.layers.0.mlp.experts.gate_up_proj"] == (4, 64, 128)
+    assert set(pushed) == {n for n, _ in engine.model.named_parameters()}
+    assert metrics["trainer/moe_aux_loss"] > 0 and metrics["trainer/grad_norm"] > 0
