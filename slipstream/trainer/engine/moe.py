@@ -32,21 +32,9 @@ from contextlib import contextmanager
 
 import torch
 
+from slipstream.utils.moe import is_moe, routers
 
-def router_class(model: torch.nn.Module) -> type[torch.nn.Module] | None:
-    """The module class whose first output is a layer's router logits, or None for a dense model."""
-    record = getattr(model, "_can_record_outputs", None) or {}
-    spec = record.get("router_logits")
-    if spec is None:
-        return None
-    return getattr(spec, "target_class", spec)
-
-
-def is_moe(model: torch.nn.Module) -> bool:
-    """True when ``model`` is an HF mixture-of-experts model with routers we can record."""
-    return router_class(model) is not None and any(
-        isinstance(m, router_class(model)) for m in model.modules()
-    )
+__all__ = ["ROUTES_KEY", "RouteReplay", "RouterRecorder", "forward_routes", "is_moe", "record_routes"]
 
 
 class RouterRecorder:
@@ -58,9 +46,8 @@ class RouterRecorder:
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
-        cls = router_class(model)
-        routers = [m for m in model.modules() if cls is not None and isinstance(m, cls)]
-        if not routers:
+        found = routers(model)
+        if not found:
             raise ValueError(
                 f"trainer.moe.aux_loss_coef > 0 needs a mixture-of-experts model; {type(model).__name__} "
                 "has no router whose logits it records"
@@ -70,7 +57,7 @@ class RouterRecorder:
         self._loss_fn = sys.modules[type(model).__module__].load_balancing_loss_func
         self._armed = False
         self._logits: list[torch.Tensor] = []
-        for router in routers:
+        for router in found:
             router.register_forward_hook(self._hook)
 
     def _hook(self, module: torch.nn.Module, args: tuple, output) -> None:  # noqa: ANN001
@@ -94,12 +81,6 @@ class RouterRecorder:
         if not logits:
             raise RuntimeError("no router logits recorded: run the forward inside armed()")
         return self._loss_fn(logits, self.num_experts, self.top_k, token_mask)
-
-
-def _routers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's routers in layer order (module order is the decoder layers' order)."""
-    cls = router_class(model)
-    return [m for m in model.modules() if cls is not None and isinstance(m, cls)]
 
 
 class RouteReplay:
@@ -128,7 +109,7 @@ class RouteReplay:
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.routers = _routers(model)
+        self.routers = routers(model)
         if not self.routers:
             raise ValueError(
                 f"routing replay needs a mixture-of-experts model; {type(model).__name__} has none"
@@ -169,7 +150,7 @@ def record_routes(model: torch.nn.Module, **forward_kwargs) -> torch.Tensor:
     """Run ``model(**forward_kwargs)`` without gradients and return the experts each router picked:
     [rows, layers, experts_per_token], as :class:`RouteReplay` takes them."""
     picked: list[torch.Tensor] = []
-    handles = [r.register_forward_hook(lambda m, a, out: picked.append(out[2])) for r in _routers(model)]
+    handles = [r.register_forward_hook(lambda m, a, out: picked.append(out[2])) for r in routers(model)]
     try:
         with torch.no_grad():
             model(**forward_kwargs)
