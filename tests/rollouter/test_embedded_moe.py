@@ -78,3 +78,22 @@ def test_expert_and_router_updates_land_whole(moe_live):
     assert all(set(s.versions) == {3} for s in states)
     assert _max_err(hf, states, 1.0) < 1e-4
     assert _max_err(AutoModelForCausalLM.from_pretrained(moe_live.path), states, 1.0) > 1e-2
+
+
+def test_each_request_gets_the_experts_its_tokens_were_routed_to(moe_live):
+    """Routing replay's source: every request, batched with others, comes back with the experts each layer
+    picked for its prompt and generated tokens but the last, as a plain forward of those tokens through the
+    served weights (the engine's model: an earlier test of this module pushed new ones) picks them."""
+    from slipstream.trainer.engine.moe import record_routes
+
+    prompts = [[31, 32, 33 + i] * (2 + i) for i in range(4)]
+    prompts.append([(7 * i) % 250 + 1 for i in range(700)])  # prefilled in chunks (max_batch_tokens 512)
+    states = _generate(moe_live, prompts, temperature=1.0, max_new_tokens=12)
+    hf = moe_live.engine.model
+    for state in states:
+        tokens = state.input_ids + state.output_ids[:-1]
+        got = state.routed_experts
+        assert got is not None and got.dtype == torch.uint8
+        assert got.shape == (len(tokens), hf.config.num_hidden_layers, hf.config.num_experts_per_tok)
+        want = record_routes(hf, input_ids=torch.tensor([tokens]))
+        assert torch.equal(got.long(), want), (got.long() != want).nonzero()[:5]

@@ -55,7 +55,7 @@ import torch
 
 from slipstream.agents.protocol import SamplingParams
 from slipstream.rollouter.config import EmbeddedServerConfig
-from slipstream.rollouter.embedded import attention, scheduler
+from slipstream.rollouter.embedded import attention, routes, scheduler
 from slipstream.rollouter.embedded.sampling import (
     PLACEHOLDER_TEMPERATURE,
     PLACEHOLDER_TOP_K,
@@ -66,6 +66,7 @@ from slipstream.rollouter.embedded.sampling import (
     request_sampling_kwargs,
 )
 from slipstream.utils.logging import get_logger
+from slipstream.utils.moe import is_moe
 from slipstream.utils.tensors import parse_dtype
 
 log = get_logger(__name__)
@@ -117,6 +118,8 @@ class RequestState:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish: Finish | None = None
+    # MoE models: the experts each layer routed the tokens to, set when it finishes (embedded/routes.py)
+    routed_experts: torch.Tensor | None = None
     # True once handed to the generation loop (False while held at the pause gate).
     submitted: bool = False
     # Whether it counts in the engine's FilterUse as (top-k, top-p) while submitted.
@@ -200,6 +203,7 @@ class EmbeddedEngine:
         self.model = model.to(self.cfg.device).eval()
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.eos_token_ids = _eos_ids(self.model)
+        self._routes = routes.RouteRecorder(self.model) if is_moe(self.model) else None
         self._params = dict(self.model.state_dict(keep_vars=True))
         self._version = int(weight_version)
         self._stamp = int(weight_version)  # the version stamped on tokens; only touched on the event loop
@@ -257,6 +261,8 @@ class EmbeddedEngine:
             generation_config=gen_cfg, continuous_batching_config=cb_cfg
         )
         install_fast_warpers(manager, self._filters)
+        if self._routes is not None:
+            self._routes.attach(manager)
         manager.start()
         self._manager = manager
 
@@ -379,6 +385,8 @@ class EmbeddedEngine:
         mgr.register_result_handler(state.cb_id, lambda out, s=state: self._on_output(s, out))
         # Counted in before the generation loop can see the request (the warpers read the count).
         filters = self._filters.acquire(*filters_used(kwargs, self.vocab_size))
+        if self._routes is not None:
+            self._routes.open(state.cb_id)
         added = mgr.add_request(
             state.input_ids,
             request_id=state.cb_id,
@@ -455,6 +463,9 @@ class EmbeddedEngine:
             return
         state.finish = finish
         self._by_rid.pop(state.rid, None)
+        if self._routes is not None:
+            tokens = len(state.input_ids) + len(state.output_ids) - 1
+            state.routed_experts = self._routes.take(state.cb_id, tokens)
         if state.submitted:
             self._in_flight -= 1
             self._filters.release(state.filters)
