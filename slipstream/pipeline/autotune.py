@@ -13,14 +13,17 @@ holds whole push cycles:
 1. **Hold on a missing metric.** A metric a rule needs that no part reported is never guessed: the
    decision holds and names it (``hold: missing trainer/idle_ratio``); without
    ``rollouter/requests_queued`` the concurrency is never moved.
-2. **Back off** when the window trained a group over ``staleness_cap``, dropped a group over the hard cap,
-   or the mismatch went over ``mismatch_cap``: the threshold goes one rung down the ladder
-   (:data:`THRESHOLDS`), and the rung it left becomes a ceiling it does not climb to again (at the lowest
-   rung, ``sync_every`` goes down by one).
+2. **Back off** when the window trained a group over ``staleness_cap``, dropped more than
+   ``DROP_TOLERANCE`` of its groups over the hard cap, or the mismatch went over ``mismatch_cap``: the
+   threshold goes one rung down the ladder (:data:`THRESHOLDS`), and the rung it left becomes a ceiling it
+   does not climb to again (at the lowest rung, ``sync_every`` goes down by one). Drops are kept while the
+   window trains ``PAYS`` more tokens/s than the one that led to the last raise, and for one dwell after a
+   back-off (``quiet_until``: the old setting's groups are still being dropped).
 3. **Generation-bound** (``trainer/idle_ratio`` above ``IDLE_HIGH``): requests waiting for a server slot
    (``rollouter/requests_queued`` > 0) double the per-server concurrency; when the servers have room, the
    gate's budget grows (``sync_every`` x2, then the threshold one rung), only while the staleness the move
-   adds in order (:func:`in_order_bound`) keeps the window's maximum one version under the cap, and only
+   adds in order (:func:`in_order_bound`) keeps the window's maximum within the target (the cap where the
+   trainer enforces it, ``max_staleness <= staleness_cap``; else one version under it), and only
    once the last budget's groups have been trained (the minimum dwell, ``ceil(sync_every * (1 +
    threshold)) + 1`` steps after a change). Far from balance (``FAR``) every move that applies is made at
    once; near it, one.
@@ -59,6 +62,11 @@ FAR = 0.3  # ... more than this: far from balance, every move that applies at on
 REGIME_CHANGE = 0.25  # relative move of the mean response length that counts as a new workload
 FILTER_CHANGE = 0.15  # absolute move of the filter ratio that does
 IDLE_JUMP = 0.15  # trainer idle this much above its level when the controller settled: a new workload
+# Share of a window's groups the hard cap may drop before the controller backs off: a rare long response
+# dropped costs its generation once, while a lower setting costs every step (the cap is never exceeded:
+# the trainer drops what would exceed it).
+DROP_TOLERANCE = 0.05
+PAYS = 0.05  # drops over the tolerance are kept when the window trains this much faster than before the raise
 
 # Observation field -> the metric key it reads (the run's record; docs/tuning.md "Reading a run").
 METRIC_KEYS: dict[str, str] = {
@@ -73,6 +81,7 @@ METRIC_KEYS: dict[str, str] = {
     "response_len_p90": "trainer/response_len_p90",
     "filter_ratio": "rollouter/filter_ratio",
     "tokens": "trainer/tokens",
+    "samples": "trainer/samples",
     "elapsed_s": "perf/elapsed_s",
     "mismatch": "trainer/approx_kl_behaviour",
 }
@@ -96,6 +105,7 @@ class Observation(msgspec.Struct, kw_only=True, omit_defaults=True):
     response_len_p90: float | None = None
     filter_ratio: float | None = None
     tokens: float | None = None  # trained this step (prompt + response)
+    samples: float | None = None  # trained this step
     elapsed_s: float | None = None  # since the run started, when the step's record was made
     mismatch: float | None = None
 
@@ -162,6 +172,12 @@ class AutotuneState(msgspec.Struct, kw_only=True):
     reference: Window | None = None  # the workload when the controller last changed or settled
     changes: int = 0
     since_change: int = 0  # steps since a knob last moved
+    # Trained tokens/s of the window that led to the last raise (None after a back-off): drops at the cap are
+    # kept while the raise still pays.
+    before_raise: float | None = None
+    # After a back-off, groups the old setting admitted are still trained (and dropped) until this step: they
+    # say nothing about the new setting, so no second back-off before it.
+    quiet_until: int = 0
 
 
 class Autotuner:
@@ -175,13 +191,17 @@ class Autotuner:
         every: int,
         start: Knobs,
         max_staleness: int | None = None,
+        group_size: int = 1,
         state: AutotuneState | None = None,
     ) -> None:
         self.bounds, self.every = bounds, every
         self.cap = bounds.staleness_cap if max_staleness is None else min(bounds.staleness_cap, max_staleness)
-        # The staleness it steers to: one version under the cap, so that the tail of one window reaching the
-        # target is a reason to back off before a group goes over the cap.
-        self.target = max(self.cap - 1, 0)
+        # The staleness it steers to: the cap itself where the trainer enforces it (async.max_staleness at the
+        # cap: a group over it is dropped, never trained; prepare_config sets it so when the controller runs),
+        # else one version under it, so that a window reaching the target backs off before one goes over.
+        enforced = max_staleness is not None and max_staleness <= bounds.staleness_cap
+        self.target = self.cap if enforced else max(self.cap - 1, 0)
+        self.group_size = group_size
         self.state = state if state is not None else AutotuneState(knobs=start)
 
     # ------------------------------------------------------------------ the loop
@@ -217,7 +237,22 @@ class Autotuner:
         self._forget_if_new_workload(w)
         # 2. back off
         mismatch = max(o.mismatch or 0.0 for o in window)
-        over = stale_max > self.cap or dropped > 0
+        # the share of the window's groups dropped (its first record belongs to the previous window)
+        samples = sum(o.samples or 0.0 for o in window[1:])
+        lost = sum(o.dropped_groups or 0.0 for o in window[1:]) * self.group_size
+        dropped_share = lost / (samples + lost) if lost else 0.0
+        over = stale_max > self.cap or dropped_share > DROP_TOLERANCE
+        before = st.before_raise
+        if over and stale_max <= self.cap and before is not None and w.tokens_per_s > before * (1 + PAYS):
+            return self._hold(
+                f"hold: {dropped:g} groups dropped at the cap, but {w.tokens_per_s:.0f} tokens/s against "
+                f"{before:.0f} before the last raise: the drops pay"
+            )
+        if over and st.steps < st.quiet_until:
+            return self._hold(
+                f"hold: {dropped:g} groups dropped, admitted before the last back-off (trained until step "
+                f"{st.quiet_until})"
+            )
         if over or (self.bounds.mismatch_cap is not None and mismatch > self.bounds.mismatch_cap):
             cause = (
                 f"staleness max {stale_max:g} over the cap {self.cap}"
@@ -244,8 +279,8 @@ class Autotuner:
         why: list[str] = []
         queued_vals = [o.requests_queued for o in window]
         queued = None if None in queued_vals else statistics.fmean(q or 0.0 for q in queued_vals)
-        # requests waited for a slot at every step's end: the servers are full, the gate is not what limits
-        always_queued = queued is not None and min(q or 0.0 for q in queued_vals) > 0
+        # requests waited for a slot at most steps' ends: the servers are full, the gate is not what limits
+        always_queued = queued is not None and sum((q or 0.0) > 0 for q in queued_vals) * 2 > len(queued_vals)
         if queued is None:
             why.append(f"{METRIC_KEYS['requests_queued']} missing: concurrency held")
         elif queued > 0:
@@ -267,9 +302,10 @@ class Autotuner:
         # A bigger budget helps only when the servers have room: no request waits for a slot (or more slots
         # are being opened now); and only once the last budget's staleness has shown (a group admitted at
         # the change is trained up to ceil(sync_every * (1 + threshold)) steps later): the minimum dwell.
-        dwell = math.ceil(k.sync_every * (1 + k.staleness_threshold) - 1e-9) + 1
         gate = (
-            queued is not None and (not always_queued or "concurrency" in moves) and st.since_change >= dwell
+            queued is not None
+            and (not always_queued or "concurrency" in moves)
+            and st.since_change >= dwell(k)
         )
         if gate and (far or not moves):
             every = min(b.sync_every_max, k.sync_every * 2)
@@ -291,6 +327,7 @@ class Autotuner:
 
     def _back_off(self, w: Window, cause: str) -> Decision:
         st, k = self.state, self.state.knobs
+        st.quiet_until = st.steps + dwell(k)
         down = _rung_below(k.staleness_threshold)
         if down is not None:
             st.threshold_ceiling = k.staleness_threshold
@@ -305,6 +342,7 @@ class Autotuner:
         st, k = self.state, self.state.knobs
         old = {"threshold": k.staleness_threshold, "sync_every": k.sync_every, "concurrency": k.concurrency}
         st.reference, st.since_change = w, 0
+        st.before_raise = w.tokens_per_s if action == "raise" else None
         new = {**old, **moves}
         st.knobs = Knobs(
             staleness_threshold=float(new["threshold"]),
@@ -351,6 +389,12 @@ def _summary(window: list[Observation], knobs: Knobs) -> Window:
         response_len_mean=mean("response_len_mean"),
         filter_ratio=mean("filter_ratio"),
     )
+
+
+def dwell(k: Knobs) -> int:
+    """Steps until the groups admitted under ``k`` have been trained: ``ceil(sync_every * (1 + threshold)) + 1``
+    (a group admitted at a change is trained up to that many steps later)."""
+    return math.ceil(k.sync_every * (1 + k.staleness_threshold) - 1e-9) + 1
 
 
 def in_order_bound(threshold: float, sync_every: int) -> int:

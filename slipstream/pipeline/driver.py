@@ -220,7 +220,9 @@ def make_autotuner(cfg: Config) -> Autotuner | None:
     bounds = msgspec.structs.replace(a.autotune_bounds, sync_every_min=a.sync_every, sync_every_max=a.sync_every,
                                      concurrency_min=conc, concurrency_max=conc)  # fmt: skip
     start = Knobs(staleness_threshold=a.staleness_threshold, sync_every=a.sync_every, concurrency=conc)
-    return Autotuner(bounds, every=a.autotune_every, start=start, max_staleness=a.max_staleness)
+    return Autotuner(
+        bounds, every=a.autotune_every, start=start, max_staleness=a.max_staleness, group_size=cfg.rollout.n
+    )
 
 
 def step_time_split(metrics: dict[str, float], wall_s: float) -> dict[str, float]:

@@ -50,7 +50,8 @@ PAUSE_MODES: dict[str, str] = {"abort": "abort", "in_place": "in_place", "off": 
 
 def prepare_config(cfg: Config) -> tuple[Config, list[str]]:
     """Apply the mode's preset to ``cfg.async``, derive ``weightsync.pause_mode``, ``queue.journal`` and
-    ``queue.snapshot_dir`` (the run's checkpoint directory).
+    ``queue.snapshot_dir`` (the run's checkpoint directory), and with ``async.autotune`` on, lower
+    ``async.max_staleness`` to the controller's ``staleness_cap``.
 
     Returns the new config and one note per value the preset changed (the controller logs them, so a
     user who set ``async.staleness_threshold`` in ``sync`` mode sees why it is not used).
@@ -58,6 +59,14 @@ def prepare_config(cfg: Config) -> tuple[Config, list[str]]:
     if cfg.async_.mode not in MODE_PRESETS:
         raise ConfigError(f"async.mode: unknown mode `{cfg.async_.mode}`; known: {', '.join(MODE_PRESETS)}")
     async_cfg, notes = cfg.async_.with_preset()
+    cap = async_cfg.autotune_bounds.staleness_cap
+    if async_cfg.autotune != "off" and cap < async_cfg.max_staleness:
+        # The controller's bound is what the trainer enforces: no group over it is trained, whatever a move
+        # of the knobs does to groups already in flight (the controller backs off when it drops many).
+        notes.append(
+            f"async.max_staleness: {async_cfg.max_staleness} -> {cap} (async.autotune_bounds.staleness_cap)"
+        )
+        async_cfg = msgspec.structs.replace(async_cfg, max_staleness=cap)
     pause = PAUSE_MODES[async_cfg.partial_rollout]
     weightsync = msgspec.structs.replace(cfg.weightsync, pause_mode=pause)
     if weightsync.push_dtype == "auto":

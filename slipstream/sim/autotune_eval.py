@@ -1,7 +1,10 @@
 """`slipstream simulate --autotune-eval [--json] [--steps N] [--workloads a,b]`: the autotune controller
 (``pipeline/autotune.py``) against every static setting of its knobs, in the simulator.
 
-Each workload is a profile and a config (:data:`WORKLOADS`; 4 servers, 8 groups of 8 per step). On each:
+Each workload is a profile and a config (:data:`WORKLOADS`; 4 servers, 8 groups of 8 per step), with the
+hard cap ``async.max_staleness`` at the controller's ``staleness_cap`` (2), as ``prepare_config`` sets it when
+the controller runs: a group over it is dropped, never trained, by the controller and every static alike.
+On each:
 
 * **the controller** starts from a poor setting (:data:`POOR_START`: threshold 0, ``sync_every`` 1, 4
   requests per server) and decides every ``EVERY`` steps from the step metrics the simulator reports under
@@ -52,7 +55,7 @@ BOUNDS = AutotuneBounds(staleness_cap=2, staleness_threshold_max=2.0, sync_every
 POOR_START = Knobs(staleness_threshold=0.0, sync_every=1, concurrency=8)
 CONCURRENCY = (4, 8, 16, 32, 64)
 BASE = ["rollout.num_servers=4", "trainer.batch_groups=8", "rollout.n=8", "trainer.num_ranks=1",
-        "rollout.sampling.max_new_tokens=1024", "async.mode=fully_async", "async.max_staleness=4",
+        "rollout.sampling.max_new_tokens=1024", "async.mode=fully_async", "async.max_staleness=2",
         "async.partial_rollout=abort", "eval.every=0"]  # fmt: skip
 # a server decodes up to ~640 tokens/s, saturating past 16-64 requests
 _PROFILE: dict[str, Any] = {
@@ -134,7 +137,13 @@ def run_controller(
 ) -> tuple[SimResult, list[dict[str, Any]], list[Knobs]]:
     """The controller from :data:`POOR_START`: the result, its decisions that changed a knob, and the
     setting each step ran with."""
-    tuner = Autotuner(bounds, every=every, start=POOR_START, max_staleness=cfg.async_.max_staleness)
+    tuner = Autotuner(
+        bounds,
+        every=every,
+        start=POOR_START,
+        max_staleness=cfg.async_.max_staleness,
+        group_size=cfg.rollout.n,
+    )
     sim = Simulation(with_knobs(cfg, POOR_START), prof, steps=steps)
     changes: list[dict[str, Any]] = []
     per_step: list[Knobs] = []

@@ -533,6 +533,7 @@ class Simulation:
             "trainer/response_len_p90": float(lengths[int(0.9 * (len(lengths) - 1))]) if lengths else 0.0,
             "perf/step_wall_s": wall,
             "trainer/tokens": float(self._step_tokens),
+            "trainer/samples": float(len(lengths)),
             "perf/trained_tokens_per_s": self._step_tokens / wall if wall > 0 else 0.0,
             "perf/elapsed_s": self.t,
         }

@@ -244,3 +244,73 @@ def test_the_controller_state_is_in_the_checkpoint_and_a_resumed_run_goes_on_fro
     assert rollouter.thresholds == [0.5]
     driver.resume_autotune(None)  # a fresh start: nothing to resume
     assert rollouter.thresholds == [0.5]
+
+
+def dropping(share: float, tokens: float = 1000.0):
+    """The plant with ``share`` of each step's groups dropped at the hard cap (groups of 8, 64 samples trained),
+    a step every 10 s."""
+
+    def make(k: Knobs, step: int) -> Observation:
+        groups = 8 * share / (1 - share)
+        return msgspec.structs.replace(
+            plant(k, step), trainer_idle=0.5, staleness_max=2.0, dropped_groups=groups, samples=64.0,
+            tokens=tokens, elapsed_s=10.0 * step,
+        )  # fmt: skip
+
+    return make
+
+
+def test_a_few_groups_dropped_at_the_cap_are_tolerated_and_many_back_off():
+    start = Knobs(staleness_threshold=1.0, sync_every=1, concurrency=32)
+    few = Autotuner(BOUNDS, every=2, start=start, max_staleness=2, group_size=8)
+    drive(few, 2, dropping(0.04))
+    assert few.state.knobs.staleness_threshold >= 1.0  # 4% dropped: no back-off
+    many = Autotuner(BOUNDS, every=2, start=start, max_staleness=2, group_size=8)
+    drive(many, 2, dropping(0.2))
+    assert many.state.knobs.staleness_threshold == 0.5
+    # without the samples gauge the share is unknown: any drop backs off, as before
+    blind = Autotuner(BOUNDS, every=2, start=start, max_staleness=2, group_size=8)
+    drive(blind, 2, lambda k, s: msgspec.structs.replace(dropping(0.04)(k, s), samples=None))
+    assert blind.state.knobs.staleness_threshold == 0.5
+
+
+def test_after_a_back_off_the_old_settings_groups_do_not_back_it_off_again():
+    """Groups admitted under the old setting are still dropped for a while; they say nothing of the new one."""
+    start = Knobs(staleness_threshold=2.0, sync_every=2, concurrency=32)
+    tuner = Autotuner(BOUNDS, every=2, start=start, max_staleness=2, group_size=8)
+    seen = drive(tuner, 8, dropping(0.3))
+    assert seen[1].staleness_threshold == 1.5  # the first window backs off once
+    assert all(k.staleness_threshold == 1.5 for k in seen[1:8])  # quiet until ceil(2 * 3) + 1 steps later
+    assert tuner.state.quiet_until == 2 + 7
+
+
+def test_drops_that_pay_in_tokens_per_second_are_kept():
+    """After a raise, groups dropped at the cap are kept while the window trains faster than the one that led to
+    the raise; once they do not pay, it backs off."""
+    start = Knobs(staleness_threshold=0.5, sync_every=1, concurrency=32)
+    tuner = Autotuner(BOUNDS, every=2, start=start, max_staleness=2, group_size=8)
+    waits = lambda k, s: msgspec.structs.replace(dropping(0.0)(k, s), staleness_max=0.0)  # noqa: E731
+    drive(tuner, 4, waits)  # the trainer waits at 100 tokens/s: a raise once the first dwell is over
+    assert tuner.state.knobs.staleness_threshold > 0.5 and tuner.state.before_raise == 100.0
+    decisions = [tuner.observe(dropping(0.2, tokens=2000.0)(tuner.state.knobs, s)) for s in (5, 6, 7, 8)]
+    assert [d.action for d in decisions if d] == ["hold", "hold"] and "the drops pay" in decisions[-1].reason
+    raised = tuner.state.knobs
+    decisions = [tuner.observe(dropping(0.2, tokens=1000.0)(tuner.state.knobs, s)) for s in (9, 10)]
+    assert (
+        decisions[-1].action == "lower" and tuner.state.knobs.staleness_threshold < raised.staleness_threshold
+    )
+
+
+def test_the_controller_steers_to_the_cap_only_where_the_trainer_enforces_it():
+    assert Autotuner(BOUNDS, every=2, start=START, max_staleness=2).target == 2
+    assert Autotuner(BOUNDS, every=2, start=START, max_staleness=4).target == 1
+    assert Autotuner(BOUNDS, every=2, start=START).target == 1
+
+
+def test_with_autotune_on_the_hard_cap_is_the_controllers():
+    cfg, notes = prepare_config(load_config("configs/quickstart.yaml", ["async.autotune=throughput",
+                                                                        "async.max_staleness=4"]))  # fmt: skip
+    assert cfg.async_.max_staleness == cfg.async_.autotune_bounds.staleness_cap == 2
+    assert "async.max_staleness: 4 -> 2 (async.autotune_bounds.staleness_cap)" in notes
+    off, _ = prepare_config(load_config("configs/quickstart.yaml", ["async.max_staleness=4"]))
+    assert off.async_.max_staleness == 4
