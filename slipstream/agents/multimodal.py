@@ -162,3 +162,10 @@ def check_placeholders(messages: list[dict[str, Any]], num_images: int) -> None:
         raise ImageProblem(
             f"the prompt has {found} `{IMAGE_PLACEHOLDER}` placeholders but the row has {num_images} images"
         )
+
+
+def data_url(image: Image) -> str:
+    """``image`` as a ``data:`` URL, as vLLM's ``content_parts`` and OpenAI image parts take it (no network)."""
+    import base64
+
+    return f"data:{image.mime_type};base64,{base64.b64encode(image.data).decode('ascii')}"

