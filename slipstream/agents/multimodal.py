@@ -169,3 +169,17 @@ def data_url(image: Image) -> str:
     import base64
 
     return f"data:{image.mime_type};base64,{base64.b64encode(image.data).decode('ascii')}"
+
+
+def images_not_served(samples: list[Any]) -> str | None:
+    """Why a run cannot use ``samples`` (``Sample``s) yet, or None: the rollouter does not send images to the
+    servers nor the queue carry them (issue 32), so image prompts would silently be trained as text."""
+    with_images = [s.index for s in samples if s.images]
+    if not with_images:
+        return None
+    return (
+        f"{len(with_images)} of {len(samples)} prompts have images (the first: prompt {with_images[0]}), but "
+        "runs do not send images to the inference servers yet, so they would be trained as text prompts; "
+        "multi-modal data can be made and checked (`slipstream data make shapes`), not yet trained on "
+        '(docs/architecture.md, "Images")'
+    )

@@ -526,6 +526,11 @@ def check_data(cfg: Config) -> int:
             val = load_samples(cfg.data.val_files)
         except DatasetError as err:
             raise ConfigError(f"data.val_files: {err}") from None
+    from slipstream.agents.multimodal import images_not_served
+
+    for key, rows in (("data.train_files", samples), ("data.val_files", val)):
+        if problem := images_not_served(rows):
+            raise ConfigError(f"{key}: {problem}")
     from slipstream.agents.rewards import reward_name
 
     for source in sorted({s.data_source for s in [*samples, *val]}):

@@ -193,3 +193,11 @@ def test_data_url_carries_the_stored_bytes():
     url = data_url(decode_image(data, limits=ImageLimits()))
     head, body = url.split(",", 1)
     assert head == "data:image/png;base64" and base64.b64decode(body) == data
+
+
+def test_runs_refuse_image_data_until_images_are_served(tmp_path):
+    out = tmp_path / "shapes.parquet"
+    write_rows(make_rows("shapes", 4, seed=0), out)
+    cfg = load_config(overrides=[f"data.train_files=[{out}]", "trainer.batch_groups=1"])
+    with pytest.raises(ConfigError, match=r"data.train_files: 4 of 4 prompts have images .* trained as text"):
+        check_data(cfg)
