@@ -383,3 +383,14 @@ def test_the_shim_check_tells_a_shim_from_a_lazy_package(tmp_path):
         "slipstream.queue": tmp_path / "pkg" / "__init__.py",
     }
     assert _getattr_shims(modules) == ["slipstream.weightsync.adapters"]
+
+
+def test_test_modules_have_unique_basenames():
+    """The test folders have no __init__.py, so pytest imports each test module under its file name alone: two
+    files of one name in different folders fail the whole collection ("import file mismatch")."""
+    tests = Path(__file__).resolve().parent
+    names: dict[str, list[str]] = {}
+    for path in tests.rglob("*.py"):
+        if path.name not in ("conftest.py", "__init__.py"):
+            names.setdefault(path.name, []).append(str(path.relative_to(tests)))
+    assert {n: p for n, p in names.items() if len(p) > 1} == {}

@@ -1,7 +1,7 @@
 """Who may control a vLLM server: holders of the run's token (rollouter/vllm_auth.py, vLLM's ``--middleware``).
 
 The gate is driven as a bare ASGI app (scopes as uvicorn builds them) and behind a real uvicorn with raw
-HTTP requests, so each path trick reaches it exactly as it would reach vLLM; tests/vllm/test_vllm_auth.py
+HTTP requests, so each path trick reaches it exactly as it would reach vLLM; tests/vllm/test_vllm_server_token.py
 runs it inside a real vLLM.
 """
 
