@@ -93,10 +93,7 @@ def make_tiny_model(
 
     Calling it twice with the same arguments gives bit-identical weights (seeded initialisation).
     """
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from slipstream.utils.tensors import parse_dtype
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -116,14 +113,7 @@ def make_tiny_model(
         pad_token_id=tok.pad_token_id,
         torch_dtype=dtype,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).to(parse_dtype(dtype))
-    model.generation_config.eos_token_id = config.eos_token_id
-    model.generation_config.pad_token_id = config.pad_token_id
-    model.save_pretrained(str(path))
-    (path / "slipstream_tiny.json").write_text(json.dumps({"seed": seed, "kind": "tiny-llama"}))
-    return path
+    return _save_seeded(LlamaForCausalLM, config, path, seed=seed, dtype=dtype, kind="tiny-llama")
 
 
 # The MoE families tiny tests run: model_type -> (config class, causal-LM class, the config's name for the
@@ -163,9 +153,6 @@ def make_tiny_moe_model(
         path = make_tiny_moe_model(tmp_path / "moe", "olmoe")
         model = AutoModelForCausalLM.from_pretrained(path)   # model.layers[0].mlp.experts.gate_up_proj
     """
-    import torch
-
-    from slipstream.utils.tensors import parse_dtype
 
     if family not in MOE_FAMILIES:
         raise ValueError(f"unknown MoE family {family!r}; known: {', '.join(MOE_FAMILIES)}")
@@ -188,13 +175,23 @@ def make_tiny_moe_model(
         torch_dtype=dtype,
     )
     config, model_cls = _moe_config(family, common, head_dim, num_experts, moe_intermediate_size)
+    return _save_seeded(model_cls, config, path, seed=seed, dtype=dtype, kind=f"tiny-{family}")
+
+
+def _save_seeded(model_cls, config, path: Path, *, seed: int, dtype: str, kind: str) -> Path:  # noqa: ANN001
+    """``model_cls(config)`` initialised from ``seed`` (the global RNG left as it was), saved to ``path`` with
+    the generation config's end and pad ids and a ``slipstream_tiny.json`` marker; returns ``path``."""
+    import torch
+
+    from slipstream.utils.tensors import parse_dtype
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_cls(config).to(parse_dtype(dtype))
     model.generation_config.eos_token_id = config.eos_token_id
     model.generation_config.pad_token_id = config.pad_token_id
     model.save_pretrained(str(path))
-    (path / "slipstream_tiny.json").write_text(json.dumps({"seed": seed, "kind": f"tiny-{family}"}))
+    (path / "slipstream_tiny.json").write_text(json.dumps({"seed": seed, "kind": kind}))
     return path
 
 
