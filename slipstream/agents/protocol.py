@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextvars
 from collections.abc import Callable
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import msgspec
 
@@ -40,6 +40,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop_token_ids: list[int] = []
     # Keep generating past EOS until max_new_tokens (benchmarks and tests of long requests).
     ignore_eos: bool = False
+    # Mixture-of-experts models: ask the server for the experts each token was routed to (routing replay).
+    return_routed_experts: bool = False
 
 
 class GenerateOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -55,6 +57,10 @@ class GenerateOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     server: str = ""
     # How many times the request was interrupted by a weight update and resumed.
     num_resumes: int = 0
+    # With ``SamplingParams.return_routed_experts``: a numpy array ``[prompt + output - 1, layers, k]`` of
+    # the experts every token but the last was routed to (uint8; int16 with -1 for rows never forwarded),
+    # vLLM's layout; None when the server returned none. In-process only (never encoded).
+    routed_experts: Any = None
 
 
 # Streaming, where a client can: while a caller's task has set this to a callable, a client that can stream

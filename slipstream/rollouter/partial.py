@@ -28,8 +28,10 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from typing import Any
 
 import msgspec
+import numpy as np
 
 from slipstream.agents.protocol import GenerateOutput, InferenceClient, SamplingParams
 from slipstream.utils.logging import get_logger
@@ -173,9 +175,26 @@ def _append(out: GenerateOutput, piece: GenerateOutput) -> None:
             f"request {piece.rid}: server returned {len(piece.output_ids)} tokens, {len(piece.logprobs)} "
             f"logprobs and {len(piece.versions)} versions"
         )
+    out.routed_experts = stitch_routes(out.routed_experts, piece.routed_experts)
     out.output_ids.extend(piece.output_ids)
     out.logprobs.extend(piece.logprobs)
     out.versions.extend(piece.versions)
     out.finish_reason = piece.finish_reason
     out.server = piece.server or out.server
     out.num_resumes += piece.num_resumes
+
+
+def stitch_routes(earlier: Any, later: Any) -> Any:
+    """The routes of a request resumed after an abort: the earlier segments' where they reached, the later's
+    beyond.
+
+    A resumed piece re-prefills prompt + partial output, so its routes (``[tokens - 1, layers, k]``) cover the
+    whole sequence; the tokens the earlier segments already routed keep the experts they were generated
+    with (rows an abort left unforwarded, -1, take the later piece's). Either may be None (no routes).
+    """
+    if later is None or earlier is None:
+        return earlier if later is None else later
+    n = min(len(earlier), len(later))
+    head = np.where(earlier[:n] < 0, later[:n], earlier[:n]) if earlier.dtype.kind == "i" else earlier[:n]
+    out = np.concatenate([head.astype(later.dtype, copy=False), later[n:]])
+    return out.astype(np.uint8) if out.dtype != np.uint8 and out.size and (out >= 0).all() else out

@@ -38,6 +38,7 @@ from slipstream.rollouter.clients.base import (
     ServerClient,
     ServerError,
     ServerUnavailable,
+    decode_routed_experts,
     expand_spans,
     parse_version,
 )
@@ -67,13 +68,16 @@ def build_generate_payload(input_ids: list[int], sampling: SamplingParams, rid: 
         params["stop_token_ids"] = list(sampling.stop_token_ids)
     if sampling.ignore_eos:
         params["ignore_eos"] = True
-    return {
+    payload = {
         "input_ids": list(input_ids),
         "sampling_params": params,
         "return_logprob": True,
         "rid": rid,
         "stream": False,
     }
+    if sampling.return_routed_experts:
+        payload["return_routed_experts"] = True  # SGLang's request field
+    return payload
 
 
 def parse_generate_response(body: dict, *, rid: str, server: str) -> GenerateOutput:
@@ -94,6 +98,7 @@ def parse_generate_response(body: dict, *, rid: str, server: str) -> GenerateOut
     if finish_type not in _FINISH_TYPES:
         finish_type = "abort"
     fallback = parse_version(meta.get("weight_version", 0))
+    routes = meta.get("routed_experts")
     return GenerateOutput(
         output_ids=output_ids,
         logprobs=[float(e[0]) for e in entries],
@@ -102,6 +107,7 @@ def parse_generate_response(body: dict, *, rid: str, server: str) -> GenerateOut
         prompt_tokens=int(meta.get("prompt_tokens", 0)),
         rid=str(meta.get("id", rid)),
         server=server,
+        routed_experts=decode_routed_experts(routes) if routes else None,
     )
 
 

@@ -62,7 +62,13 @@ import msgspec
 
 from slipstream.agents.protocol import GenerateOutput, SamplingParams
 from slipstream.rollouter import launch
-from slipstream.rollouter.clients.base import ServerClient, ServerError, expand_spans, parse_version
+from slipstream.rollouter.clients.base import (
+    ServerClient,
+    ServerError,
+    decode_routed_experts,
+    expand_spans,
+    parse_version,
+)
 from slipstream.rollouter.server_stats import parse_prometheus
 from slipstream.serverapi import VLLM, ServerAPI
 from slipstream.serverapi.vllm import SWITCH_UPDATE
@@ -173,6 +179,7 @@ def _output(
     if len(logprobs) != len(token_ids) or any(lp is None for lp in logprobs):
         raise ValueError(f"response from {server} has {len(token_ids)} tokens but logprobs {logprobs[:4]}...")
     usage = body.get("usage") or {}
+    routes = choice.get("routed_experts")  # base64 .npy, with --enable-return-routed-experts
     return GenerateOutput(
         output_ids=token_ids,
         logprobs=[float(lp) for lp in logprobs],
@@ -181,6 +188,7 @@ def _output(
         prompt_tokens=int(usage.get("prompt_tokens", len(prompt_ids))),
         rid=rid,
         server=server,
+        routed_experts=decode_routed_experts(routes) if routes else None,
     )
 
 

@@ -97,3 +97,51 @@ def test_each_request_gets_the_experts_its_tokens_were_routed_to(moe_live):
         assert got.shape == (len(tokens), hf.config.num_hidden_layers, hf.config.num_experts_per_tok)
         want = record_routes(hf, input_ids=torch.tensor([tokens]))
         assert torch.equal(got.long(), want), (got.long() != want).nonzero()[:5]
+
+
+def test_generate_returns_routes_in_vllms_encoding_only_when_asked(moe_live):
+    """``return_routed_experts`` over HTTP: the client decodes ``meta_info.routed_experts`` (base64 .npy, the
+    parser vLLM's replies go through too) into the engine's own uint8 routes; without the flag none come."""
+    from slipstream.serverapi import EMBEDDED
+    from slipstream.serverkinds.sglang import SGLangClient
+
+    prompt = [11, 12, 13, 14]
+
+    async def main():
+        client = SGLangClient(moe_live.url, server_api=EMBEDDED)
+        try:
+            asked = SamplingParams(max_new_tokens=6, ignore_eos=True, return_routed_experts=True)
+            with_routes = await client.generate(prompt, asked, rid="routes-1")
+            plain = await client.generate(prompt, SamplingParams(max_new_tokens=6, ignore_eos=True))
+            return with_routes, plain
+        finally:
+            await client.aclose()
+
+    out, plain = moe_live.call(main())
+    routes = out.routed_experts
+    cfg = moe_live.engine.model.config
+    assert routes.dtype.name == "uint8"
+    assert routes.shape == (len(prompt) + 6 - 1, cfg.num_hidden_layers, cfg.num_experts_per_tok)
+    assert plain.routed_experts is None
+    hf_routes = _hf_routes(moe_live.engine.model, prompt + out.output_ids[:-1])
+    assert (torch.from_numpy(routes).long().sort(-1).values == hf_routes.sort(-1).values).all()
+
+
+def _hf_routes(model, ids) -> torch.Tensor:
+    """[tokens, layers, k] top-k expert ids a plain forward picks (router logits from HF's own output)."""
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), output_router_logits=True)
+    k = model.config.num_experts_per_tok
+    return torch.stack([logits.topk(k, -1).indices for logits in out.router_logits], 1)
+
+
+def test_routes_asked_of_a_dense_model_are_refused():
+    from slipstream.rollouter.embedded.app import check_generate_options
+    from slipstream.rollouter.embedded.engine import RequestError
+    from slipstream.rollouter.embedded.schemas import GenerateReqInput
+
+    class Dense:
+        records_routes = False
+
+    with pytest.raises(RequestError, match="return_routed_experts: the served model is not a mixture"):
+        check_generate_options(GenerateReqInput(input_ids=[1], return_routed_experts=True), Dense())

@@ -65,3 +65,19 @@ def test_stopping_and_explicit_aborts_are_not_resumed():
         assert len(inner.requests) == 3
 
     asyncio.run(main())
+
+
+def test_routes_are_stitched_across_a_resume():
+    """A resumed piece re-prefills prompt + partial output: the earlier segment keeps the routes its tokens
+    were generated with, rows it never forwarded (-1) and every later row come from the resumed piece."""
+    import numpy as np
+
+    from slipstream.rollouter.partial import stitch_routes
+
+    first = np.full((5, 2, 2), 1, dtype=np.int16)
+    first[4] = -1  # the abort came before this row's forward
+    resumed = np.full((8, 2, 2), 7, dtype=np.uint8)
+    routes = stitch_routes(first, resumed)
+    assert routes.dtype == np.uint8 and routes.shape == (8, 2, 2)
+    assert (routes[:4] == 1).all() and (routes[4:] == 7).all()
+    assert stitch_routes(None, resumed) is resumed and stitch_routes(first, None) is first

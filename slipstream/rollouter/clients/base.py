@@ -25,8 +25,12 @@ Pause modes are ours (``abort``, ``in_place``, ``retract``, ``wait``); a mode th
 
 from __future__ import annotations
 
+import base64
+import io
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
 
 from slipstream.agents.protocol import GenerateOutput, SamplingParams
 from slipstream.serverapi import Call, ServerAPI, ServerControl
@@ -77,6 +81,33 @@ def expand_spans(spans: list[dict] | None, n: int, fallback: int) -> list[int]:
         for i in range(max(0, int(span["start"])), min(n, int(span["end"]))):
             versions[i] = v
     return versions
+
+
+def encode_routed_experts(routes: np.ndarray) -> str:
+    """Routes as vLLM's native route sends them: base64 of the array's ``.npy`` bytes (shape and dtype inside).
+
+    One format for every kind, so :func:`decode_routed_experts` reads the embedded server and vLLM alike.
+    """
+    with io.BytesIO() as buffer:
+        np.save(buffer, np.ascontiguousarray(routes), allow_pickle=False)
+        return base64.b64encode(buffer.getbuffer()).decode("ascii")
+
+
+def decode_routed_experts(text: str) -> np.ndarray:
+    """``[tokens - 1, layers, experts_per_token]`` expert ids from :func:`encode_routed_experts`'s string.
+
+    Integer dtypes only (uint8 when every id fits; int16 with -1 where a forward never reached a row); never
+    unpickles. Raises ``ValueError`` on anything else.
+    """
+    try:
+        routes = np.load(io.BytesIO(base64.b64decode(text, validate=True)), allow_pickle=False)
+    except (ValueError, TypeError, OSError) as err:
+        raise ValueError(f"routed_experts is not base64 .npy: {err}") from err
+    if routes.ndim != 3 or routes.dtype.kind not in "iu":
+        raise ValueError(
+            f"routed_experts must be integer [tokens, layers, k], got {routes.dtype} {routes.shape}"
+        )
+    return routes
 
 
 def error_message(response: Reply) -> str:

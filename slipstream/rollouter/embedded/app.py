@@ -5,7 +5,10 @@ The native routes use SGLang 0.5.23's paths, field names and response shapes, so
 
 =========================  ==========================================================================
 ``POST /generate``         ``input_ids`` (or ``text``), ``sampling_params``, ``return_logprob``, ``stream``
-                           (SSE, cumulative chunks), ``rid`` → ``output_ids``, ``text``, ``meta_info``
+                           (SSE, cumulative chunks), ``rid`` → ``output_ids``, ``text``, ``meta_info``;
+                           ``return_routed_experts`` (MoE models): ``meta_info.routed_experts``, base64 of
+                           the ``.npy`` of ``[prompt + output - 1, layers, k]`` uint8 expert ids, vLLM's
+                           encoding (on the finished request: a stream's last chunk)
 ``POST /abort_request``    ``{"rid"}`` or ``{"abort_all": true}``: the pending ``/generate`` returns its
                            partial output with ``finish_reason.type == "abort"``
 ``POST /pause_generation`` ``{"mode": "abort" | "in_place"}``; new requests wait until continue
@@ -40,6 +43,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from slipstream.agents.protocol import SamplingParams
+from slipstream.rollouter.clients.base import encode_routed_experts
 from slipstream.rollouter.embedded.auth import TokenGate
 from slipstream.rollouter.embedded.engine import EmbeddedEngine, EngineUnavailable, RequestError, RequestState
 from slipstream.rollouter.embedded.http import (
@@ -60,7 +64,9 @@ from slipstream.utils.net import LOOPBACK, is_loopback
 log = get_logger(__name__)
 
 
-def meta_info(engine: EmbeddedEngine, state: RequestState, return_logprob: bool, with_text: bool) -> dict:
+def meta_info(
+    engine: EmbeddedEngine, state: RequestState, return_logprob: bool, with_text: bool, routes: bool = False
+) -> dict:
     spans = state.version_spans()
     meta = {
         "id": state.rid,
@@ -78,6 +84,8 @@ def meta_info(engine: EmbeddedEngine, state: RequestState, return_logprob: bool,
         meta["output_token_logprobs"] = [
             [lp, tok, txt] for lp, tok, txt in zip(state.logprobs, state.output_ids, texts, strict=True)
         ]
+    if routes and state.routed_experts is not None:
+        meta["routed_experts"] = encode_routed_experts(state.routed_experts.numpy())
     return meta
 
 
@@ -91,7 +99,9 @@ def generate_payload(engine: EmbeddedEngine, state: RequestState, req: GenerateR
     if engine.tokenizer is not None:
         skip = req.sampling_params.skip_special_tokens
         out["text"] = engine.tokenizer.decode(state.output_ids, skip_special_tokens=skip)
-    out["meta_info"] = meta_info(engine, state, req.return_logprob, req.return_text_in_logprobs)
+    out["meta_info"] = meta_info(
+        engine, state, req.return_logprob, req.return_text_in_logprobs, req.return_routed_experts
+    )
     return out
 
 
@@ -103,15 +113,17 @@ async def prompt_ids_of(engine: EmbeddedEngine, req: GenerateReqInput) -> list[i
     return await encode_text(engine, req.text)
 
 
-def check_generate_options(req: GenerateReqInput) -> None:
+def check_generate_options(req: GenerateReqInput, engine: EmbeddedEngine | None = None) -> None:
     if req.logprob_start_len != -1:
         raise RequestError("logprob_start_len: only -1 (output tokens only) is supported")
     if req.top_logprobs_num != 0:
         raise RequestError("top_logprobs_num: only 0 is supported (the sampled token's logprob is returned)")
+    if req.return_routed_experts and engine is not None and not engine.records_routes:
+        raise RequestError("return_routed_experts: the served model is not a mixture of experts")
 
 
 async def run_generate(engine: EmbeddedEngine, req: GenerateReqInput, request: Request) -> Response:
-    check_generate_options(req)
+    check_generate_options(req, engine)
     sp = req.sampling_params
     sampling = SamplingParams(
         max_new_tokens=sp.max_new_tokens,

@@ -314,6 +314,11 @@ class EmbeddedEngine:
         )
 
     @property
+    def records_routes(self) -> bool:
+        """Whether finished requests carry ``routed_experts`` (the model is a mixture of experts)."""
+        return self._routes is not None
+
+    @property
     def paused(self) -> PauseMode | None:
         return self._pause_mode
 

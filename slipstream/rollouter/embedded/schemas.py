@@ -42,6 +42,8 @@ class GenerateReqInput(_Body, kw_only=True):
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
     stream: bool = False
+    # SGLang's name; MoE models only: ``meta_info.routed_experts`` in vLLM's encoding (app.py).
+    return_routed_experts: bool = False
 
 
 class AbortReq(_Body, kw_only=True):
