@@ -54,6 +54,9 @@ class AgentLoopOutput(msgspec.Struct, kw_only=True):
     # `external` loop: a harness that compacted or edited its history started a new one). The rollouter
     # trains each as its own trajectory in the episode's group, with the episode's reward.
     earlier_segments: list[AgentLoopOutput] = []
+    # MoE routing replay: the last generate's routes (``GenerateOutput.routed_experts``), which cover the
+    # whole sequence it was given plus its output but the last token; None without routes.
+    routed_experts: Any = None
 
     def validate(self) -> None:
         n = len(self.response_ids)
@@ -77,6 +80,8 @@ class AgentLoopOutput(msgspec.Struct, kw_only=True):
         self.logprobs.extend(out.logprobs)
         self.versions.extend(out.versions)
         self.num_resumes += out.num_resumes
+        if out.routed_experts is not None:
+            self.routed_experts = out.routed_experts
 
     def add_inserted(self, token_ids: list[int]) -> None:
         """Append tokens the loop inserted (template glue, tool output): loss_mask 0, logprob 0.0, and the

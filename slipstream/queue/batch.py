@@ -53,7 +53,7 @@ from __future__ import annotations
 import torch
 from tensordict import NonTensorData, TensorDict
 
-from slipstream.queue.types import COLUMN_DTYPES, TrajectoryGroup
+from slipstream.queue.types import COLUMN_DTYPES, ROUTE_COLUMNS, UNKNOWN_ROUTE, TrajectoryGroup
 
 STANDARD_KEYS = (
     "input_ids",
@@ -132,7 +132,33 @@ def collate(groups: list[TrajectoryGroup]) -> TensorDict:
     batch["group_ids"] = NonTensorData([gid for _, gid, _ in samples])
     for name, extra in _extras(groups, response_dst, total).items():
         batch[name] = extra
+    if "prompt_routes" in groups[0].tensors:
+        batch["routed_experts"] = _routes(groups, prompt_dst, response_dst, total)
     return batch
+
+
+def _routes(
+    groups: list[TrajectoryGroup], prompt_dst: torch.Tensor, response_dst: torch.Tensor, total: int
+) -> torch.Tensor:
+    """``routed_experts`` [tokens, layers, k] int16 from the groups' route columns, -1 where unknown (the
+    engine's router then picks; ``trainer/engine/moe.py``)."""
+    missing = [g.group_id for g in groups if "prompt_routes" not in g.tensors]
+    if missing:
+        raise ValueError(f"groups {missing[:3]} carry no routes while others of the batch do")
+
+    def rows(name: str) -> torch.Tensor:
+        out = []
+        for g in groups:
+            col = g.tensors[name]
+            unknown = col == UNKNOWN_ROUTE[col.dtype]
+            out.append(col.to(torch.int16).masked_fill(unknown, -1))
+        return torch.cat(out)
+
+    prompt, response = rows("prompt_routes"), rows("response_routes")
+    full = torch.full((total, *prompt.shape[1:]), -1, dtype=torch.int16)
+    full[prompt_dst] = prompt
+    full[response_dst] = response
+    return full
 
 
 def _episode_index(episodes: list[str]) -> torch.Tensor:
@@ -142,10 +168,10 @@ def _episode_index(episodes: list[str]) -> torch.Tensor:
 
 
 def _extras(groups: list[TrajectoryGroup], response_dst: torch.Tensor, total: int) -> dict[str, torch.Tensor]:
-    names = [n for n in groups[0].tensors if n not in COLUMN_DTYPES]
+    names = [n for n in groups[0].tensors if n not in COLUMN_DTYPES and n not in ROUTE_COLUMNS]
     out = {}
     for name in names:
-        if name in STANDARD_KEYS:
+        if name in STANDARD_KEYS or name == "routed_experts":
             raise ValueError(f"extra tensor `{name}` would shadow the batch key of the same name; rename it")
         missing = [g.group_id for g in groups if name not in g.tensors]
         if missing:

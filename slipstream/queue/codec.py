@@ -32,7 +32,14 @@ import torch
 import zmq
 
 from slipstream.queue import protocol as P
-from slipstream.queue.types import COLUMN_DTYPES, PROMPT_COLUMNS, RESPONSE_COLUMNS, GroupMeta
+from slipstream.queue.types import (
+    COLUMN_DTYPES,
+    PROMPT_ALIGNED,
+    PROMPT_COLUMNS,
+    RESPONSE_COLUMNS,
+    ROUTE_COLUMNS,
+    GroupMeta,
+)
 
 ALIGN = 64
 # Frames below this are copied into ZeroMQ messages: for small frames a copy is cheaper than the bookkeeping
@@ -389,8 +396,14 @@ def validate_group(
         if spec.name in names:
             raise WireError("bad_request", f"group {gid!r}: tensor `{spec.name}` appears twice")
         names.add(spec.name)
-        rows = n_prompt if spec.name in PROMPT_COLUMNS else n_response
+        rows = n_prompt if spec.name in PROMPT_ALIGNED else n_response
         total += _check_spec(gid, spec, buffer_sizes, rows)
+        if spec.name in ROUTE_COLUMNS and (len(spec.shape) != 3 or spec.dtype not in ("uint8", "int16")):
+            raise WireError(
+                "bad_request", f"group {gid!r}: `{spec.name}` must be [tokens, layers, k] uint8 or int16"
+            )
+    if len(names.intersection(ROUTE_COLUMNS)) == 1:
+        raise WireError("bad_request", f"group {gid!r}: `prompt_routes` and `response_routes` come together")
     if not _REQUIRED.issubset(names):
         missing = sorted(_REQUIRED - names)
         raise WireError("bad_request", f"group {gid!r}: missing column(s) {', '.join(missing)}")

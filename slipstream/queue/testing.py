@@ -15,11 +15,13 @@ def make_group(
     version: int = 0,
     payload: int = 0,
     reward: float = 1.0,
+    routes: tuple[int, int] | None = None,
 ) -> TrajectoryGroup:
     """A group of ``n`` samples with uids ``{gid}-{i}``, every response token at weight ``version``.
 
     ``payload`` adds a response-aligned uint8 column ``payload`` of that many bytes per response token, to
-    make groups of a chosen size; its bytes are a fixed pattern, so a receiver can check them.
+    make groups of a chosen size; its bytes are a fixed pattern, so a receiver can check them. ``routes``
+    ``(layers, k)``: each sample carries ``routed_experts`` (uint8, a fixed pattern per sample).
     """
     trajs = [
         Trajectory(
@@ -31,6 +33,9 @@ def make_group(
             logprobs=[-0.5] * response_len,
             versions=[version] * response_len,
             reward=reward,
+            routed_experts=None
+            if routes is None
+            else _routes(prompt_len + response_len - 1, *routes, seed=i),
         )
         for i in range(n)
     ]
@@ -39,3 +44,7 @@ def make_group(
         rows = n * response_len
         group.tensors["payload"] = (torch.arange(rows * payload) % 251).to(torch.uint8).reshape(rows, payload)
     return group
+
+
+def _routes(rows: int, layers: int, k: int, seed: int) -> torch.Tensor:
+    return ((torch.arange(rows * layers * k) * 7 + seed) % 64).to(torch.uint8).reshape(rows, layers, k)

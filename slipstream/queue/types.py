@@ -26,6 +26,8 @@ Invariants of a :class:`TrajectoryGroup` (checked by :meth:`TrajectoryGroup.vali
   * ``tensors["prompt_ids"]`` has ``sum(s.prompt_len)`` int32 entries;
   * ``response_ids`` (int32), ``loss_mask`` (uint8), ``logprobs`` (float32) and ``versions`` (int32) have
     ``sum(s.response_len)`` entries each, sample after sample in ``meta.samples`` order;
+  * ``prompt_routes`` and ``response_routes`` (MoE routing replay) come together, prompt- and response-aligned,
+    ``[rows, layers, k]`` uint8 (255: unknown) or int16 (-1: unknown);
   * extra tensors a producer adds are response-aligned (first dimension ``sum(s.response_len)``).
 
 Worked example::
@@ -48,6 +50,12 @@ import torch
 
 PROMPT_COLUMNS = ("prompt_ids",)
 RESPONSE_COLUMNS = ("response_ids", "loss_mask", "logprobs", "versions")
+# MoE routing replay, optional (both or neither): each token's experts [tokens, layers, k], the prompt's rows
+# and the response's. uint8 with 255 for "unknown" (the last token, which no forward saw) when every expert
+# id is below 255, else int16 with -1.
+ROUTE_COLUMNS = ("prompt_routes", "response_routes")
+PROMPT_ALIGNED = (*PROMPT_COLUMNS, "prompt_routes")
+UNKNOWN_ROUTE = {torch.uint8: 255, torch.int16: -1}
 COLUMN_DTYPES: dict[str, torch.dtype] = {
     "prompt_ids": torch.int32,
     "response_ids": torch.int32,
@@ -106,6 +114,10 @@ class Trajectory(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     # episode's own trajectory, its last segment. Empty: this trajectory is a whole episode. Segments train as
     # sequences of their own, but group statistics count the episode once.
     episode: str = ""
+    # MoE routing replay: the experts the server routed each token but the last to, an integer array
+    # ``[len(prompt_ids) + len(response_ids) - 1, layers, k]`` (numpy or torch; vLLM's layout, -1 where
+    # unknown); None without routes. In the queue it travels as the ``*_routes`` columns, never pickled.
+    routed_experts: Any = None
 
     def validate(self) -> None:
         n = len(self.response_ids)
@@ -114,6 +126,15 @@ class Trajectory(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
                 raise ValueError(
                     f"trajectory {self.uid}: `{name}` has {len(getattr(self, name))} entries, "
                     f"`response_ids` has {n}"
+                )
+        if self.routed_experts is not None:
+            want = len(self.prompt_ids) + n - 1
+            shape = tuple(self.routed_experts.shape)
+            if len(shape) != 3 or shape[0] != want:
+                raise ValueError(
+                    f"trajectory {self.uid}: `routed_experts` has shape {shape}, expected [{want}, layers, k] "
+                    f"(one row per prompt and response token but the last): routes that do not match the "
+                    f"tokens would replay the wrong experts"
                 )
 
     @property
@@ -222,6 +243,7 @@ class TrajectoryGroup:
             name: torch.tensor([x for t in trajectories for x in getattr(t, name)], dtype=dtype)
             for name, dtype in COLUMN_DTYPES.items()
         }
+        tensors.update(_route_columns(trajectories))
         group = cls(GroupMeta(group_id=group_id, samples=samples, provenance=provenance), tensors)
         group.validate()
         return group
@@ -230,7 +252,8 @@ class TrajectoryGroup:
         out = []
         p_off = r_off = 0
         cols = {name: self.tensors[name].tolist() for name in COLUMN_DTYPES}
-        for s in self.meta.samples:
+        routes = _sample_routes(self.tensors, self.meta.samples) if "prompt_routes" in self.tensors else None
+        for i, s in enumerate(self.meta.samples):
             p_end, r_end = p_off + s.prompt_len, r_off + s.response_len
             out.append(
                 Trajectory(
@@ -248,6 +271,7 @@ class TrajectoryGroup:
                     metrics=s.metrics,
                     outcome=s.outcome,
                     episode=s.episode,
+                    routed_experts=None if routes is None else routes[i],
                 )
             )
             p_off, r_off = p_end, r_end
@@ -282,8 +306,17 @@ class TrajectoryGroup:
         for name in (*PROMPT_COLUMNS, *RESPONSE_COLUMNS):
             if name not in self.tensors:
                 raise ValueError(f"group {self.group_id}: missing column `{name}`")
+        if ("prompt_routes" in self.tensors) != ("response_routes" in self.tensors):
+            raise ValueError(f"group {self.group_id}: `prompt_routes` and `response_routes` come together")
+        for name in ROUTE_COLUMNS:
+            routes = self.tensors.get(name)
+            if routes is not None and (routes.dim() != 3 or routes.dtype not in UNKNOWN_ROUTE):
+                raise ValueError(
+                    f"group {self.group_id}: `{name}` must be [tokens, layers, k] uint8 or int16, "
+                    f"got {routes.dtype} {tuple(routes.shape)}"
+                )
         for name, tensor in self.tensors.items():
-            want = n_prompt if name in PROMPT_COLUMNS else n_resp
+            want = n_prompt if name in PROMPT_ALIGNED else n_resp
             if tensor.dim() == 0 or tensor.shape[0] != want:
                 raise ValueError(
                     f"group {self.group_id}: column `{name}` has shape {tuple(tensor.shape)}, "
@@ -296,3 +329,38 @@ class TrajectoryGroup:
                 )
         if len(set(self.uids)) != len(self.uids):
             raise ValueError(f"group {self.group_id}: duplicate uids within the group")
+
+
+def _route_columns(trajectories: list[Trajectory]) -> dict[str, torch.Tensor]:
+    """``prompt_routes`` / ``response_routes`` of a group whose trajectories carry routes (see the module
+    docstring); {} when none does. A group with routes on some samples only is refused."""
+    with_routes = [t.routed_experts is not None for t in trajectories]
+    if not any(with_routes):
+        return {}
+    if not all(with_routes):
+        missing = [t.uid for t, has in zip(trajectories, with_routes, strict=True) if not has]
+        raise ValueError(f"trajectories {missing[:3]} carry no routed_experts while others of the group do")
+    routes = [torch.as_tensor(t.routed_experts) for t in trajectories]
+    if len({tuple(r.shape[1:]) for r in routes}) > 1:
+        raise ValueError(f"group {trajectories[0].group_id}: routed_experts of different [layers, k] shapes")
+    small = all(r.dtype == torch.uint8 and (r.numel() == 0 or int(r.max()) < 255) for r in routes)
+    dtype = torch.uint8 if small else torch.int16
+    prompt, response = [], []
+    for t, r in zip(trajectories, routes, strict=True):
+        unknown = torch.full((1, *r.shape[1:]), UNKNOWN_ROUTE[dtype], dtype=dtype)
+        full = torch.cat([r.to(dtype), unknown])  # the last token: no forward saw it
+        prompt.append(full[: len(t.prompt_ids)])
+        response.append(full[len(t.prompt_ids) :])
+    return {"prompt_routes": torch.cat(prompt), "response_routes": torch.cat(response)}
+
+
+def _sample_routes(tensors: dict[str, torch.Tensor], samples: list[SampleMeta]) -> list[Any]:
+    """Each sample's ``routed_experts`` (numpy, [prompt + response - 1, layers, k]) from the route columns."""
+    out, p_off, r_off = [], 0, 0
+    prompt, response = tensors["prompt_routes"], tensors["response_routes"]
+    for s in samples:
+        p_end, r_end = p_off + s.prompt_len, r_off + s.response_len
+        full = torch.cat([prompt[p_off:p_end], response[r_off:r_end]])
+        out.append(full[:-1].numpy().copy())
+        p_off, r_off = p_end, r_end
+    return out

@@ -58,6 +58,7 @@ from collections import deque
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from slipstream.agents.base import AgentLoopOutput
 from slipstream.agents.data import PromptRef, PromptSource, Sample, load_samples
@@ -476,6 +477,9 @@ class Rollouter:
             num_turns=out.num_turns,
             metrics=metrics,
             outcome=SampleOutcome(reward_error=score.error, segment=segment),
+            routed_experts=_padded_routes(
+                out.routed_experts, len(out.prompt_ids) + len(out.response_ids) - 1
+            ),
         )
 
     async def _put(self, group: TrajectoryGroup) -> None:
@@ -601,3 +605,12 @@ class Rollouter:
             self.stats.count("groups_dropped")
         if metas:
             self._changed.set()
+
+
+def _padded_routes(routes: Any, rows: int) -> Any:
+    """An episode's routes over its ``rows`` tokens: tokens inserted after its last generate (tool output),
+    which no server forward routed, get -1 (the trainer's router picks)."""
+    if routes is None or len(routes) >= rows:
+        return routes  # more rows than tokens: Trajectory.validate refuses it, naming both
+    pad = np.full((rows - len(routes), *routes.shape[1:]), -1, dtype=np.int16)
+    return np.concatenate([routes.astype(np.int16), pad])
