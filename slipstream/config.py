@@ -420,6 +420,7 @@ def rollouter_settings(cfg: Config) -> RollouterSettings:
             put_timeout_s=cfg.queue.put_timeout_s,
             restart_servers=cfg.cluster.restart_servers,
             health_interval_s=cfg.cluster.health_interval_s,
+            return_routes=cfg.trainer.moe.routing_replay == "rollout",
         )
     )
 

@@ -98,7 +98,7 @@ def check_config(cfg: Config, *, environment: bool = True) -> None:
     checks = [_check_registries, _check_trainer, _check_sampling, _check_faults, _check_lengths, check_layout,
               _check_memory, _check_autotune]  # fmt: skip
     if environment:
-        checks += [_check_model, _check_backends, _check_judge]
+        checks += [_check_model, _check_backends, _check_judge, _check_routing_replay]
     else:
         checks.append(_check_pairing)
     for check in checks:
@@ -183,6 +183,34 @@ def _check_model(cfg: Config) -> None:
         f"model.path: `{cfg.model.path}` is neither a local HF checkpoint directory (with config.json) nor a "
         f"known model name ({', '.join(KNOWN_MODELS)})"
     )
+
+
+# Why each server kind cannot return the routes ``trainer.moe.routing_replay`` `rollout` needs (the
+# embedded server returns them: rollouter/embedded/routes.py).
+NO_ROUTES = {
+    "vllm": "vLLM returns routes only with --enable-return-routed-experts, which needs its Model Runner V2 and "
+    "Triton (a GPU build; its CPU build refuses it at start-up), and Slipstream does not turn it on yet",
+    "sglang": "SGLang's return_routed_experts is not wired in Slipstream",
+}
+
+
+def _check_routing_replay(cfg: Config) -> None:
+    """Replay needs a server that returns routes, an MoE model and no sequence parallelism."""
+    if cfg.trainer.moe.routing_replay != "rollout":
+        return
+    from slipstream.rollouter.models import is_hf_model_dir
+    from slipstream.utils.moe import config_is_moe
+
+    key = "trainer.moe.routing_replay"
+    backend = cfg.rollout.backend
+    if backend != "embedded":
+        reason = NO_ROUTES.get(backend, f"`{backend}` servers return no routes")
+        raise ConfigError(f"{key}: `rollout` needs servers that return each token's experts; {reason}")
+    path = Path(cfg.model.path).expanduser()
+    if is_hf_model_dir(path) and not config_is_moe(json.loads((path / "config.json").read_text())):
+        raise ConfigError(f"{key}: `rollout` needs a mixture-of-experts model; model.path is a dense model")
+    if cfg.trainer.sequence_parallel_size > 1:
+        raise ConfigError(f"{key}: `rollout` with trainer.sequence_parallel_size > 1 is not supported yet")
 
 
 def _check_backends(cfg: Config) -> None:

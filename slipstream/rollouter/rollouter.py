@@ -148,7 +148,11 @@ class Rollouter:
         self.prompts = prompts
         s = settings.rollout.sampling
         self.sampling = SamplingParams(
-            max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k
+            max_new_tokens=s.max_new_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            return_routed_experts=settings.return_routes,
         )
         self.stats = RolloutStats(settings.sync_every)
         self.version = 0

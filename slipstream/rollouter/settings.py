@@ -50,6 +50,8 @@ class RollouterSettings(msgspec.Struct, kw_only=True):
     restart_servers: bool
     """The pipeline restarts dead servers: requests wait for them instead of failing."""
     health_interval_s: Annotated[float, Meta(gt=0)]
+    return_routes: bool = False
+    """Ask the servers for each token's routed experts (``trainer.moe.routing_replay`` `rollout`)."""
 
     @property
     def drain_timeout_s(self) -> float:

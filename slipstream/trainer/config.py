@@ -232,6 +232,17 @@ class MoEConfig(ConfigStruct):
             "router_aux_loss_coef is not used. Needs an MoE model and engine `fsdp`.",
         ),
     ] = 0.0
+    routing_replay: Annotated[
+        Literal["off", "rollout"],
+        Meta(
+            description="Routing replay (R3): `rollout` asks the inference servers for the experts every token "
+            "was routed to, carries them in the trajectories and routes each token to the same experts in "
+            "every trainer pass (old and proximal logprobs and the loss; the router keeps its gradient "
+            "through its own softmax); tokens without routes (the last one, tool output) are routed by the "
+            "trainer. `off`: the trainer's routers choose. Needs an MoE model, engine `fsdp` without "
+            "sequence parallelism, and rollout.backend `embedded` (the only server that returns routes here).",
+        ),
+    ] = "off"
 
 
 class TrainerConfig(ConfigStruct):
@@ -395,3 +406,8 @@ class TrainerConfig(ConfigStruct):
             raise ValueError("lora (rank > 0) is supported with engine `fsdp` only")
         if self.moe.aux_loss_coef > 0 and self.engine != "fsdp":
             raise ValueError("moe.aux_loss_coef > 0 is supported with engine `fsdp` only")
+        if self.moe.routing_replay == "rollout" and self.engine != "fsdp":
+            raise ValueError(
+                "moe.routing_replay `rollout` is supported with engine `fsdp` only (megatron-core's routing "
+                "replay is not wired)"
+            )

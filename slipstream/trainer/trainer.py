@@ -239,7 +239,10 @@ class Trainer:
             from slipstream.queue.batch import collate
 
             self._collate = collate
-        return self._collate(groups)
+        batch = self._collate(groups)
+        if self.settings.trainer.moe.routing_replay == "off" and "routed_experts" in batch.keys():
+            del batch["routed_experts"]  # routes that came anyway are not replayed
+        return batch
 
     # ---------------------------------------------------------------- compute
     def _train_on(self, batch: TensorDict) -> dict[str, float]:

@@ -30,3 +30,12 @@ def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
 def is_moe(model: torch.nn.Module) -> bool:
     """True when ``model`` is an HF mixture-of-experts model with routers we can hook."""
     return bool(routers(model))
+
+
+# config.json keys whose positive value marks a mixture-of-experts model (Qwen-MoE/OLMoE, Mixtral, DeepSeek).
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def config_is_moe(config: dict) -> bool:
+    """True when an HF ``config.json`` (as a dict) describes a mixture-of-experts model."""
+    return any(int(config.get(key) or 0) > 0 for key in EXPERT_COUNT_KEYS)
