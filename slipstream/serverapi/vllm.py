@@ -15,7 +15,7 @@
   ``v1/engine/core.py``): they stay on the server and recompute their cache under the new weights after
   resume, which is our ``retract``. The route's docstring calls the flag deprecated and ignored for
   ``keep``; the engine honours it in every mode on 0.32 and 0.33, and it is sent explicitly so a changed
-  default cannot bring stale blocks back (``tests/vllm/test_vllm_fresh_cache.py``). In ``abort`` and ``wait`` mode new requests get
+  default cannot bring stale blocks back (``tests/vllm/test_vllm_weights_fresh_cache.py``). In ``abort`` and ``wait`` mode new requests get
   503 until resume (the client retries them; 0.32 holds them instead); in ``keep`` mode they are queued. vLLM has no ``retract``:
   ours maps to ``abort`` (the rollouter re-submits the partial output, which has the same effect).
 * A version: pause → ``/start_weight_update`` → N × ``/update_weights {update_info}`` (after

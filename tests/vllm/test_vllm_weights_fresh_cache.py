@@ -18,8 +18,12 @@ HITS = "vllm:prefix_cache_hits_total"
 
 
 @pytest.fixture(scope="module")
-def policy(vllm_model):
-    return Policy(vllm_model)
+def policy(vllm_server, vllm_model):
+    """The trainer's model, moved by these tests; the checkpoint's own weights are pushed back after them
+    (the session's server is shared; test_vllm_generate.py, which runs before, expects version 0)."""
+    yield Policy(vllm_model)
+    url = vllm_server.url
+    assert publish(url, served_version(url) + 1, Policy(vllm_model).tensors()).ok == [url]
 
 
 def generate(url: str):
