@@ -541,11 +541,12 @@ class IpcTransport(Transport):
                     staging.begin(meta.version)
                 try:
                     await asyncio.to_thread(self._copy_in, staging, msg)
+                    done = staging.commit(meta)  # digests checked before the ack
                 except BucketError as err:
                     raise TransferError(f"bucket {meta.index} of version {meta.version}: {err}") from err
                 conn.send(IpcMessage(kind="ack", push=push, version=meta.version, index=meta.index))
                 stream.nbytes += meta.nbytes
-                for item in staging.commit(meta):
+                for item in done:
                     yield item
                 if meta.last:
                     if not staging.complete:

@@ -260,12 +260,15 @@ class NixlTransport(Transport):
                 self.staging.begin(meta.version)
             try:
                 await asyncio.to_thread(self._read, sender, notice)
+                # staged (and its digests checked) before the ack, so a bucket that failed verification is
+                # the sender's error too, and never a crash of this receiver
+                done = self.staging.commit(meta)
             except (TransferError, BucketError) as err:
                 self._ack(sender, notice, str(err))
                 raise TransferError(f"bucket {meta.index} of version {meta.version}: {err}") from err
             self._ack(sender, notice, "")
             stream.nbytes += meta.nbytes
-            for item in self.staging.commit(meta):
+            for item in done:
                 yield item
             if meta.last:
                 if not self.staging.complete:

@@ -275,7 +275,11 @@ class TorchDistTransport(Transport):
                 following_works = self._post_payload(group, staging, following)
             await asyncio.to_thread(self._wait_all, group, works)
             stream.nbytes += meta.nbytes
-            for item in staging.commit(meta):
+            try:
+                done = staging.commit(meta)
+            except BucketError as err:  # a digest that does not match: the version is dropped, as any failure
+                raise TransferError(f"bucket {meta.index} of version {meta.version}: {err}") from err
+            for item in done:
                 yield item
             if following is None:
                 if not staging.complete:
