@@ -31,9 +31,13 @@ SAMPLE_KEYS = frozenset(
         "episode_index",
         "sample_weight",
         "staleness",
+        "image_counts",
     }
 )
 NON_TENSOR_KEYS = ("uids", "group_ids")
+# A vision-language batch's images (trainer/engine/vision.py): per image (its patch grid) and per patch (its
+# pixels), in sample order; ``image_counts`` (per sample) says whose they are.
+IMAGE_KEYS = frozenset({"pixel_values", "image_grid_thw"})
 
 
 def sample_lengths(batch: TensorDict) -> list[int]:
@@ -62,9 +66,11 @@ def select_samples(batch: TensorDict, indices: Sequence[int]) -> TensorDict:
     )
     out: dict[str, object] = {}
     for key, value in batch.items():
-        if key == "cu_seqlens" or not isinstance(value, torch.Tensor):
+        if key == "cu_seqlens" or key in IMAGE_KEYS or not isinstance(value, torch.Tensor):
             continue
         out[key] = value[idx] if _is_sample_key(key) else value[token_idx]
+    if "image_grid_thw" in batch.keys():
+        out.update(_select_images(batch, idx))
     new_cu = torch.zeros(len(idx) + 1, dtype=batch["cu_seqlens"].dtype)
     new_cu[1:] = lengths.cumsum(0)
     out["cu_seqlens"] = new_cu
@@ -82,10 +88,26 @@ def truncate_to_one_token(batch: TensorDict) -> TensorDict:
     out = {
         k: (v if _is_sample_key(k) or k == "cu_seqlens" else v[:1])
         for k, v in first.items()
-        if isinstance(v, torch.Tensor)
+        if isinstance(v, torch.Tensor) and k not in IMAGE_KEYS
     }
     out["cu_seqlens"] = torch.tensor([0, 1], dtype=first["cu_seqlens"].dtype)
+    if "image_counts" in out:  # one token is never a whole image: the body runs as text
+        out["image_counts"] = torch.zeros_like(out["image_counts"])
     return TensorDict(out, batch_size=[])
+
+
+def _select_images(batch: TensorDict, idx: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The grids and patches of the samples ``idx``, in that order."""
+    grids, pixels = batch["image_grid_thw"], batch["pixel_values"]
+    counts = batch["image_counts"].long()
+    first_image = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    patches = grids.long().prod(-1)
+    first_patch = torch.cat([patches.new_zeros(1), patches.cumsum(0)])
+    images = [torch.arange(int(first_image[i]), int(first_image[i + 1])) for i in idx.tolist()]
+    image_idx = torch.cat(images) if images else torch.zeros(0, dtype=torch.long)
+    patch_idx = [torch.arange(int(first_patch[j]), int(first_patch[j + 1])) for j in image_idx.tolist()]
+    patch_idx = torch.cat(patch_idx) if patch_idx else torch.zeros(0, dtype=torch.long)
+    return {"image_grid_thw": grids[image_idx], "pixel_values": pixels[patch_idx]}
 
 
 def split_by_token_budget(lengths: Sequence[int], budget: int, *, padded: bool = False) -> list[list[int]]:

@@ -385,6 +385,15 @@ class TrainerConfig(ConfigStruct):
     algorithm: AlgorithmConfig = msgspec.field(default_factory=AlgorithmConfig)
     lora: LoRAConfig = msgspec.field(default_factory=LoRAConfig)
     moe: MoEConfig = msgspec.field(default_factory=MoEConfig)
+    freeze_vision_tower: Annotated[
+        bool,
+        Meta(
+            description="Vision-language models (Qwen2-VL family): keep the vision tower (patch embedding, "
+            "vision blocks, merger) at the checkpoint's weights; the optimizer holds the language model alone "
+            "and weight pushes leave the tower out (the servers keep the one they loaded). false trains it "
+            "and pushes it with the rest. Ignored for text models.",
+        ),
+    ] = False
     tensor_parallel: Annotated[
         int, Meta(ge=1, description="Megatron tensor-parallel size (ignored by fsdp).")
     ] = 1

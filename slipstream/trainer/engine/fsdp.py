@@ -48,6 +48,12 @@ load-balancing loss to the policy loss (``engine/moe.py``). A micro-batch that c
 (per token and layer, the experts the server used) is run with every router held to them (routing replay,
 ``engine/moe.py`` ``RouteReplay``), for the proximal, reference and training passes alike.
 
+Vision-language models (Qwen2-VL family, ``engine/vision.py``) load as ``AutoModelForImageTextToText``, the
+vision tower with plain sdpa; a micro-batch's ``pixel_values`` / ``image_grid_thw`` go through the HF forward
+with multi-modal rotary positions computed per sample. ``trainer.freeze_vision_tower`` freezes the tower and
+leaves it out of ``get_per_tensor_param`` (the pushes). Packed micro-batches only, without shared-prompt rows
+or sequence parallelism.
+
 Checkpoints are torch DCP (sharded model + optimizer, any world size can load them), plus the scheduler on
 rank 0 and each rank's RNG state in its own small file.
 """
@@ -71,7 +77,7 @@ from slipstream.trainer.batching import (
     split_by_token_budget,
     truncate_to_one_token,
 )
-from slipstream.trainer.engine import lora
+from slipstream.trainer.engine import lora, vision
 from slipstream.trainer.engine.base import EngineOutput, LossFn, ModelEngine
 from slipstream.trainer.engine.moe import ROUTES_KEY, RouteReplay, RouterRecorder, forward_routes, is_moe
 from slipstream.trainer.logprobs import (
@@ -137,6 +143,7 @@ class FSDPEngine(ModelEngine):
         self._sp_group = self._dp_group = None
         self._aux: RouterRecorder | None = None  # records router logits for the load-balancing loss
         self._replay: RouteReplay | None = None  # holds the routers to a micro-batch's routed_experts
+        self._vision = False  # a vision-language model (engine/vision.py), known once loaded
         # LoRA adapters on the policy only: a critic and a frozen reference stay full models
         lcfg = self.tcfg.lora
         self._lora = lcfg if lcfg.enabled and not frozen and not value_head else None
@@ -206,7 +213,12 @@ class FSDPEngine(ModelEngine):
         return self._dp_group
 
     def _load_model(self) -> torch.nn.Module:
-        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+        from transformers import (
+            AutoConfig,
+            AutoModelForCausalLM,
+            AutoModelForImageTextToText,
+            AutoModelForTokenClassification,
+        )
 
         on_gpu = self._device.type == "cuda"
         mixed = on_gpu and self.tcfg.mixed_precision
@@ -219,11 +231,24 @@ class FSDPEngine(ModelEngine):
             from slipstream.trainer import seqpar
 
             attn = seqpar.register(attn)
+        remote = self.settings.model.trust_remote_code
+        self._vision = vision.is_vision_config(
+            AutoConfig.from_pretrained(self.model_path, trust_remote_code=remote)
+        )
+        if self._vision and (self.value_head or self._sp > 1):
+            raise ValueError(
+                "a vision-language model is supported as the policy (or reference) without sequence parallelism"
+            )
         kwargs = dict(
-            dtype=dtype, attn_implementation=attn, trust_remote_code=self.settings.model.trust_remote_code
+            dtype=dtype,
+            attn_implementation=vision.attention_kernels(attn) if self._vision else attn,
+            trust_remote_code=remote,
         )
         if self.value_head:
             model = AutoModelForTokenClassification.from_pretrained(self.model_path, num_labels=1, **kwargs)
+        elif self._vision:
+            model = AutoModelForImageTextToText.from_pretrained(self.model_path, **kwargs)
+            self._share_prefix = False  # the shared-prompt row has no multi-modal positions
         else:
             model = AutoModelForCausalLM.from_pretrained(self.model_path, **kwargs)
         model.config.use_cache = False
@@ -252,7 +277,9 @@ class FSDPEngine(ModelEngine):
                 )
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        config = model.config
+        if self._vision and self.tcfg.freeze_vision_tower:
+            log.info("vision tower frozen: %d tensors", vision.freeze_vision_tower(model))
+        config = getattr(model.config, "text_config", None) or model.config
         self._arch = (int(getattr(config, "num_hidden_layers", 0)), int(getattr(config, "hidden_size", 0)))
         return model
 
@@ -358,17 +385,29 @@ class FSDPEngine(ModelEngine):
             values = torch.cat([logits.new_zeros(1), logits[:-1, 0].float()])
             values[starts] = 0.0
             return {"values": values}
+        images = self._image_kwargs(mb, pad_to)
         if self._head is not None:
             rows = _scored_rows(mb) if self._sp == 1 else None
             layout = self._replay_routes(mb, pad_to, self._prefix_layout(mb, pad_to))
-            logp_next, ent_next = self._head_forward(ids, pos, cu, pad_to, entropy, rows, layout)
+            logp_next, ent_next = self._head_forward(ids, pos, cu, pad_to, entropy, rows, layout, images)
         else:
             self._replay_routes(mb, pad_to, None)
-            logp_next, ent_next = self._full_logits_forward(ids, pos, cu, pad_to, entropy)
+            logp_next, ent_next = self._full_logits_forward(ids, pos, cu, pad_to, entropy, images)
         out = {"logprobs": _align_next(logp_next, starts)}
         if ent_next is not None:
             out["entropy"] = _align_next(ent_next, starts)
         return out
+
+    def _image_kwargs(self, mb: TensorDict, pad_to: int) -> dict:
+        """The forward's image inputs and multi-modal positions for ``mb`` (``engine/vision.py``); none for
+        a text micro-batch."""
+        if not vision.mb_has_images(mb):
+            return {}
+        if not self._vision:
+            raise ValueError(f"the batch has images but {self.model_path} is not a vision-language model")
+        if pad_to:
+            raise ValueError("image prompts need trainer.pack_sequences=true")
+        return vision.forward_kwargs(self.model, mb)
 
     def _replay_routes(self, mb: TensorDict, pad_to: int, layout):  # noqa: ANN001, ANN202
         """Hold the routers to ``mb``'s routes, on the rows this forward runs, until the next micro-batch's
@@ -394,13 +433,14 @@ class FSDPEngine(ModelEngine):
 
         return build_layout(mb)
 
-    def _head_forward(self, ids, pos, cu, pad_to, entropy, rows=None, layout=None):  # noqa: ANN001, ANN202
+    def _head_forward(self, ids, pos, cu, pad_to, entropy, rows=None, layout=None, images=None):  # noqa: ANN001, ANN202
         """Logprobs (and entropy) of tokens 1.. computed chunk by chunk inside the model's forward.
 
         ``rows`` (see :func:`_scored_rows`): the only rows to score; the others come back as zeros. The
         output layer and the log-softmax over the vocabulary then run on the response tokens alone, which
         in RL batches are a fraction of the tokens (the prompts are scored by no loss). ``layout``: run the
         micro-batch as its shared-prompt row (``engine/prefix.py``) and score each token from its row there.
+        ``images``: the forward's image inputs and positions (``_image_kwargs``).
         """
         if self._sp > 1:
             return self._sequence_parallel_forward(ids, pos, cu, entropy)
@@ -416,7 +456,7 @@ class FSDPEngine(ModelEngine):
             src = rows if src is None else src.index_select(0, rows)
         with self._head.request(targets=targets, src=src, entropy=entropy):
             if layout is None:
-                logp, ent = self._run_model(ids, pos, cu, pad_to, raw=True)
+                logp, ent = self._run_model(ids, pos, cu, pad_to, raw=True, images=images)
             else:
                 logp, ent = self.model(
                     input_ids=layout.ids[None],
@@ -457,9 +497,9 @@ class FSDPEngine(ModelEngine):
             ent = seqpar.gather_sequence(ent, self._sp_group)[: t - 1]
         return logp, ent
 
-    def _full_logits_forward(self, ids, pos, cu, pad_to, entropy):  # noqa: ANN001, ANN202
+    def _full_logits_forward(self, ids, pos, cu, pad_to, entropy, images=None):  # noqa: ANN001, ANN202
         """The plain path: every token's full-vocabulary fp32 logits at once."""
-        logits = self._run_model(ids, pos, cu, pad_to)
+        logits = self._run_model(ids, pos, cu, pad_to, images=images)
         logits = truncate_logits(logits.float()[:-1] / self.temperature, ids[1:], self.truncation)
         logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[1:, None])[:, 0]
         if entropy is None:
@@ -467,17 +507,20 @@ class FSDPEngine(ModelEngine):
         source = logits if entropy == "grad" else logits.detach()
         return logp, plain_entropy(source, self.truncation is not None)
 
-    def _run_model(self, ids, pos, cu, pad_to: int, raw: bool = False):  # noqa: ANN001, ANN201
+    def _run_model(self, ids, pos, cu, pad_to: int, raw: bool = False, images=None):  # noqa: ANN001, ANN201
         """The model on the packed row (or, with ``pad_to``, the padded grid). Returns what its output layer
-        gives: with ``raw`` as is, else as flat per-token rows aligned with ``ids``."""
+        gives: with ``raw`` as is, else as flat per-token rows aligned with ``ids``. ``images`` (packed row
+        only): pixel inputs and the multi-modal positions that replace ``pos``."""
         if pad_to:
             grid, attn, gpos = _padded_grid(ids, cu, pad_to)
             out = self.model(input_ids=grid, attention_mask=attn.long(), position_ids=gpos, use_cache=False)
             return out.logits if raw else out.logits[attn]
         # cu_seq_lens_q reaches every attention layer: flash-attention and sdpa_varlen use it as varlen
         # boundaries; other kernels ignore it and rely on the restarting position ids.
+        images = dict(images or {})
+        positions = images.pop("position_ids", pos[None])
         out = self.model(
-            input_ids=ids[None], position_ids=pos[None], use_cache=False, **self._varlen_kwargs(cu)
+            input_ids=ids[None], position_ids=positions, use_cache=False, **images, **self._varlen_kwargs(cu)
         )
         return out.logits if raw else out.logits[0]
 
@@ -543,7 +586,10 @@ class FSDPEngine(ModelEngine):
         if self._lora is not None:  # the merged model, under the base model's names
             yield from lora.merged_named_tensors(self.model, dtype)
             return
+        frozen_tower = self._vision and self.tcfg.freeze_vision_tower
         for name, param in self.model.named_parameters():
+            if frozen_tower and name.startswith(vision.VISION_PREFIX):
+                continue  # the servers keep the tower they loaded: it never changes
             full = param.full_tensor() if hasattr(param, "full_tensor") else param.data
             full = full.detach()
             yield name, (full.to(dtype) if dtype is not None else full)
