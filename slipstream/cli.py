@@ -39,6 +39,10 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
             "slipstream.system.bench_boundary",
             "the train-inference boundary on real vLLM: fresh caches, whole and verified versions, masks, auth",
         ),
+        "moe": (
+            "slipstream.system.bench_moe",
+            "routing replay on a tiny MoE: logprob error with and without, route mismatch, step overhead",
+        ),
         "served-dtype": (
             "slipstream.system.bench_served_dtype",
             "vLLM's CPU decode tokens/s per dtype, and whether rollout.vllm.dtype auto picks the faster",
