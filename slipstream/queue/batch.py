@@ -27,6 +27,16 @@ key                 dtype     shape     meaning
 ``group_ids``       (str)     N         non-tensor: each sample's group id
 ==================  ========  ========  =====================================================================
 
+Groups with images (vision-language prompts) add their encoded images, once per group as they travelled:
+
+==================  ========  ========  =====================================================================
+``image_bytes``     uint8     [B]       every group's images end to end, groups in order
+``image_nbytes``    int64     [I]       bytes of each image
+``image_groups``    int64     [I]       index in ``groups`` of each image's group (its samples' group_index)
+==================  ========  ========  =====================================================================
+
+which the trainer turns into its model's pixel inputs (``trainer/engine/vision.py``, ``attach_pixels``).
+
 Extra response-aligned tensors a producer attached to a group travel along under their own names, token
 level, zero on prompt positions (shape ``[T, *rest]``).
 
@@ -53,7 +63,7 @@ from __future__ import annotations
 import torch
 from tensordict import NonTensorData, TensorDict
 
-from slipstream.queue.types import COLUMN_DTYPES, ROUTE_COLUMNS, UNKNOWN_ROUTE, TrajectoryGroup
+from slipstream.queue.types import COLUMN_DTYPES, IMAGE_COLUMN, ROUTE_COLUMNS, UNKNOWN_ROUTE, TrajectoryGroup
 
 STANDARD_KEYS = (
     "input_ids",
@@ -134,7 +144,21 @@ def collate(groups: list[TrajectoryGroup]) -> TensorDict:
         batch[name] = extra
     if "prompt_routes" in groups[0].tensors:
         batch["routed_experts"] = _routes(groups, prompt_dst, response_dst, total)
+    if any(g.meta.image_nbytes for g in groups):
+        batch.update(_images(groups))
     return batch
+
+
+def _images(groups: list[TrajectoryGroup]) -> dict[str, torch.Tensor]:
+    """The groups' images as they travelled, once per group (see the module docstring)."""
+    nbytes = [n for g in groups for n in g.meta.image_nbytes]
+    return {
+        "image_bytes": torch.cat([g.tensors[IMAGE_COLUMN] for g in groups if g.meta.image_nbytes]).clone(),
+        "image_nbytes": torch.tensor(nbytes, dtype=torch.int64),
+        "image_groups": torch.tensor(
+            [gi for gi, g in enumerate(groups) for _ in g.meta.image_nbytes], dtype=torch.int64
+        ),
+    }
 
 
 def _routes(
@@ -168,10 +192,11 @@ def _episode_index(episodes: list[str]) -> torch.Tensor:
 
 
 def _extras(groups: list[TrajectoryGroup], response_dst: torch.Tensor, total: int) -> dict[str, torch.Tensor]:
-    names = [n for n in groups[0].tensors if n not in COLUMN_DTYPES and n not in ROUTE_COLUMNS]
+    skip = {*COLUMN_DTYPES, *ROUTE_COLUMNS, IMAGE_COLUMN}
+    names = [n for n in groups[0].tensors if n not in skip]
     out = {}
     for name in names:
-        if name in STANDARD_KEYS or name == "routed_experts":
+        if name in STANDARD_KEYS or name in ("routed_experts", "image_bytes", "image_nbytes", "image_groups"):
             raise ValueError(f"extra tensor `{name}` would shadow the batch key of the same name; rename it")
         missing = [g.group_id for g in groups if name not in g.tensors]
         if missing:

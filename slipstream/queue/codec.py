@@ -34,6 +34,7 @@ import zmq
 from slipstream.queue import protocol as P
 from slipstream.queue.types import (
     COLUMN_DTYPES,
+    IMAGE_COLUMN,
     PROMPT_ALIGNED,
     PROMPT_COLUMNS,
     RESPONSE_COLUMNS,
@@ -390,25 +391,44 @@ def validate_group(
         uids.add(s.uid)
     if len(uids) != len(meta.samples):
         raise WireError("bad_request", f"group {gid!r}: duplicate uids within the group")
+    n_image = _image_bytes(meta)
     names: set[str] = set()
     total = 0
     for spec in specs:
         if spec.name in names:
             raise WireError("bad_request", f"group {gid!r}: tensor `{spec.name}` appears twice")
         names.add(spec.name)
-        rows = n_prompt if spec.name in PROMPT_ALIGNED else n_response
+        rows = (
+            n_prompt if spec.name in PROMPT_ALIGNED else n_image if spec.name == IMAGE_COLUMN else n_response
+        )
         total += _check_spec(gid, spec, buffer_sizes, rows)
+        if spec.name == IMAGE_COLUMN and (len(spec.shape) != 1 or spec.dtype != "uint8"):
+            raise WireError("bad_request", f"group {gid!r}: `{IMAGE_COLUMN}` must be one uint8 dimension")
         if spec.name in ROUTE_COLUMNS and (len(spec.shape) != 3 or spec.dtype not in ("uint8", "int16")):
             raise WireError(
                 "bad_request", f"group {gid!r}: `{spec.name}` must be [tokens, layers, k] uint8 or int16"
             )
     if len(names.intersection(ROUTE_COLUMNS)) == 1:
         raise WireError("bad_request", f"group {gid!r}: `prompt_routes` and `response_routes` come together")
+    if n_image and IMAGE_COLUMN not in names:
+        raise WireError(
+            "bad_request", f"group {gid!r}: the header lists images but `{IMAGE_COLUMN}` is missing"
+        )
     if not _REQUIRED.issubset(names):
         missing = sorted(_REQUIRED - names)
         raise WireError("bad_request", f"group {gid!r}: missing column(s) {', '.join(missing)}")
     if exact:
         _check_exact(gid, specs, buffer_sizes)
+    return total
+
+
+def _image_bytes(meta: GroupMeta) -> int:
+    """Bytes of the group's images by its header; refuses a negative size."""
+    total = 0
+    for n in meta.image_nbytes:
+        if n <= 0:
+            raise WireError("bad_request", f"group {meta.group_id!r}: an image of {n} bytes")
+        total += n
     return total
 
 

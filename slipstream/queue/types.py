@@ -28,6 +28,8 @@ Invariants of a :class:`TrajectoryGroup` (checked by :meth:`TrajectoryGroup.vali
     ``sum(s.response_len)`` entries each, sample after sample in ``meta.samples`` order;
   * ``prompt_routes`` and ``response_routes`` (MoE routing replay) come together, prompt- and response-aligned,
     ``[rows, layers, k]`` uint8 (255: unknown) or int16 (-1: unknown);
+  * ``images`` (vision-language prompts), optional: the group's encoded images end to end, uint8 with
+    ``sum(meta.image_nbytes)`` entries; they are the prompt's, so they travel once per group, whatever ``n``;
   * extra tensors a producer adds are response-aligned (first dimension ``sum(s.response_len)``).
 
 Worked example::
@@ -55,6 +57,9 @@ RESPONSE_COLUMNS = ("response_ids", "loss_mask", "logprobs", "versions")
 # id is below 255, else int16 with -1.
 ROUTE_COLUMNS = ("prompt_routes", "response_routes")
 PROMPT_ALIGNED = (*PROMPT_COLUMNS, "prompt_routes")
+# The group's images (its prompt's), encoded as stored (PNG, JPEG, WebP) and laid end to end; the header's
+# ``image_nbytes`` cuts them. One copy per group: every sample of a group answers the same prompt.
+IMAGE_COLUMN = "images"
 UNKNOWN_ROUTE = {torch.uint8: 255, torch.int16: -1}
 COLUMN_DTYPES: dict[str, torch.dtype] = {
     "prompt_ids": torch.int32,
@@ -189,6 +194,9 @@ class GroupMeta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     group_id: str
     samples: list[SampleMeta]
     provenance: Provenance | None = None
+    # Bytes of each of the prompt's images in the ``images`` column, in placeholder order (none: a text
+    # prompt). Last, with a default: headers stored before it decode unchanged.
+    image_nbytes: list[int] = []
 
     @property
     def keep_stale(self) -> bool:
@@ -212,8 +220,12 @@ class TrajectoryGroup:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_trajectories(
-        cls, trajectories: list[Trajectory], provenance: Provenance | None = None
+        cls,
+        trajectories: list[Trajectory],
+        provenance: Provenance | None = None,
+        images: list[bytes] | tuple[bytes, ...] = (),
     ) -> TrajectoryGroup:
+        """The group of ``trajectories``; ``images``: their prompt's encoded images, stored once."""
         if not trajectories:
             raise ValueError("a group needs at least one trajectory")
         group_id = trajectories[0].group_id
@@ -244,7 +256,11 @@ class TrajectoryGroup:
             for name, dtype in COLUMN_DTYPES.items()
         }
         tensors.update(_route_columns(trajectories))
-        group = cls(GroupMeta(group_id=group_id, samples=samples, provenance=provenance), tensors)
+        meta = GroupMeta(group_id=group_id, samples=samples, provenance=provenance)
+        if images:
+            meta.image_nbytes = [len(im) for im in images]
+            tensors[IMAGE_COLUMN] = torch.frombuffer(bytearray(b"".join(images)), dtype=torch.uint8)
+        group = cls(meta, tensors)
         group.validate()
         return group
 
@@ -296,6 +312,18 @@ class TrajectoryGroup:
         return min(s.min_version for s in self.meta.samples)
 
     @property
+    def images(self) -> list[bytes]:
+        """The prompt's encoded images, in placeholder order (empty for a text prompt)."""
+        if not self.meta.image_nbytes:
+            return []
+        data = self.tensors[IMAGE_COLUMN].numpy().tobytes()
+        out, at = [], 0
+        for n in self.meta.image_nbytes:
+            out.append(data[at : at + n])
+            at += n
+        return out
+
+    @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
@@ -315,8 +343,18 @@ class TrajectoryGroup:
                     f"group {self.group_id}: `{name}` must be [tokens, layers, k] uint8 or int16, "
                     f"got {routes.dtype} {tuple(routes.shape)}"
                 )
+        n_image = sum(self.meta.image_nbytes)
+        if n_image and IMAGE_COLUMN not in self.tensors:
+            raise ValueError(
+                f"group {self.group_id}: the header lists images but `{IMAGE_COLUMN}` is missing"
+            )
+        images = self.tensors.get(IMAGE_COLUMN)
+        if images is not None and images.dtype != torch.uint8:
+            raise ValueError(
+                f"group {self.group_id}: column `{IMAGE_COLUMN}` is {images.dtype}, expected uint8"
+            )
         for name, tensor in self.tensors.items():
-            want = n_prompt if name in PROMPT_ALIGNED else n_resp
+            want = n_prompt if name in PROMPT_ALIGNED else n_image if name == IMAGE_COLUMN else n_resp
             if tensor.dim() == 0 or tensor.shape[0] != want:
                 raise ValueError(
                     f"group {self.group_id}: column `{name}` has shape {tuple(tensor.shape)}, "

@@ -44,7 +44,8 @@ def broadcast_batch(
     """Rank ``src`` passes its batch; the others pass None and receive a copy (without uids/group_ids).
 
     Besides the fixed keys, every other tensor of the batch (an agent's extra per-token tensors, which
-    :func:`~slipstream.queue.batch.collate` passes through) travels too: its name, dtype and trailing shape
+    :func:`~slipstream.queue.batch.collate` passes through, and an image batch's pixel inputs) travels too:
+    its name, dtype and shape
     go first as a JSON spec in a byte tensor (no pickling), then its data.
     """
     device = device or torch.device("cpu")
@@ -57,9 +58,8 @@ def broadcast_batch(
             for k in batch.keys()
             if k not in BATCH_KEYS and k not in OPTIONAL_KEYS and isinstance(batch.get(k), torch.Tensor)
         ]
-        spec = json.dumps(
-            [[k, dtype_name(batch[k].dtype), list(batch[k].shape[1:])] for k in extras]
-        ).encode()
+        # full shapes: an image batch's pixel_values, grids and image_counts are not per token
+        spec = json.dumps([[k, dtype_name(batch[k].dtype), list(batch[k].shape)] for k in extras]).encode()
         header = torch.tensor(
             [batch["input_ids"].numel(), batch["cu_seqlens"].numel() - 1, len(spec)]
             + [int(k in batch.keys()) for k in optional],
@@ -79,10 +79,10 @@ def broadcast_batch(
     if spec_len:
         raw = torch.frombuffer(bytearray(spec), dtype=torch.uint8) if rank == src else None
         raw = _broadcast_tensor(raw, (spec_len,), torch.uint8, src, device)
-        for key, name, trailing in json.loads(raw.numpy().tobytes()):
+        for key, name, shape in json.loads(raw.numpy().tobytes()):
             dtype = parse_dtype(name)
             out[key] = _broadcast_tensor(
-                batch[key] if rank == src else None, (t, *trailing), dtype, src, device
+                batch[key] if rank == src else None, tuple(shape), dtype, src, device
             )
     td = TensorDict(out, batch_size=[])
     if rank == src:

@@ -114,6 +114,7 @@ class Trainer:
         # Every sync_every steps, push (publish: on every rank; publisher: rank 0's, None on the others).
         self.publish, self.publisher = publish or publisher is not None, publisher
         self._collate = collate_fn
+        self._images = None  # the model's image processor, loaded with the first batch that has images
         self.version = 0  # weight version = completed trainer steps
         self.last_batch_uids: list[str] = []  # rank 0: the samples the last step trained on
         self._trained: dict[str, None] = {}  # rank 0: recently trained uids, oldest first (see _skip)
@@ -240,6 +241,12 @@ class Trainer:
 
             self._collate = collate
         batch = self._collate(groups)
+        if "image_bytes" in batch.keys():  # a vision-language batch: the model's pixels, per sample
+            from slipstream.trainer.engine.vision import ImageProcessor, attach_pixels
+
+            if self._images is None:
+                self._images = ImageProcessor(self.settings.model.path)
+            batch = attach_pixels(batch, self._images)
         if self.settings.trainer.moe.routing_replay == "off" and "routed_experts" in batch.keys():
             del batch["routed_experts"]  # routes that came anyway are not replayed
         return batch

@@ -120,6 +120,30 @@ def forward_kwargs(model: torch.nn.Module, mb: Any) -> dict[str, torch.Tensor]:
     }
 
 
+RAW_IMAGE_KEYS = ("image_bytes", "image_nbytes", "image_groups")
+
+
+def attach_pixels(batch: Any, processor: ImageProcessor) -> Any:
+    """Replace a collated batch's encoded images (``queue/batch.py``: once per group) with the model's pixel
+    inputs, per sample: each group's images are processed once and their pixels given to each of its samples
+    (every sample's prompt holds the image pads). Returns ``batch``, changed in place."""
+    raw, sizes, owners = (batch[k] for k in RAW_IMAGE_KEYS)
+    ends = sizes.cumsum(0).tolist()
+    blob = raw.numpy().tobytes()
+    per_group: dict[int, list[bytes]] = {}
+    for i, (end, owner) in enumerate(zip(ends, owners.tolist(), strict=True)):
+        per_group.setdefault(owner, []).append(blob[end - int(sizes[i]) : end])
+    processed = {g: processor([images]) for g, images in per_group.items()}
+    empty = processor([[]])
+    samples = [processed.get(g, empty) for g in batch["group_index"].tolist()]
+    batch["pixel_values"] = torch.cat([s["pixel_values"] for s in samples])
+    batch["image_grid_thw"] = torch.cat([s["image_grid_thw"] for s in samples])
+    batch[COUNT_KEY] = torch.cat([s[COUNT_KEY] for s in samples])
+    for key in RAW_IMAGE_KEYS:
+        del batch[key]
+    return batch
+
+
 class ImageProcessor:
     """The model's own HF image processor (resize, normalise, patchify) on encoded images.
 
