@@ -37,7 +37,11 @@ trainer is planned against what the server leaves, not the whole GPU.
 
 Per-token activation bytes are the tensors a Llama/Qwen decoder layer saves for backward with an attention
 kernel that keeps no score matrix (flash / SDPA varlen), as autograd's saved-tensor hooks list them;
-MoE layers count the experts a token is routed to. ``tests/planning`` checks the per-layer count against
+MoE layers count the experts a token is routed to. For an MoE model the plan also reports the parameters a
+token runs through (``active_params``) and the routed experts' share (``expert_params``); the experts'
+weights, gradients and AdamW moments are all held (sharded like the rest: FSDP2 shards the fused expert
+tensors by expert), so a trainer GPU's state follows the total count, its activations the active one, and a
+server's weights the total. ``tests/planning`` checks the per-layer count against
 those hooks and the whole estimate against a measured CPU step (within 1.2x).
 """
 
@@ -92,6 +96,20 @@ class ModelShape:
         return embeddings + self.layers * self.layer_params + self.hidden
 
     @property
+    def expert_params(self) -> int:
+        """The routed experts' weights of every layer (gate, up and down projections; not the routers): the
+        share of :attr:`params` a token mostly does not run through. 0 for a dense model."""
+        return self.layers * self.experts * 3 * self.hidden * self.expert_intermediate
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token runs through: :attr:`params` less the experts it is not routed to (the
+        ``3B`` of Qwen3-30B-A3B); :attr:`params` for a dense model."""
+        if not self.experts:
+            return self.params
+        return self.params - self.expert_params * (self.experts - self.experts_per_token) // self.experts
+
+    @property
     def root_params(self) -> int:
         """Parameters outside the decoder layers: embeddings, output layer (unless tied) and final norm."""
         return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
@@ -123,6 +141,7 @@ KNOWN["Qwen3-30B-A3B-Base"] = KNOWN["Qwen3-30B-A3B"]
 def shape_from_hf(config: dict) -> ModelShape:
     heads = config["num_attention_heads"]
     hidden = config["hidden_size"]
+    experts = config.get("num_experts") or config.get("num_local_experts") or 0  # Mixtral: num_local_experts
     return ModelShape(
         hidden=hidden,
         layers=config["num_hidden_layers"],
@@ -133,9 +152,12 @@ def shape_from_hf(config: dict) -> ModelShape:
         vocab=config["vocab_size"],
         tied=bool(config.get("tie_word_embeddings", False)),
         max_positions=config.get("max_position_embeddings", 0),
-        experts=config.get("num_experts", 0) or 0,
-        experts_per_token=config.get("num_experts_per_tok", 0) or 0,
-        expert_intermediate=config.get("moe_intermediate_size", 0) or 0,
+        experts=experts,
+        experts_per_token=(config.get("num_experts_per_tok") or 0) if experts else 0,
+        # Qwen3-MoE names the experts' width moe_intermediate_size; OLMoE and Mixtral use intermediate_size
+        expert_intermediate=(config.get("moe_intermediate_size") or config.get("intermediate_size", 0))
+        if experts
+        else 0,
     )
 
 
@@ -232,7 +254,10 @@ def trainer_gpu(shape: ModelShape, cfg, gpu_bytes: int) -> Part:
     return Part(
         "trainer process (CPU)" if on_cpu else "trainer GPU",
         {
-            "sharded parameters, AdamW moments": shape.params * 12 // ranks,
+            "sharded parameters, AdamW moments": (shape.params - shape.expert_params) * 12 // ranks,
+            # MoE: every expert is trained (each takes the tokens routed to it), so all of them carry
+            # fp32 weights and both moments, although a token runs through experts_per_token of them
+            "sharded experts: parameters, AdamW moments": shape.expert_params * 12 // ranks,
             "sharded gradients": shape.params * 4 // ranks,
             "gathered layers": shape.layer_params * (2 * compute + 4),
             "unsharded root module (embeddings, output layer)": root * compute,
@@ -337,6 +362,8 @@ class Plan:
     trainer: Part
     inference: Part | None
     full_length_sequences_per_server: float | None
+    active_params: int = 0  # MoE: parameters a token runs through; params for a dense model
+    expert_params: int = 0  # MoE: the routed experts' share of params; 0 for a dense model
 
     @property
     def problems(self) -> list[str]:
@@ -375,6 +402,8 @@ class Plan:
         return {
             "model": self.model,
             "params": self.params,
+            "active_params": self.active_params,
+            "expert_params": self.expert_params,
             "positions_needed": self.positions_needed,
             "max_positions": self.max_positions,
             "trainer_gpu": part(self.trainer),
@@ -414,11 +443,15 @@ def plan(cfg, gpu_gib: float = 80.0) -> Plan:
         trainer=trainer,
         inference=inference,
         full_length_sequences_per_server=sequences,
+        active_params=shape.active_params,
+        expert_params=shape.expert_params,
     )
 
 
 def render(p: Plan) -> str:
-    lines = [f"model {p.model}: {p.params / 1e9:.2f}B parameters; "
+    moe = (f" ({p.active_params / 1e9:.2f}B active per token; routed experts {p.expert_params / 1e9:.2f}B)"
+           if p.expert_params else "")  # fmt: skip
+    lines = [f"model {p.model}: {p.params / 1e9:.2f}B parameters{moe}; "
              f"{p.positions_needed} positions needed of {p.max_positions or '?'}"]  # fmt: skip
     for part in (p.trainer, p.inference):
         if part is None:
