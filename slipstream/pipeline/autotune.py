@@ -13,20 +13,22 @@ holds whole push cycles:
 1. **Hold on a missing metric.** A metric a rule needs that no part reported is never guessed: the
    decision holds and names it (``hold: missing trainer/idle_ratio``); without
    ``rollouter/requests_queued`` the concurrency is never moved.
-2. **Back off** when the window trained a group over ``staleness_cap``, dropped more than
-   ``DROP_TOLERANCE`` of its groups over the hard cap, or the mismatch went over ``mismatch_cap``: the
-   threshold goes one rung down the ladder (:data:`THRESHOLDS`), and the rung it left becomes a ceiling it
-   does not climb to again (at the lowest rung, ``sync_every`` goes down by one). Drops are kept while the
-   window trains ``PAYS`` more tokens/s than the one that led to the last raise, and for one dwell after a
-   back-off (``quiet_until``: the old setting's groups are still being dropped).
+2. **Back off** when the window trained a group over ``staleness_cap``, the setting dropped more than
+   ``DROP_TOLERANCE`` of its groups over the hard cap (counted over every window since it began, from
+   ``MIN_DROPS`` drops on), or the mismatch went over ``mismatch_cap``: the threshold goes one rung down the
+   ladder (:data:`THRESHOLDS`), and the rung it left becomes a ceiling it does not climb to again (at the
+   lowest rung, ``sync_every`` goes down by one). Windows that began within one dwell after a change
+   (``quiet_until``) are not counted: the old setting's groups are still being dropped.
 3. **Generation-bound** (``trainer/idle_ratio`` above ``IDLE_HIGH``): requests waiting for a server slot
-   (``rollouter/requests_queued`` > 0) double the per-server concurrency; when the servers have room, the
-   gate's budget grows (``sync_every`` x2, then the threshold one rung), only while the staleness the move
-   adds in order (:func:`in_order_bound`) keeps the window's maximum within the target (the cap where the
-   trainer enforces it, ``max_staleness <= staleness_cap``; else one version under it), and only
+   (``rollouter/requests_queued`` > 0) double the per-server concurrency; when the servers have room (no
+   request waiting at most of the window's non-push steps), the gate's budget grows (``sync_every`` x2,
+   then the threshold one rung), only within the target (the cap where the trainer enforces it,
+   ``max_staleness <= staleness_cap``: the budget's own in-order bound, :func:`in_order_bound`, within
+   it; else the window's maximum plus what the move adds in order, one version under it), and only
    once the last budget's groups have been trained (the minimum dwell, ``ceil(sync_every * (1 +
    threshold)) + 1`` steps after a change). Far from balance (``FAR``) every move that applies is made at
-   once; near it, one.
+   once, x4 (``VERY_FAR``: the concurrency x8 and ``sync_every`` x4, threshold up to two rungs); near it,
+   one.
 4. Otherwise hold: the trainer does not wait, so nothing the knobs do would train faster.
 
 Stability: a knob only goes up on rule 3 and only down on rule 2, and a back-off leaves a ceiling behind,
@@ -59,14 +61,17 @@ from slipstream.config import AutotuneBounds
 THRESHOLDS = (0.0, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0)
 IDLE_HIGH = 0.05  # the trainer waits more than this share of its step: generation is the bottleneck
 FAR = 0.3  # ... more than this: far from balance, every move that applies at once
+VERY_FAR = 0.6  # ... more than this: the concurrency x8 and sync_every x4 (near balance x2, far x4 and x2)
 REGIME_CHANGE = 0.25  # relative move of the mean response length that counts as a new workload
 FILTER_CHANGE = 0.15  # absolute move of the filter ratio that does
 IDLE_JUMP = 0.15  # trainer idle this much above its level when the controller settled: a new workload
-# Share of a window's groups the hard cap may drop before the controller backs off: a rare long response
-# dropped costs its generation once, while a lower setting costs every step (the cap is never exceeded:
-# the trainer drops what would exceed it).
-DROP_TOLERANCE = 0.05
-PAYS = 0.05  # drops over the tolerance are kept when the window trains this much faster than before the raise
+# Share of the groups the hard cap may drop under one setting before the controller backs off, counted over
+# every window since the setting began, and only from MIN_DROPS drops on (one window's one or two drops are
+# noise). A rare long response dropped costs its generation once, while a lower setting costs every step.
+# Drops are not free either: a dropped prompt is generated again, and one dropped async.max_stale_drops
+# times is trained whatever its staleness, over the cap; the more a setting drops, the likelier that is.
+DROP_TOLERANCE = 0.03
+MIN_DROPS = 3
 
 # Observation field -> the metric key it reads (the run's record; docs/tuning.md "Reading a run").
 METRIC_KEYS: dict[str, str] = {
@@ -172,12 +177,13 @@ class AutotuneState(msgspec.Struct, kw_only=True):
     reference: Window | None = None  # the workload when the controller last changed or settled
     changes: int = 0
     since_change: int = 0  # steps since a knob last moved
-    # Trained tokens/s of the window that led to the last raise (None after a back-off): drops at the cap are
-    # kept while the raise still pays.
-    before_raise: float | None = None
     # After a back-off, groups the old setting admitted are still trained (and dropped) until this step: they
     # say nothing about the new setting, so no second back-off before it.
     quiet_until: int = 0
+    # Groups dropped over the cap since the setting began, and groups trained or dropped, outside the
+    # quiet windows: the drop share a back-off is judged on.
+    setting_dropped: float = 0.0
+    setting_groups: float = 0.0
 
 
 class Autotuner:
@@ -199,8 +205,8 @@ class Autotuner:
         # The staleness it steers to: the cap itself where the trainer enforces it (async.max_staleness at the
         # cap: a group over it is dropped, never trained; prepare_config sets it so when the controller runs),
         # else one version under it, so that a window reaching the target backs off before one goes over.
-        enforced = max_staleness is not None and max_staleness <= bounds.staleness_cap
-        self.target = self.cap if enforced else max(self.cap - 1, 0)
+        self.enforced = max_staleness is not None and max_staleness <= bounds.staleness_cap
+        self.target = self.cap if self.enforced else max(self.cap - 1, 0)
         self.group_size = group_size
         self.state = state if state is not None else AutotuneState(knobs=start)
 
@@ -237,17 +243,8 @@ class Autotuner:
         self._forget_if_new_workload(w)
         # 2. back off
         mismatch = max(o.mismatch or 0.0 for o in window)
-        # the share of the window's groups dropped (its first record belongs to the previous window)
-        samples = sum(o.samples or 0.0 for o in window[1:])
-        lost = sum(o.dropped_groups or 0.0 for o in window[1:]) * self.group_size
-        dropped_share = lost / (samples + lost) if lost else 0.0
-        over = stale_max > self.cap or dropped_share > DROP_TOLERANCE
-        before = st.before_raise
-        if over and stale_max <= self.cap and before is not None and w.tokens_per_s > before * (1 + PAYS):
-            return self._hold(
-                f"hold: {dropped:g} groups dropped at the cap, but {w.tokens_per_s:.0f} tokens/s against "
-                f"{before:.0f} before the last raise: the drops pay"
-            )
+        drops = self._count_drops(window)
+        over = stale_max > self.cap or drops is not None
         if over and st.steps < st.quiet_until:
             return self._hold(
                 f"hold: {dropped:g} groups dropped, admitted before the last back-off (trained until step "
@@ -257,8 +254,8 @@ class Autotuner:
             cause = (
                 f"staleness max {stale_max:g} over the cap {self.cap}"
                 if stale_max > self.cap
-                else f"{dropped:g} groups dropped over async.max_staleness"
-                if dropped > 0
+                else drops
+                if drops is not None
                 else f"mismatch {mismatch:.3g} > cap {self.bounds.mismatch_cap:g}"
             )
             return self._back_off(w, cause)
@@ -268,36 +265,60 @@ class Autotuner:
         st.reference = w
         return self._hold(f"hold: the trainer waits little ({seen})")
 
+    def _count_drops(self, window: list[Observation]) -> str | None:
+        """Adds the window's groups to the setting's count; the drops in words when they call for a back-off:
+        over ``DROP_TOLERANCE`` of the setting's groups and at least ``MIN_DROPS`` of them, or any drop without
+        the ``trainer/samples`` gauge (the share unknown). A window that began before ``quiet_until`` is not
+        counted: its drops are the old setting's groups. Its first record belongs to the previous window."""
+        st = self.state
+        lost = sum(o.dropped_groups or 0.0 for o in window[1:])
+        if lost and any(o.samples is None for o in window[1:]):
+            return f"{lost:g} groups dropped over async.max_staleness ({METRIC_KEYS['samples']} missing)"
+        if st.steps - len(window) + 1 >= st.quiet_until:
+            st.setting_dropped += lost
+            st.setting_groups += lost + sum(o.samples or 0.0 for o in window[1:]) / self.group_size
+        share = st.setting_dropped / st.setting_groups if st.setting_dropped else 0.0
+        if share <= DROP_TOLERANCE or st.setting_dropped < MIN_DROPS:
+            return None
+        return (
+            f"{st.setting_dropped:g} of {st.setting_groups:.0f} groups ({share:.0%}) dropped over "
+            f"async.max_staleness since the setting began"
+        )
+
     def _raise(self, window: list[Observation], w: Window, stale_max: float, seen: str) -> Decision:
         """The trainer waits: more requests per server when requests wait for a slot, else a bigger gate
-        budget (``sync_every`` x2, then the threshold a rung up), each only where the staleness it adds in
-        order keeps the window's maximum one version under the cap. Far from balance (``FAR``) every move
-        that applies is made at once; near it, one."""
+        budget (``sync_every`` x2, then the threshold a rung up), each only where it keeps the staleness
+        within the target (:meth:`_fits`). Far from balance (``FAR``) every move that applies is made at once,
+        and bigger ones (``VERY_FAR``); near it, one."""
         st, b, k = self.state, self.bounds, self.state.knobs
-        far = w.trainer_idle > FAR
+        far, very_far = w.trainer_idle > FAR, w.trainer_idle > VERY_FAR
         moves: dict[str, float] = {}
         why: list[str] = []
         queued_vals = [o.requests_queued for o in window]
         queued = None if None in queued_vals else statistics.fmean(q or 0.0 for q in queued_vals)
-        # requests waited for a slot at most steps' ends: the servers are full, the gate is not what limits
-        always_queued = queued is not None and sum((q or 0.0) > 0 for q in queued_vals) * 2 > len(queued_vals)
+        # requests waited for a slot at most steps' ends: the servers are full, the gate is not what limits.
+        # A push step's record is left out (with sync_every > 1, the window's first and last): the requests a
+        # push aborted are all re-submitted at once, a burst that says nothing about the servers' room.
+        mid = queued_vals[1:-1] if len(queued_vals) > 2 and k.sync_every > 1 else queued_vals
+        always_queued = queued is not None and sum((q or 0.0) > 0 for q in mid) * 2 > len(mid)
         if queued is None:
             why.append(f"{METRIC_KEYS['requests_queued']} missing: concurrency held")
         elif queued > 0:
-            conc = min(b.concurrency_max, k.concurrency * (4 if far else 2))
+            conc = min(b.concurrency_max, k.concurrency * (8 if very_far else 4 if far else 2))
             if conc > k.concurrency and "concurrency" not in st.blocked:
                 moves["concurrency"] = conc
                 why.append(f"{queued:.0f} requests wait for a server slot")
-            else:
+            elif always_queued:
                 why.append(
                     f"{queued:.0f} requests wait for a slot at the concurrency bound: the servers are full"
                 )
+            else:
+                why.append(
+                    f"{queued:.0f} requests wait for a slot at the concurrency bound, after pushes only"
+                )
 
         def fits(threshold: float, sync_every: int) -> bool:
-            grows = in_order_bound(threshold, sync_every) - in_order_bound(
-                k.staleness_threshold, k.sync_every
-            )
-            return stale_max + max(0, grows) <= self.target
+            return self._fits(threshold, sync_every, stale_max)
 
         # A bigger budget helps only when the servers have room: no request waits for a slot (or more slots
         # are being opened now); and only once the last budget's staleness has shown (a group admitted at
@@ -308,7 +329,7 @@ class Autotuner:
             and st.since_change >= dwell(k)
         )
         if gate and (far or not moves):
-            every = min(b.sync_every_max, k.sync_every * 2)
+            every = min(b.sync_every_max, k.sync_every * (4 if very_far else 2))
             if every > k.sync_every and "sync_every" not in st.blocked and fits(k.staleness_threshold, every):
                 moves["sync_every"] = every
         if gate and (far or not moves):
@@ -322,8 +343,26 @@ class Autotuner:
             if "concurrency" not in moves:
                 why.append("the servers have room: the gate holds groups back")
             return self._set(w, moves, "raise", f"the trainer waits ({seen}); " + "; ".join(why))
-        room = "every knob at its bound" if stale_max < self.target else "no room under the staleness cap"
+        if queued is not None and st.since_change < dwell(k):
+            room = f"the last change's groups are still trained (until step {st.steps - st.since_change + dwell(k)})"
+        elif always_queued:
+            room = "requests wait for a server slot at most steps' ends"
+        elif (up := _rung_above(k.staleness_threshold)) is None or fits(up, k.sync_every):
+            room = "every knob at its bound or ceiling"
+        else:
+            room = "no room under the staleness cap"
         return self._hold(f"hold: the trainer waits but {room} ({seen}); " + "; ".join(why))
+
+    def _fits(self, threshold: float, sync_every: int, stale_max: float) -> bool:
+        """Whether a gate budget keeps the staleness within the target. Where the trainer enforces the cap,
+        the budget's own in-order bound must be within it: the window's maximum already reaches the cap by
+        the long tail's out-of-order groups, which the trainer drops and the drop count judges (rule 2).
+        Else the window's maximum plus what the move adds in order must stay within the target."""
+        bound = in_order_bound(threshold, sync_every)
+        if self.enforced:
+            return bound <= self.target
+        k = self.state.knobs
+        return stale_max + max(0, bound - in_order_bound(k.staleness_threshold, k.sync_every)) <= self.target
 
     def _back_off(self, w: Window, cause: str) -> Decision:
         st, k = self.state, self.state.knobs
@@ -342,7 +381,7 @@ class Autotuner:
         st, k = self.state, self.state.knobs
         old = {"threshold": k.staleness_threshold, "sync_every": k.sync_every, "concurrency": k.concurrency}
         st.reference, st.since_change = w, 0
-        st.before_raise = w.tokens_per_s if action == "raise" else None
+        st.setting_dropped = st.setting_groups = 0.0
         new = {**old, **moves}
         st.knobs = Knobs(
             staleness_threshold=float(new["threshold"]),
