@@ -393,6 +393,7 @@ def validate_group(
         raise WireError("bad_request", f"group {gid!r}: duplicate uids within the group")
     n_image = _image_bytes(meta)
     names: set[str] = set()
+    route_kinds = []  # (name, dtype, [layers, k]) of each route column
     total = 0
     for spec in specs:
         if spec.name in names:
@@ -408,8 +409,17 @@ def validate_group(
             raise WireError(
                 "bad_request", f"group {gid!r}: `{spec.name}` must be [tokens, layers, k] uint8 or int16"
             )
+        if spec.name in ROUTE_COLUMNS:
+            route_kinds.append((spec.name, spec.dtype, list(spec.shape[1:])))
     if len(names.intersection(ROUTE_COLUMNS)) == 1:
         raise WireError("bad_request", f"group {gid!r}: `prompt_routes` and `response_routes` come together")
+    if len(route_kinds) == 2 and route_kinds[0][1:] != route_kinds[1][1:]:
+        (a, a_dtype, a_shape), (b, b_dtype, b_shape) = route_kinds
+        raise WireError(
+            "bad_request",
+            f"group {gid!r}: `{a}` is {a_dtype} [tokens, {a_shape[0]}, {a_shape[1]}] but `{b}` is {b_dtype} "
+            f"[tokens, {b_shape[0]}, {b_shape[1]}]: a group's routes are of one model (layers, k) in one dtype",
+        )
     if n_image and IMAGE_COLUMN not in names:
         raise WireError(
             "bad_request", f"group {gid!r}: the header lists images but `{IMAGE_COLUMN}` is missing"

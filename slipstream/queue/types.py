@@ -343,6 +343,14 @@ class TrajectoryGroup:
                     f"group {self.group_id}: `{name}` must be [tokens, layers, k] uint8 or int16, "
                     f"got {routes.dtype} {tuple(routes.shape)}"
                 )
+        if "prompt_routes" in self.tensors:
+            prompt, response = self.tensors["prompt_routes"], self.tensors["response_routes"]
+            if (prompt.dtype, prompt.shape[1:]) != (response.dtype, response.shape[1:]):
+                raise ValueError(
+                    f"group {self.group_id}: `prompt_routes` is {prompt.dtype} {tuple(prompt.shape)} but "
+                    f"`response_routes` is {response.dtype} {tuple(response.shape)}: a group's routes are of "
+                    f"one model (layers, k) in one dtype"
+                )
         n_image = sum(self.meta.image_nbytes)
         if n_image and IMAGE_COLUMN not in self.tensors:
             raise ValueError(

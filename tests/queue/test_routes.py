@@ -87,3 +87,41 @@ def test_routes_come_back_bit_for_bit_from_a_live_queue(server):
     finally:
         producer.close()
         consumer.close()
+
+
+def _with_routes(group: TrajectoryGroup, name: str, routes: torch.Tensor) -> TrajectoryGroup:
+    return TrajectoryGroup(group.meta, {**group.tensors, name: routes})
+
+
+def _wire_check(group: TrajectoryGroup) -> None:
+    specs, size = C.layout_region(group.tensors, inline_bytes=16)
+    C.validate_group(group.meta, specs, [size])
+
+
+def test_a_put_whose_routes_do_not_match_its_tokens_is_refused_with_the_reason(server):
+    group = make_group("g", n=2, prompt_len=3, response_len=4, routes=(2, 2))
+    short = _with_routes(group, "response_routes", group.tensors["response_routes"][:-1])
+    other_model = _with_routes(group, "prompt_routes", torch.zeros((6, 3, 2), dtype=torch.uint8))
+    wide = _with_routes(group, "prompt_routes", group.tensors["prompt_routes"].to(torch.int16))
+    # the server's check of what arrives (a producer that skipped its own)
+    with pytest.raises(C.WireError, match=r"`response_routes`.*7.*expected.*8|`response_routes`.*8"):
+        _wire_check(short)
+    with pytest.raises(C.WireError, match=r"`prompt_routes` is uint8 \[tokens, 3, 2\] but `response_routes`"):
+        _wire_check(other_model)
+    with pytest.raises(C.WireError, match=r"`prompt_routes` is int16 .* but `response_routes` is uint8"):
+        _wire_check(wide)
+    # the producer's put refuses them before sending, naming the column, and the queue stays empty
+    srv = server()
+    producer = QueueClient(srv.address, timeout_s=30)
+    try:
+        with pytest.raises(
+            ValueError, match=r"column `response_routes` has shape \(7, 2, 2\), expected .* 8"
+        ):
+            producer.put(short)
+        for bad in (other_model, wide):
+            with pytest.raises(ValueError, match="a group's routes are of one model"):
+                producer.put(bad)
+        assert producer.put(group)
+        assert producer.stats().held_groups == 1
+    finally:
+        producer.close()
