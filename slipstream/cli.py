@@ -48,6 +48,7 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
             "vLLM's CPU decode tokens/s per dtype, and whether rollout.vllm.dtype auto picks the faster",
         ),
         "e2e": ("slipstream.system.e2e", "samples/s of fully_async vs sync on a long-tail workload"),
+        "autotune": ("slipstream.system.bench_autotune", "tokens/s with the autotune controller vs without"),
         "soak": (
             "slipstream.system.soak",
             "a long run with servers and trainers killed: memory, lost groups",

@@ -240,14 +240,25 @@ class VLLMClient(ServerClient):
         *,
         rid: str | None = None,
         session_id: str | None = None,
+        images: list | None = None,
     ) -> GenerateOutput:
+        """``images`` (``agents.multimodal.Image``, one per image pad of ``input_ids``): sent to the native
+        route as data URLs, and the reply's ``prompt_ids`` is the prompt as the server expanded it."""
         rid = rid or uuid.uuid4().hex
+        if images and self.api != "generate":
+            raise ValueError(
+                "images need vLLM's native route (rollout.vllm.route=generate); /v1/completions takes none"
+            )
         if self.api == "completions":
             payload, parse = build_completions_payload, parse_completions_response
         else:
             payload, parse = build_generate_payload, parse_generate_response
         path = self.server_api.route(self.route).generate.path
         body = payload(input_ids, sampling, rid)
+        if images:
+            from slipstream.agents.multimodal import content_parts
+
+            body["content_parts"], body["return_token_ids"] = content_parts(images), True
         if session_id is not None and self.api == "completions":
             body["session_id"] = session_id
         response = await self._post_retrying_paused(path, body)
@@ -256,9 +267,12 @@ class VLLMClient(ServerClient):
         if not (data.get("choices") or [{}])[0].get("weight_versions"):
             fallback = await self.weight_version()
         try:
-            return parse(data, rid=rid, server=self.base_url, fallback_version=fallback)
+            out = parse(data, rid=rid, server=self.base_url, fallback_version=fallback)
         except ValueError as err:
             raise ServerError(self.base_url, response.status_code, str(err)) from err
+        if images:
+            out.prompt_ids = [int(t) for t in data.get("prompt_token_ids") or []]
+        return out
 
     async def _post_retrying_paused(self, path: str, body: dict):
         """POST, retrying vLLM's 503 (paused in abort/wait mode) with backoff until the client's timeout."""
