@@ -171,15 +171,31 @@ def data_url(image: Image) -> str:
     return f"data:{image.mime_type};base64,{base64.b64encode(image.data).decode('ascii')}"
 
 
-def images_not_served(samples: list[Any]) -> str | None:
-    """Why a run cannot use ``samples`` (``Sample``s) yet, or None: the rollouter does not send images to the
-    servers nor the queue carry them (issue 32), so image prompts would silently be trained as text."""
+def content_parts(images: list[Image]) -> list[dict[str, str]]:
+    """``images`` as vLLM's native route takes them (``content_parts``: data URLs, no network), in order."""
+    return [{"type": "image_url", "url": data_url(image)} for image in images]
+
+
+# Agent loops that send a sample's images with its prompt (the others would render `<image>` as text).
+IMAGE_AGENTS = ("single_turn",)
+
+
+def images_not_served(samples: list[Any], *, backend: str, route: str, agent: str) -> str | None:
+    """Why a run with rollout ``backend`` (vLLM's ``route``) and agent loop ``agent`` cannot train on
+    ``samples`` (``Sample``s), or None. Images reach vLLM's native route only: the embedded server and
+    SGLang's client take none, and /v1/completions has no image field, so image prompts would otherwise be
+    generated (and trained) as text."""
     with_images = [s.index for s in samples if s.images]
     if not with_images:
         return None
-    return (
-        f"{len(with_images)} of {len(samples)} prompts have images (the first: prompt {with_images[0]}), but "
-        "runs do not send images to the inference servers yet, so they would be trained as text prompts; "
-        "multi-modal data can be made and checked (`slipstream data make shapes`), not yet trained on "
-        '(docs/architecture.md, "Images")'
-    )
+    have = f"{len(with_images)} of {len(samples)} prompts have images (the first: prompt {with_images[0]})"
+    if backend != "vllm":
+        return (
+            f"{have}, but rollout.backend `{backend}` takes no images (the embedded server runs text models; "
+            "SGLang's client sends none): use rollout.backend=vllm with rollout.vllm.route=generate"
+        )
+    if route != "generate":
+        return f"{have}, but vLLM's /v1/completions takes no images: set rollout.vllm.route=generate"
+    if agent not in IMAGE_AGENTS:
+        return f"{have}, but agent loop `{agent}` sends no images (only {', '.join(IMAGE_AGENTS)} does)"
+    return None

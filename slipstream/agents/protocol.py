@@ -57,6 +57,9 @@ class GenerateOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     server: str = ""
     # How many times the request was interrupted by a weight update and resumed.
     num_resumes: int = 0
+    # A request with images: the prompt as the server expanded it (each image pad repeated once per image
+    # token), the prompt the trainer scores; empty when the server took the prompt as sent.
+    prompt_ids: list[int] = []
     # With ``SamplingParams.return_routed_experts``: a numpy array ``[prompt + output - 1, layers, k]`` of
     # the experts every token but the last was routed to (uint8; int16 with -1 for rows never forwarded),
     # vLLM's layout; None when the server returned none. In-process only (never encoded).
@@ -89,7 +92,10 @@ class InferenceClient(Protocol):
         """Generate a continuation of ``input_ids``.
 
         ``rid`` names the request (for abort); ``session_id`` keeps the turns of one trajectory on one
-        server so multi-turn episodes reuse its KV cache.
+        server so multi-turn episodes reuse its KV cache. Clients that serve vision-language models also
+        take ``images=[...]`` (``agents.multimodal.Image``, one per image pad of ``input_ids``, in order) and
+        answer the expanded prompt in ``GenerateOutput.prompt_ids``; a caller passes it only when it has
+        images, so text-only clients need not take it.
         """
         ...
 

@@ -34,7 +34,13 @@ class SingleTurnAgentLoop(AgentLoop):
             out.finish_reason = "length"
             return out
         params = request_params(sampling_params, budget, self.renderer.stop_ids)
-        result = await self.client.generate(prompt_ids, params, rid=uid or None, session_id=uid or None)
+        # images only where the prompt has some, so text-only clients need not take the keyword
+        media = {"images": sample.images} if sample.images else {}
+        result = await self.client.generate(
+            prompt_ids, params, rid=uid or None, session_id=uid or None, **media
+        )
+        if result.prompt_ids:  # the server expanded the image pads: the trainer scores that prompt
+            out.prompt_ids = list(result.prompt_ids)
         out.add_generated(result)
         out.num_turns = 1
         out.finish_reason = result.finish_reason

@@ -557,7 +557,8 @@ def check_data(cfg: Config) -> int:
     from slipstream.agents.multimodal import images_not_served
 
     for key, rows in (("data.train_files", samples), ("data.val_files", val)):
-        if problem := images_not_served(rows):
+        served = dict(backend=cfg.rollout.backend, route=cfg.rollout.vllm.route, agent=cfg.agent.name)
+        if problem := images_not_served(rows, **served):
             raise ConfigError(f"{key}: {problem}")
     from slipstream.agents.rewards import reward_name
 

@@ -32,6 +32,7 @@ import asyncio
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from slipstream.agents.protocol import GenerateOutput, SamplingParams
 from slipstream.rollouter.clients import ClientKind, client_for
@@ -139,6 +140,7 @@ class LoadBalancer:
         *,
         rid: str | None = None,
         session_id: str | None = None,
+        **media: Any,
     ) -> GenerateOutput:
         rid = rid or uuid.uuid4().hex
         max_attempts = self._max_attempts or 2 * max(1, len(self._clients)) + 1
@@ -147,7 +149,7 @@ class LoadBalancer:
             url = await self._acquire(session_id, exclude=tried)
             self._where[rid] = url
             try:
-                out = await self._generate_on(url, input_ids, sampling, rid, session_id)
+                out = await self._generate_on(url, input_ids, sampling, rid, session_id, media)
             except ServerUnavailable as err:
                 self.mark_dead(url)
                 tried.add(url)
@@ -176,8 +178,9 @@ class LoadBalancer:
             f"request {rid} failed on every attempt ({max_attempts}); servers tried: {tried}"
         )
 
-    async def _generate_on(self, url, input_ids, sampling, rid, session_id) -> GenerateOutput:
-        coro = self._clients[url].generate(input_ids, sampling, rid=rid, session_id=session_id)
+    async def _generate_on(self, url, input_ids, sampling, rid, session_id, media) -> GenerateOutput:
+        # media: a request's images (``images=``), passed on only when it has some
+        coro = self._clients[url].generate(input_ids, sampling, rid=rid, session_id=session_id, **media)
         if self.request_timeout_s is None:
             return await coro
         return await asyncio.wait_for(coro, self.request_timeout_s)

@@ -84,7 +84,10 @@ class PartialRolloutClient:
         *,
         rid: str | None = None,
         session_id: str | None = None,
+        **media: Any,
     ) -> GenerateOutput:
+        """``media``: the request's images (``images=``, see ``InferenceClient``), sent again with every
+        resumed piece: the re-submitted prompt still holds one pad per image, which the server expands."""
         rid = rid or uuid.uuid4().hex
         if rid in self._active:
             raise ValueError(f"request id `{rid}` is already in flight")
@@ -95,13 +98,13 @@ class PartialRolloutClient:
             self.queued -= 1
         self._enter(rid)
         try:
-            return await self._generate_resuming(input_ids, sampling, rid, session_id)
+            return await self._generate_resuming(input_ids, sampling, rid, session_id, media)
         finally:
             self._leave(rid)
             self._slots.release()
 
     async def _generate_resuming(
-        self, input_ids: list[int], sampling: SamplingParams, rid: str, session_id: str | None
+        self, input_ids: list[int], sampling: SamplingParams, rid: str, session_id: str | None, media: dict
     ) -> GenerateOutput:
         out = GenerateOutput(output_ids=[], logprobs=[], versions=[], finish_reason="abort", rid=rid)
         backoff = RESUME_BACKOFF_S
@@ -115,7 +118,10 @@ class PartialRolloutClient:
                 msgspec.structs.replace(sampling, max_new_tokens=remaining),
                 rid=server_rid,
                 session_id=session_id,
+                **media,
             )
+            if piece.prompt_ids:  # images expanded: the prompt is the piece's prompt before the output
+                out.prompt_ids = piece.prompt_ids[: len(piece.prompt_ids) - len(out.output_ids)]
             _append(out, piece)
             self.generated_tokens += len(piece.output_ids)
             if piece.finish_reason != "abort" or self.stopping or rid in self._cancelled:

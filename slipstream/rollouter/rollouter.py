@@ -429,7 +429,9 @@ class Rollouter:
             # dropped often enough: the trainer takes it whatever its staleness
             keep_stale=cfg.stale_policy == "drop" and work.attempt >= cfg.max_stale_drops,
         )
-        return TrajectoryGroup.from_trajectories(trajectories, provenance)
+        # the prompt's images go once per group: every trajectory's prompt holds their pads
+        images = [image.data for image in sample.images]
+        return TrajectoryGroup.from_trajectories(trajectories, provenance, images=images)
 
     async def _score(self, sample: Sample, out: AgentLoopOutput) -> RewardResult:
         if out.reward is not None:  # the episode scored itself (the external loop: the harness's reward)

@@ -195,9 +195,21 @@ def test_data_url_carries_the_stored_bytes():
     assert head == "data:image/png;base64" and base64.b64decode(body) == data
 
 
-def test_runs_refuse_image_data_until_images_are_served(tmp_path):
+def test_image_data_runs_on_vllms_native_route_only(tmp_path):
+    """Images reach vLLM's native route with the single_turn loop; any other server, route or loop would
+    generate image prompts as text, and the data check refuses it naming the key to change."""
     out = tmp_path / "shapes.parquet"
     write_rows(make_rows("shapes", 4, seed=0), out)
-    cfg = load_config(overrides=[f"data.train_files=[{out}]", "trainer.batch_groups=1"])
-    with pytest.raises(ConfigError, match=r"data.train_files: 4 of 4 prompts have images .* trained as text"):
-        check_data(cfg)
+    base = [f"data.train_files=[{out}]", "trainer.batch_groups=1"]
+    refused = {
+        "rollout.backend=embedded": "rollout.backend `embedded` takes no images",
+        "rollout.backend=sglang": "rollout.backend `sglang` takes no images",
+        "rollout.vllm.route=completions": "vLLM's /v1/completions takes no images",
+        "agent.name=tool": "agent loop `tool` sends no images",
+    }
+    for override, reason in refused.items():
+        vllm = [] if "backend" in override else ["rollout.backend=vllm", "rollout.vllm.route=generate"]
+        cfg = load_config(overrides=[*base, *vllm, override])
+        with pytest.raises(ConfigError, match=rf"data.train_files: 4 of 4 prompts have images .*{reason}"):
+            check_data(cfg)
+    check_data(load_config(overrides=[*base, "rollout.backend=vllm", "rollout.vllm.route=generate"]))

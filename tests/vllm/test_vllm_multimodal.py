@@ -185,3 +185,43 @@ def test_trainer_logprobs_of_image_prompts_equal_vllms(vlm):
     scored = batch["loss_mask"].bool()
     err = (got[scored] - torch.tensor(served)[scored]).abs().max().item()
     assert err <= 1e-4, err
+
+
+def test_the_rollout_sends_images_and_a_resumed_request_keeps_them(vlm):
+    """The rollouter's client stack (partial-rollout wrapper over VLLMClient on the native route) sends a
+    prompt's images with its one pad per image and returns the prompt as the server expanded it; a request
+    aborted mid-way is re-submitted with its images (prompt + partial output, the pads expanded again), and
+    its greedy tokens are those of the uninterrupted request."""
+
+    from slipstream.agents.protocol import SamplingParams
+    from slipstream.rollouter.partial import PartialRolloutClient
+    from slipstream.serverkinds.vllm import VLLMClient
+    from tests.vllm.conftest import generated, run, start_long, until, wait_for_tokens
+
+    url, tok = vlm
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    ids = prompt_ids(tok, "<image> then <image>: which is red?")
+    images = [picture(100, 80, "red"), picture(56, 56, "blue")]
+    greedy = SamplingParams(max_new_tokens=4000, temperature=0.0, ignore_eos=True)
+
+    async def go():
+        c = VLLMClient(url, api="generate", timeout_s=300)
+        partial = PartialRolloutClient(c, max_in_flight=4)
+        try:
+            task = await start_long(url, lambda: partial.generate(ids, greedy, rid="img", images=images))
+            await c.abort("img")  # the server ends the piece; the wrapper resumes it
+            await until(lambda: partial.resumes >= 1)
+            await wait_for_tokens(url, generated(url) + 8)
+            await partial.abort("img")
+            resumed = await task
+            n = len(resumed.output_ids)
+            plain = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+            whole = await partial.generate(ids, plain, rid="img-whole", images=images)
+            return resumed, whole
+        finally:
+            await c.aclose()
+
+    resumed, whole = run(go())
+    assert resumed.num_resumes >= 1
+    assert resumed.prompt_ids == whole.prompt_ids == expanded(ids, pad, [12, 4])
+    assert resumed.output_ids == whole.output_ids
