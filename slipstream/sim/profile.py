@@ -25,6 +25,9 @@ or by hand from published figures. Every field, with its unit::
       model_bytes: 270000000      # bytes one push sends
     step_overhead_s: 0.1          # the controller's own per-step time (metrics, bookkeeping)
     filtered_fraction: 0.0        # share of groups dynamic sampling drops (all samples scored the same)
+    model:                        # optional: the model the rates are of (scale_to_model scales from it)
+      params: 7.6e9               # total parameters (held and pushed)
+      active_params: 0            # parameters a token runs through: an MoE's routed share; 0 = all (dense)
 
 :func:`load_profile` validates a file and names the offending field (``profile field decode.tokens_per_s:
 ...``); :func:`profile_from_run` fits one to a run directory; :func:`save_profile` writes one back.

@@ -81,7 +81,7 @@ from slipstream.config import Config, ConfigError, load_config, rollouter_settin
 from slipstream.pipeline.modes import prepare_config
 from slipstream.rollouter.balancer import LoadBalancer
 from slipstream.rollouter.gate import StalenessGate
-from slipstream.sim.types import Profile, ProfileError, load_profile
+from slipstream.sim.types import Profile, ProfileError, load_profile, scale_to_model
 
 _EPS = 1e-9
 
@@ -642,13 +642,25 @@ def main(argv: list[str]) -> int:
     # Hand-written: the config comes as CONFIG key=value; the profile and step count are the simulation's own.
     p.add_argument("--profile", required=True, help="profile YAML (slipstream profile RUN_DIR -o ...)")
     p.add_argument("--steps", type=int, help="trainer steps (default: run.total_steps, else 20)")
+    p.add_argument(
+        "--scale-to-model",
+        action="store_true",
+        help="carry the profile's rates over to the config's model.path (its config.json or a known shape, as "
+        "`plan memory` reads it): per-token rates by active parameters (an MoE's routed share), push bytes "
+        "by total parameters; the profile must name its model (model: {params, active_params})",
+    )
     add_seed_flag(p)
     add_json_flag(p, JSON_OBJECT)
     args = p.parse_args(argv)
     try:
         cfg = sim_config(args.config, args.overrides)
         prof = load_profile(args.profile)
-    except (ConfigError, ProfileError) as err:
+        if args.scale_to_model:
+            from slipstream.planning.memory import model_shape
+
+            shape = model_shape(cfg.model.path)
+            prof = scale_to_model(prof, shape.params, shape.active_params if shape.experts else 0)
+    except (ConfigError, ProfileError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     res = simulate(cfg, prof, steps=args.steps, seed=args.seed)

@@ -65,6 +65,19 @@ class PushCost(_Struct):
         return self.fixed_s + self.s_per_byte * self.model_bytes
 
 
+class ModelSize(_Struct):
+    """The model a profile's rates were measured on. A mixture-of-experts model computes each token through
+    its ``active_params`` (the experts it is routed to, not all of them) but holds and pushes all its
+    ``params``; 0 (a dense model) means all of them."""
+
+    params: Pos
+    active_params: NonNeg = 0.0
+
+    @property
+    def per_token(self) -> float:
+        return self.active_params or self.params
+
+
 class Profile(_Struct):
     decode: DecodeCurve
     prefill_tokens_per_s: Pos
@@ -78,6 +91,8 @@ class Profile(_Struct):
     # the filter on; a profile made from a run takes its rollouter/filter_ratio.
     filtered_fraction: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
     source: str = ""
+    # The model the rates are of (optional): what scale_to_model scales from.
+    model: ModelSize | None = None
 
 
 def check_profile(prof: Profile) -> Profile:
@@ -92,7 +107,46 @@ def check_profile(prof: Profile) -> Profile:
         raise ProfileError(f"profile field decode.concurrency: must increase, got {d.concurrency}")
     if prof.lengths.drift_per_step <= -1:
         raise ProfileError("profile field lengths.drift_per_step: must be above -1")
+    if prof.model is not None and prof.model.active_params > prof.model.params:
+        raise ProfileError(
+            f"profile field model.active_params: {prof.model.active_params:g} is more than model.params "
+            f"({prof.model.params:g})"
+        )
     return prof
+
+
+def scale_to_model(prof: Profile, params: float, active_params: float = 0.0) -> Profile:
+    """``prof``, measured on ``prof.model``, carried over to a model of ``params`` parameters of which a
+    token runs through ``active_params`` (0: all; a mixture-of-experts model's is its routed share).
+
+    Per-token work scales with the active parameters: decode and prefill tokens/s and the trainer's tokens/s
+    per rank divide by their ratio; a push moves every parameter, so its bytes scale with the total. A first
+    estimate on the same hardware and parallel layout: MoE kernels reach a lower share of the GPU's peak than
+    dense ones (expert weights read per token batch, all-to-all), so the rates it gives are an upper bound.
+
+    Worked example: the verl Qwen2.5-Math-7B profile carried to Qwen3-30B-A3B (30.5B, 3.35B active) trains
+    and decodes 2.3x the tokens per second and pushes 4x the bytes."""
+    if prof.model is None:
+        raise ProfileError(
+            "profile field model: the profile does not say which model its rates were measured on "
+            "(model: {params: ..., active_params: ...}), so it cannot be scaled to another"
+        )
+    target = ModelSize(params=params, active_params=active_params)
+    speed = prof.model.per_token / target.per_token
+    decode = DecodeCurve(prof.decode.concurrency, [v * speed for v in prof.decode.tokens_per_s])
+    return msgspec.structs.replace(
+        prof,
+        decode=decode,
+        prefill_tokens_per_s=prof.prefill_tokens_per_s * speed,
+        trainer=msgspec.structs.replace(
+            prof.trainer, tokens_per_s_per_rank=prof.trainer.tokens_per_s_per_rank * speed
+        ),
+        push=msgspec.structs.replace(
+            prof.push, model_bytes=prof.push.model_bytes * params / prof.model.params
+        ),
+        model=target,
+        source=f"{prof.source} (scaled to {params / 1e9:.2f}B parameters, {target.per_token / 1e9:.2f}B per token)",
+    )
 
 
 def parse_profile(data: Any) -> Profile:
@@ -130,6 +184,7 @@ def save_profile(prof: Profile, path: str | Path) -> None:
 __all__ = [
     "DecodeCurve",
     "Lengths",
+    "ModelSize",
     "Profile",
     "ProfileError",
     "PushCost",
@@ -138,4 +193,5 @@ __all__ = [
     "load_profile",
     "parse_profile",
     "save_profile",
+    "scale_to_model",
 ]
