@@ -198,13 +198,15 @@ class _WaitForServers:
         self.balancer = balancer
         self.patience_s = patience_s
 
-    async def generate(self, input_ids, sampling, *, rid=None, session_id=None):
+    async def generate(self, input_ids, sampling, *, rid=None, session_id=None, **media):
         from slipstream.rollouter.balancer import NoServerAvailable
 
         deadline = None
         while True:
             try:
-                return await self.balancer.generate(input_ids, sampling, rid=rid, session_id=session_id)
+                return await self.balancer.generate(
+                    input_ids, sampling, rid=rid, session_id=session_id, **media
+                )
             except NoServerAvailable:
                 deadline = deadline or time.monotonic() + self.patience_s
                 if time.monotonic() >= deadline:
