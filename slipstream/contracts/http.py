@@ -39,7 +39,6 @@ from slipstream.contracts.ours import HttpCall
 from slipstream.contracts.problems import Problem
 from slipstream.contracts.upstream import ClassInfo, FieldInfo, Route, SourceTree
 from slipstream.contracts.values import check_object, check_value
-from slipstream.serverapi.vllm import SWITCH_UPDATE
 
 # (server kind, path, body key, engine) -> (class name, file to resolve it from): dicts parsed by upstream
 # later; engine "" for any call, else only calls recorded for that vLLM weight-transfer engine.
@@ -72,12 +71,6 @@ PLUGIN_NESTED: dict[tuple[str, str, str, str], tuple[str, str, str]] = {
         "parse_update_info",
     ),
 }
-# Bodies our plug-in's ``update_weights`` acts on itself, before ``parse_update_info``: the switch to a version
-# it staged (``serverapi.vllm.SWITCH_UPDATE``; ``SlipstreamWeightEngine.update_weights`` reads its key first).
-PLUGIN_OWN_BODIES: dict[tuple[str, str, str, str], list[dict]] = {
-    ("vllm", "/update_weights", "update_info", "slipstream"): [SWITCH_UPDATE],
-}
-
 # (server kind, path) -> (file, class, classmethod): upstream's own schema check, run on our body.
 VALIDATORS: dict[tuple[str, str], tuple[str, str, str]] = {
     ("sglang", "/generate"): ("sglang/api/v1/api_types.py", "GenerateRequest", "from_json_value"),
@@ -320,8 +313,7 @@ def _nested(tree: SourceTree, kind: str, call: HttpCall, where: str) -> list[Pro
             out.append(Problem(where, key, str(err), rel, call.origin))
             continue
         values = call.body[key] if isinstance(call.body[key], list) else [call.body[key]]
-        own = PLUGIN_OWN_BODIES.get((k, path, key, engine), [])
-        for v in (v for v in values if v not in own):
+        for v in values:
             where_ours = f"{where} (engine {engine}: our plug-in parses it)"
             out += [
                 Problem(where_ours, f, m, _module_file(cls), call.origin)

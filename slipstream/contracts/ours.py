@@ -276,13 +276,17 @@ async def _record_adapters(rec: _Recorder, errors: list[str]) -> None:
                 on = f", engine={engine}" if engine else ""
                 label = f"{cls.__name__}(backend={backend}, pause_mode={pause_mode}{on})"
                 rec.engine = engine
-                steps = [
+                opening = [
                     ("data_plane", adapter.data_plane),  # vLLM: reads the engine from /server_info
                     ("ranks", adapter.ranks),
                     ("init_group", lambda a=adapter: a.init_group(spec)),
                     ("before", lambda a=adapter: a.before(3)),
                 ]
-                steps += [(f"update(bucket {m.index})", lambda a=adapter, m=m: a.update(m)) for m in metas]
+                for name, step in opening:
+                    await rec.run(kind, f"{label}.{name}", step, errors)
+                steps = []
+                if not adapter.in_band:  # an in-band member reads the buckets' metadata from the group
+                    steps += [(f"update(bucket {m.index})", lambda a=adapter, m=m: a.update(m)) for m in metas]
                 steps += [
                     ("after", lambda a=adapter: a.after(3)),
                     ("recover", lambda a=adapter: a.recover(3)),

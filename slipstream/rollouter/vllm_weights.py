@@ -6,22 +6,23 @@ and lets packages add engines (``WeightTransferEngineFactory.register_engine``);
 The trainer then drives vLLM with its usual dev-mode sequence, and each call lands here, in the worker:
 
   ``/init_weight_transfer_engine {init_info}``  → join the trainer's group (gloo on CPU, NCCL on GPU)
-  ``/start_weight_update``                      → start staging a version
-  ``/update_weights {update_info}``             → queue one bucket (our exact layout) for staging and
-                                                  return: it is received while vLLM keeps generating
-  ``/update_weights {"slipstream_switch": true}`` → (sent with generation paused) wait for the staged
+  ``/start_weight_update``                      → start receiving a version in band, and return: its
+                                                  buckets arrive while vLLM keeps generating
+  ``/update_weights {"slipstream_switch": true}`` → (sent with generation paused) wait for the last
                                                   buckets and apply the whole version at once
-  ``/finish_weight_update {weight_version}``    → vLLM publishes the version (a version not yet whole
-                                                  is discarded here, and no version is published)
+  ``/finish_weight_update {weight_version}``    → vLLM publishes the version (one that was not switched
+                                                  to is discarded here, and no version is published)
 
-Why staging runs beside generation: vLLM calls the engine from its engine loop, between two model steps,
-and no step runs until the call returns. Receiving a bucket inside the call would stop every running
-request for the whole transfer (27-32 s for the quickstart's fp32 model on a 2-core machine, measured
-before this engine staged in the background). Here each ``update_weights`` call hands its bucket to one
-staging thread (in order: one torch.distributed group, one receive at a time) and returns at once; the
-buckets then arrive while the engine decodes, and generation stops only for the switch (``docs/benchmarks.md``,
-"Pushes into vLLM"). A bucket that failed fails the next call that reaches the engine (a later bucket or the
-switch), which is where vLLM closes its update session.
+Why the buckets arrive beside generation, in band: vLLM calls the engine from its engine loop, between two
+model steps, and no step runs until the call returns. Receiving a bucket inside a call would stop every
+running request for the whole transfer (27-32 s for the quickstart's fp32 model on a 2-core machine,
+measured before this engine staged in the background), and even a call per bucket that only queues it costs
+one model step's wait each before vLLM picks it up (0.04-2.4 s a call on a busy CPU server). So
+``start_weight_update`` starts one receive of the whole version on the engine's own thread, over the group:
+each bucket's metadata travels beside its bytes (torch_dist's store channel, ``weightsync/torch_dist.py``),
+the trainer sends without waiting for any call, and generation stops only for the switch
+(``docs/benchmarks.md``, "Pushes into vLLM"). A version that fails part way (the trainer aborts it, a bucket
+fails verification, the group breaks) fails the switch, where vLLM closes its update session.
 
 The receiving logic is the embedded server's (:class:`~slipstream.weightsync.http_receiver.WeightReceiver`):
 one implementation of staging, checks and atomic apply for every server kind. Why not vLLM's ``nccl``
@@ -32,8 +33,9 @@ part way is discarded and the old one keeps serving (vLLM's worker also closes i
 The version is applied by an ``/update_weights`` call (the switch), rather than in ``/finish_weight_update``:
 when an update call raises, vLLM's worker closes its update session, but when ``finish_weight_update`` raises
 the session stays open and every later ``/start_weight_update`` is refused. An apply that fails therefore
-fails its ``/update_weights`` call, and a failed version never blocks the next. (A sender that never switches
-gets its whole staged version applied by ``finish_weight_update``.)
+fails its ``/update_weights`` call, and a failed version never blocks the next. A version never switched to
+(the trainer gave up on it) is discarded by ``finish_weight_update``, which then returns normally: vLLM
+closes the session and, since the trainer names no version then, publishes none.
 
 The engine runs the receiver on an event loop of its own (a daemon thread): vLLM calls the engine
 synchronously from its worker, while the receiver's waits and watchdog are asyncio.
@@ -42,9 +44,7 @@ Worked example (what ``serverkinds/vllm.py``'s ``VLLMAdapter`` sends when the se
 
     POST /init_weight_transfer_engine {"init_info": {"master_address": "127.0.0.1", "master_port": 29600,
          "rank_offset": 1, "world_size": 2, "group_name": "slipstream_weights", "backend": "gloo"}}
-    POST /start_weight_update
-    POST /update_weights {"update_info": {"names": [...], "dtypes": [...], "shapes": [...],
-         "group_name": "slipstream_weights", "slipstream_bucket": {...}}}        # x buckets, generating
+    POST /start_weight_update                                  # then the buckets, in band, generating
     POST /pause?mode=...
     POST /update_weights {"update_info": {"slipstream_switch": true}}
     POST /finish_weight_update {"weight_version": "3"}
@@ -79,9 +79,6 @@ from slipstream.utils.logging import get_logger
 log = get_logger(__name__)
 
 ENGINE_NAME = "slipstream"
-# The ``update_info`` key of the switch call (serverapi.vllm.SWITCH_UPDATE): wait for the staged buckets, then
-# apply the version whole.
-SWITCH_KEY = next(iter(SWITCH_UPDATE))
 T = TypeVar("T")
 
 
@@ -154,10 +151,10 @@ class VLLMTarget:
     version carries the merged projections it adapts, not k_proj beside q_proj and v_proj) is completed
     with the tensors the model holds now: the last value this target applied for each name, else the
     checkpoint's. The target therefore keeps a host copy of what it applied (the model's size, in host
-    memory, once the first version arrived). That copy is taken by :meth:`hold`, which the engine runs on its
-    staging thread after the switch, while the server generates again, not inside the pause: the version's
-    tensors are views of the staging buffer, which the next version's buckets overwrite only after it (the
-    same thread stages them, in order).
+    memory, once the first version arrived). That copy is taken by :meth:`hold`, which the engine runs on a
+    thread of its own after the switch, while the server generates again, not inside the pause: the version's
+    tensors are views of the staging memory, which the next version's buckets overwrite only after it (the
+    next ``start_weight_update`` waits for the copy).
     """
 
     model: torch.nn.Module
@@ -274,10 +271,9 @@ class SlipstreamWeightEngine(_Base):  # type: ignore[misc, valid-type]
         # LoRA adapter-only one) and lacks one is refused, never completed from an older version.
         self.receiver = WeightReceiver(self.target, WeightSyncConfig(require_all_weights=True))
         self._loop = _Loop()
-        # One thread stages the buckets, in the order vLLM hands them over (module docstring).
-        self._stager = ThreadPoolExecutor(1, thread_name_prefix="slipstream-stage")
-        self._staging: list[Future[None]] = []
-        self._holding: Future[None] | None = None  # the last version's host copy (VLLMTarget.hold)
+        # The last version's host copy (VLLMTarget.hold), taken on this thread while the server generates.
+        self._holder = ThreadPoolExecutor(1, thread_name_prefix="slipstream-hold")
+        self._holding: Future[None] | None = None
 
     def parse_init_info(self, init_dict: dict[str, Any]):
         from slipstream.weightsync.types import InitWeightsUpdateGroupReq
@@ -285,9 +281,15 @@ class SlipstreamWeightEngine(_Base):  # type: ignore[misc, valid-type]
         return _convert(init_dict, InitWeightsUpdateGroupReq, "init_info")
 
     def parse_update_info(self, update_dict: dict[str, Any]):
-        from slipstream.weightsync.types import UpdateWeightsFromDistributedReq
+        from slipstream.weightsync.types import SwitchUpdateReq
 
-        return _convert(update_dict, UpdateWeightsFromDistributedReq, "update_info")
+        info = _convert(update_dict, SwitchUpdateReq, "update_info")
+        if not info.slipstream_switch:
+            raise ValueError(
+                "the slipstream weight-transfer engine receives buckets in band after /start_weight_update; "
+                f"its only /update_weights body is {SWITCH_UPDATE}"
+            )
+        return info
 
     def init_transfer_engine(self, init_info) -> None:
         # Every worker of the server joins: its rank is the server's first rank plus its own index across
@@ -298,89 +300,51 @@ class SlipstreamWeightEngine(_Base):  # type: ignore[misc, valid-type]
         _raise_failed(self._loop.run(self.receiver.init_group(req)))
 
     def start_weight_update(self) -> None:
+        """Start receiving the next version in band over the group, and return (module docstring)."""
+        from slipstream.weightsync.http_receiver import GROUP_STREAM
         from slipstream.weightsync.types import BeginWeightUpdateReq
 
-        self._raise_failed_hold()
-        started = time.perf_counter()
-        _raise_failed(self._loop.run(self.receiver.begin(BeginWeightUpdateReq())))
-        log.debug("begin took %.3f s", time.perf_counter() - started)
+        self._wait_held()  # its tensors are views of the staging memory this version overwrites
+        _raise_failed(self._loop.run(self.receiver.begin(BeginWeightUpdateReq(stream=GROUP_STREAM))))
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # No device synchronise afterwards (the base class's): the receiver waits for each bucket itself.
-        if update_info.get(SWITCH_KEY):
-            self.switch()
-            return
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info) -> None:
-        """Queue one bucket for the staging thread and return (module docstring); an earlier bucket's
-        failure is raised here instead."""
-        self._raise_failed_staging()
-        self._staging.append(self._stager.submit(self._stage, update_info))
+        """The switch (the only update body this engine takes)."""
+        self.switch()
 
     def switch(self) -> None:
-        """Wait until every queued bucket is staged, then apply the version whole (the server is paused)."""
-        started = time.perf_counter()
-        self._wait_staged()
-        staged = time.perf_counter()
-        self._apply()
-        log.info(
-            "switched to the staged version: %.3f s waiting for its last buckets, %.3f s applying it",
-            staged - started,
-            time.perf_counter() - staged,
-        )
-
-    def finish_weight_update(self) -> None:
-        """Nothing left to do after a switched version or a version of which nothing arrived; a version
-        whole but not switched is applied here; one partly staged is discarded and this raises (vLLM then
-        publishes no version; its worker keeps the session open, which the adapter's next ``before``
-        closes)."""
-        self._wait_staged()  # a bucket that failed raises here: no version is published
-        session = self.receiver.session
-        if session is None:
-            return
-        if session.staging is None:  # begun, nothing received (the push failed before its first bucket)
-            self.receiver.session = None
-            return
-        self._apply()
-
-    def _stage(self, update_info) -> None:
-        _raise_failed(self._loop.run(self.receiver.update(update_info)))
-
-    def _raise_failed_staging(self) -> None:
-        done = [f for f in self._staging if f.done()]
-        self._staging = [f for f in self._staging if not f.done()]
-        for future in done:
-            future.result()  # raises a bucket's failure
-
-    def _wait_staged(self) -> None:
-        pending, self._staging = self._staging, []
-        errors = [f.exception() for f in pending]  # waits for each, in order
-        first = next((e for e in errors if e is not None), None)
-        if first is not None:
-            raise first
-
-    def _apply(self) -> None:
+        """Wait until the version's last bucket is staged, then apply it whole (the server is paused)."""
         from slipstream.weightsync.types import EndWeightUpdateReq
 
+        started = time.perf_counter()
         _raise_failed(self._loop.run(self.receiver.end(EndWeightUpdateReq())))
-        # The host copy, after the pause (VLLMTarget.hold): queued before any later bucket, waited for by none
-        # of this version's calls.
-        self._holding = self._stager.submit(self.target.hold)
+        # The host copy, after the pause (VLLMTarget.hold): waited for by the next version's start only.
+        self._holding = self._holder.submit(self.target.hold)
+        log.info("switched to the staged version in %.3f s", time.perf_counter() - started)
 
-    def _raise_failed_hold(self) -> None:
-        holding = self._holding
-        if holding is not None and holding.done():
-            self._holding = None
+    def finish_weight_update(self) -> None:
+        """Nothing left to do after a switch; a version never switched to is discarded (module docstring)."""
+        self._discard("the sender finished the update without switching to it")
+
+    def _wait_held(self) -> None:
+        holding, self._holding = self._holding, None
+        if holding is not None:
             holding.result()  # raises the copy's failure (the next version then cannot rely on it)
 
     def shutdown(self) -> None:
-        """The trainer left (vLLM keeps this engine for the next ``init_transfer_engine``, so the staging
-        thread stays)."""
+        """The trainer left (vLLM keeps this engine for the next ``init_transfer_engine``): leave its groups,
+        which also ends a receive in progress."""
+        self._discard("the trainer left")
         self.receiver.close()
-        for future in self._staging:
-            future.cancel()
-        self._staging = []
+
+    def _discard(self, reason: str) -> None:
+        async def on_loop() -> None:  # the receiver's session and its receive task belong to that loop
+            self.receiver.discard(reason)
+
+        self._loop.run(on_loop())
 
 
 def _convert(data: dict[str, Any], cls: type, what: str):

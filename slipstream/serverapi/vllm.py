@@ -20,9 +20,10 @@
   ours maps to ``abort`` (the rollouter re-submits the partial output, which has the same effect).
 * A version: pause → ``/start_weight_update`` → N × ``/update_weights {update_info}`` (after
   ``/init_weight_transfer_engine`` joined the NCCL group; ``/get_world_size`` counts its ranks) →
-  ``/finish_weight_update {weight_version}`` → resume. With our ``slipstream`` engine the buckets stage
-  while vLLM generates, and the pause moves to the end: ``/start_weight_update`` → N × ``/update_weights``
-  → pause → ``/update_weights {SWITCH_UPDATE}`` → ``/finish_weight_update`` → resume.
+  ``/finish_weight_update {weight_version}`` → resume. With our ``slipstream`` engine the buckets travel in
+  band (no call each) and stage while vLLM generates, and the pause moves to the end:
+  ``/start_weight_update`` → the buckets → pause → ``/update_weights {SWITCH_UPDATE}`` →
+  ``/finish_weight_update`` → resume.
 """
 
 from __future__ import annotations

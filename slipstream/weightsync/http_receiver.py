@@ -95,6 +95,9 @@ from slipstream.weightsync.types import (
 log = get_logger(__name__)
 
 STREAMS = ("ipc", "nixl")  # transports whose versions arrive in band (``/begin_weight_update {stream}``)
+# A joined torch_dist group can carry a whole version in band too (its buckets' metadata in the group's store):
+# one begin call per version instead of one update call per bucket (vLLM's engine, ``rollouter/vllm_weights.py``).
+GROUP_STREAM = "torch_dist"
 
 
 class RequestError(ValueError):
@@ -202,13 +205,7 @@ class WeightReceiver:
         self.session = session
         self._watch(session)
         if req.stream is not None:
-            if req.stream not in STREAMS:
-                raise RequestError(f"unknown stream `{req.stream}` (expected {', '.join(STREAMS)} or none)")
-            end = self.streams.get(req.stream)
-            if end is None:
-                raise RequestError(
-                    f"stream `{req.stream}` needs /weightsync/{req.stream}/prepare and /connect first"
-                )
+            end = self._stream_end(req)
             end.min_version = self.target.weight_version  # refused at its first bucket
             session.stream_task = asyncio.create_task(self._receive_stream(session, end))
             session.stream_task.add_done_callback(lambda task: _stream_failed(self, session, task))
@@ -359,10 +356,42 @@ class WeightReceiver:
         await asyncio.to_thread(end.connect, info)
         return WeightUpdateResp(success=True, message=f"connected to the {name} sender")
 
+    def _stream_end(self, req: BeginWeightUpdateReq) -> Transport:
+        """The receiving end a version streams in on: a prepared ``ipc``/``nixl`` end, or a joined torch_dist
+        group (``group_name``, or the one group this server is in) whose buckets carry their own metadata."""
+        if req.stream == GROUP_STREAM:
+            name = req.group_name
+            if name is None and len(self.groups) == 1:
+                name = next(iter(self.groups))
+            group = self.groups.get(name) if name is not None else None
+            if group is None:
+                joined = ", ".join(sorted(self.groups)) or "none"
+                raise RequestError(f"stream `{GROUP_STREAM}` needs a joined group `{name}` (joined: {joined})")
+            return group
+        if req.stream not in STREAMS:
+            raise RequestError(
+                f"unknown stream `{req.stream}` (expected {', '.join((*STREAMS, GROUP_STREAM))} or none)"
+            )
+        end = self.streams.get(req.stream)
+        if end is None:
+            raise RequestError(f"stream `{req.stream}` needs /weightsync/{req.stream}/prepare and /connect first")
+        return end
+
+    def discard(self, reason: str) -> None:
+        """Drop the version being staged, if any (the old one keeps serving); its in-band receive is cancelled."""
+        session = self.session
+        if session is None:
+            return
+        if session.stream_task is not None and not session.stream_task.done():
+            session.stream_task.cancel()
+        self._fail(session, reason)
+        self._end(session)
+
     async def _receive_stream(self, session: _Session, end: Transport) -> None:
         start = time.perf_counter()
         stream = end.receive_weights()
         staged = await stream.collect()
+        end.check_version(stream.version)  # ends that cannot refuse at the first bucket (torch_dist) refuse here
         if session.version is not None and stream.version != session.version:
             raise TransferError(f"received version {stream.version}, expected {session.version}")
         session.version = stream.version

@@ -7,7 +7,9 @@ what this module adds is the servers' half of the rendezvous, made through their
 * a *group* (``torch_dist``, ``nccl_uid``): each server joins through its adapter's ``init_group``
   (SGLang's ``/init_weights_update_group``, vLLM's ``/init_weight_transfer_engine``) while rank 0 joins
   here, concurrently, since both block until everyone has arrived. Every bucket's metadata is announced
-  out of band by the adapters' blocking ``update`` calls, in the server's own bucket layout;
+  out of band by the adapters' blocking ``update`` calls, in the server's own bucket layout, or, for
+  servers that read it from the group (``ServerAdapter.in_band``: vLLM's ``slipstream`` engine), sent in
+  band beside the bytes, without a call per bucket;
 * a *stream* (``ipc``, ``nixl``; our embedded server): each server prepares its receiving end
   (``POST /weightsync/<name>/prepare``, its :class:`Rendezvous`) and connects to ours (``/connect``); the
   whole version then travels in band (``/begin_weight_update {stream: <name>}``), without per-bucket calls.
@@ -145,11 +147,13 @@ class ServerLink:
         ``info``: the send-less fields of its buckets (``send_less.py``)."""
         if self.streamed:
             return await self.transport.send_weights(named_tensors, version, info=info)
+        layout = adapters[0].layout()  # None: one tensor per bucket (``naive``)
+        if all(a.in_band for a in adapters):  # group members that read the metadata beside the bytes
+            return await self.transport.send_weights(named_tensors, version, layout=layout, info=info)
 
         async def announce(meta: BucketMeta) -> None:
             await _all(adapters, lambda a: a.update(meta))
 
-        layout = adapters[0].layout()  # None: one tensor per bucket (``naive``)
         return await self.transport.send_weights(
             named_tensors, version, layout=layout, announce=announce, info=info
         )

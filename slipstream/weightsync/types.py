@@ -216,8 +216,17 @@ class BeginWeightUpdateReq(msgspec.Struct, kw_only=True):
     selector: str = "all"
     # Extension: the version about to arrive (SGLang learns it from the update calls).
     weight_version: str | int | None = None
-    # Extension: "nixl" receives the whole version in-band from a connected NIXL sender (stream mode).
+    # Extension: the whole version arrives in band: from a connected ``ipc``/``nixl`` sender (stream mode), or
+    # over a joined ``torch_dist`` group (``group_name``; the server's only group when omitted).
     stream: str | None = None
+    group_name: str | None = None
+
+
+class SwitchUpdateReq(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The ``update_info`` vLLM's ``slipstream`` engine takes (``rollouter/vllm_weights.py``): switch to the
+    version received in band since ``/start_weight_update`` (``serverapi.vllm.SWITCH_UPDATE``)."""
+
+    slipstream_switch: bool
 
 
 class UpdateWeightsFromDistributedReq(msgspec.Struct, kw_only=True):

@@ -636,8 +636,7 @@ def test_slipstream_engine_bodies_are_checked_against_our_plugins_structs(fake_t
         "world_size": 2,
         "rank_ofset": 1,
     }
-    bucket = {"version": 1, "index": 0, "nbytes": 8, "entries": [["w", "float32", [2], 0, 8]], "lastt": True}
-    update = {"names": ["w"], "dtypes": ["float32"], "shapes": [[2]], "slipstream_bucket": bucket}
+    update = {"slipstream_switch": True, "slipstream_bucket": {}}
     calls = [
         HttpCall("vllm", "POST", "/init_weight_transfer_engine", {}, {"init_info": init}, "t", engine="slipstream"),
         HttpCall("vllm", "POST", "/update_weights", {}, {"update_info": update}, "t", engine="slipstream"),
@@ -651,7 +650,7 @@ def test_slipstream_engine_bodies_are_checked_against_our_plugins_structs(fake_t
     p = _only(problems, "init_info.rank_ofset")
     assert p.upstream == "slipstream/weightsync/types.py" and "InitWeightsUpdateGroupReq" in p.message
     assert "engine slipstream" in p.where
-    assert "BucketMeta" in _only(problems, "update_info.slipstream_bucket.lastt").message
+    assert "SwitchUpdateReq" in _only(problems, "update_info.slipstream_bucket").message
     rejected = [p for p in problems if p.origin == "t2"]
     assert rejected and "master_port" in rejected[0].message and "rejects" in rejected[0].message
     assert not any("nccl_common" in p.upstream for p in problems)  # the NCCL class is not consulted
@@ -664,9 +663,8 @@ def test_engine_bodies_for_an_engine_no_class_parses_are_reported(fake_trees):
 
 
 def test_the_recorder_drives_the_vllm_adapter_through_each_engine(recorded):
-    from slipstream.contracts.http import PLUGIN_NESTED, PLUGIN_OWN_BODIES, check_struct, plugin_parser_class
+    from slipstream.contracts.http import PLUGIN_NESTED, check_struct, plugin_parser_class
     from slipstream.contracts.ours import VLLM_ENGINES
-    from slipstream.rollouter.vllm_weights import SWITCH_KEY
     from slipstream.serverapi.vllm import SWITCH_UPDATE
     from slipstream.serverkinds.vllm import VLLMAdapter
 
@@ -685,17 +683,11 @@ def test_the_recorder_drives_the_vllm_adapter_through_each_engine(recorded):
         _, path, key, _ = where
         cls = plugin_parser_class(rel, cls_name, method)
         for c in calls:
-            if (
-                c.engine == "slipstream"
-                and c.path == path
-                and c.body[key] not in PLUGIN_OWN_BODIES.get(where, [])
-            ):
+            if c.engine == "slipstream" and c.path == path:
                 assert check_struct(cls, c.body[key], key) == []
-    # the switch to a staged version is sent, and the plug-in reads its key before it parses anything
-    switch = [
-        c for c in calls if c.engine == "slipstream" and (c.body or {}).get("update_info") == SWITCH_UPDATE
-    ]
-    assert switch and SWITCH_KEY in SWITCH_UPDATE
+    # with our engine the only update call is the switch: the buckets travel in band, without a call each
+    updates = [c.body["update_info"] for c in calls if c.engine == "slipstream" and c.path == "/update_weights"]
+    assert updates and all(u == SWITCH_UPDATE for u in updates)
 
 
 def test_the_plugin_parser_class_is_read_from_the_plugin(tmp_path, monkeypatch):

@@ -218,10 +218,11 @@ def test_an_aborted_request_resumes_on_the_new_version(vllm_server, policy):
 
 
 def test_buckets_stage_while_the_server_generates(vllm_server, policy, monkeypatch):
-    """Our engine receives a version's buckets while vLLM keeps generating, and pauses only for the switch:
-    the first bucket's update call returns before a byte of it is sent, and the server generates tokens
-    before the sender sends it. (An engine that received inside the call would block the server until the
-    bytes came: the update call would never return and the sender would give up at its bound.)"""
+    """Our engine receives a version's buckets in band while vLLM keeps generating, and pauses only for the
+    switch: the version's one start call returns before a byte of it is sent, no call is made per bucket,
+    and the server generates tokens before the sender sends the first one. (An engine that received inside
+    a call would block the server until the bytes came: the call would never return and the sender would
+    give up at its bound.)"""
     from slipstream.serverkinds.vllm import VLLMAdapter
     from slipstream.weightsync.groups import DistGroup
 
@@ -230,23 +231,30 @@ def test_buckets_stage_while_the_server_generates(vllm_server, policy, monkeypat
     publish(url, old + 1, policy.tensors())  # joins the group: every broadcast below is a bucket's
     returned = threading.Event()
     tokens_at_return: list[float] = []
-    real_update, real_broadcast = VLLMAdapter.update, DistGroup.broadcast_async
+    real_before, real_broadcast = VLLMAdapter.before, DistGroup.broadcast_async
+    calls: list[str] = []
+    real_request = VLLMAdapter.request
 
-    async def update(self, meta):
-        await real_update(self, meta)
+    async def request(self, call, **kw):
+        calls.append(call.path)
+        return await real_request(self, call, **kw)
+
+    async def before(self, version, stream=None):
+        await real_before(self, version, stream)
         if not returned.is_set():
             tokens_at_return.append(await asyncio.to_thread(generated, self.url))
             returned.set()
 
     def broadcast_async(self, tensor):  # the sender's thread, before each part of a bucket goes out
-        assert returned.wait(120), "the first bucket's update call did not return before its bytes were sent"
+        assert returned.wait(120), "the start call did not return before the first bucket was sent"
         deadline = time.monotonic() + 120
         while generated(url) <= tokens_at_return[0]:
             assert time.monotonic() < deadline, "the server generated nothing while the bucket was pending"
             time.sleep(0.02)
         return real_broadcast(self, tensor)
 
-    monkeypatch.setattr(VLLMAdapter, "update", update)
+    monkeypatch.setattr(VLLMAdapter, "before", before)
+    monkeypatch.setattr(VLLMAdapter, "request", request)
     monkeypatch.setattr(DistGroup, "broadcast_async", broadcast_async)
 
     async def go():
@@ -267,6 +275,7 @@ def test_buckets_stage_while_the_server_generates(vllm_server, policy, monkeypat
     assert 0 < report.paused_s < report.seconds  # paused for the switch only
     assert served_version(url) == old + 2
     assert out.versions[0] == old + 1 and out.versions[-1] == old + 2
+    assert calls.count("/update_weights") == 1  # the switch: the buckets came without a call each
 
 
 def test_a_version_corrupted_on_the_way_fails_verification_and_the_old_one_keeps_serving(

@@ -72,6 +72,7 @@ class _Server:
     """A server's control calls as a group link makes them: ranks, init, one update per bucket."""
 
     kind = "vllm"
+    in_band = False  # vLLM's own engine: every bucket announced
 
     def __init__(self, url: str, ranks: int) -> None:
         self.url, self._ranks = url, ranks
