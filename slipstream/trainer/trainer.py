@@ -333,7 +333,13 @@ class Trainer:
         behind = (self.version - batch["min_versions"].long()).clamp(min=0)
         staleness = torch.div(behind, self.settings.sync_every, rounding_mode="floor").float()
         mask = batch["loss_mask"].bool()
-        return {
+        out = {}
+        if "routed_experts" in batch.keys():
+            # MoE routing replay: the share of tokens whose routers were held to the server's routes (the
+            # rest route freely: each sample's last token, prompt tokens a server returned no routes for)
+            known = (batch["routed_experts"] >= 0).all(-1).all(-1)
+            out["trainer/moe_replayed_token_share"] = float(known.float().mean())
+        return out | {
             "trainer/reward_mean": float(batch["rewards"].float().mean()),
             "trainer/staleness_versions_mean": float(staleness.mean()),
             "trainer/staleness_versions_max": float(staleness.max()),
