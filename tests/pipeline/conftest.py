@@ -4,6 +4,7 @@ model and a config that runs the whole pipeline on it in seconds per step."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -13,9 +14,9 @@ from slipstream.config import load_config
 from slipstream.pipeline.actors import wait_for_own_children
 
 
-@pytest.fixture(scope="package")  # tests/pipeline is a package, so this ends with its last test
-def ray_pools():
-    """A local Ray with the two pool resources, shared by every pipeline run of this package."""
+@contextlib.contextmanager
+def local_ray():
+    """A new local Ray instance with the two pool resources, as `slipstream train` runs it; shut down after."""
     import os
 
     import ray
@@ -31,12 +32,21 @@ def ray_pools():
         resources={"rollout_pool": 1, "trainer_pool": 1},
     )
     wait_for_own_children()  # else later tests in this process lose their children's exit codes
-    yield
-    ray.shutdown()
-    if before is None:
-        del os.environ[key]
-    else:
-        os.environ[key] = before
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        if before is None:
+            del os.environ[key]
+        else:
+            os.environ[key] = before
+
+
+@pytest.fixture(scope="package")  # tests/pipeline is a package, so this ends with its last test
+def ray_pools():
+    """A local Ray with the two pool resources, shared by every pipeline run of this package."""
+    with local_ray():
+        yield
 
 
 def write_prompts(path: Path, n: int) -> Path:

@@ -5,6 +5,7 @@ then gives the trainer's logprobs, its tokens stamped with the new version."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -38,6 +39,32 @@ def moe_server(moe_model, tmp_path_factory):
         yield server
     finally:
         server.stop()
+
+
+# First in this module: the server still serves the checkpoint the run starts from.
+def test_the_pipeline_trains_a_tiny_moe_on_vllm_without_replay(moe_server, moe_model, tmp_path):
+    """A short fully-async run of the tiny Qwen3-MoE on the quickstart's task against this module's vLLM
+    (rollout.server_urls), replay off (vLLM returns no routes here): rewards flow, every version is pushed
+    into vLLM and its later tokens are stamped with it. OLMoE's run would check nothing more."""
+    if "olmoe" in moe_model.parent.name:
+        pytest.skip("the pipeline run is the same for every family; it runs on qwen3_moe")
+    from slipstream.pipeline import Pipeline
+    from tests.pipeline.conftest import local_ray, pipeline_config
+
+    keys = [f"rollout.server_urls=[{moe_server.url}]", "rollout.backend=vllm", "rollout.vllm.dtype=float32",
+            "async.mode=fully_async", "run.total_steps=2", "async.sync_every=1",
+            "reward.overlong_buffer_len=8", "reward.overlong_penalty_factor=1.0"]  # fmt: skip
+    with local_ray():
+        result = Pipeline(pipeline_config(tmp_path, moe_model, *keys, prompts=6)).run()
+    assert result.version == 2 and served_version(moe_server.url) == 2
+    records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    for rec in records:
+        assert rec["sync/servers_ok"] == 1.0 and rec["sync/version"] == rec["step"]
+        assert -1.0 <= rec["trainer/reward_mean"] < 0.0  # the overlong penalty: every reward is scored
+        assert "trainer/moe_replayed_token_share" not in rec
+    out = generate(moe_server.url)
+    assert out.versions == [2] * len(out.output_ids)
 
 
 def test_vllm_serves_a_tiny_moe_with_the_hf_models_logprobs(moe_server, moe_model):
