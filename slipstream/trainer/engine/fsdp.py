@@ -592,6 +592,8 @@ class FSDPEngine(ModelEngine):
                 continue  # the servers keep the tower they loaded: it never changes
             full = param.full_tensor() if hasattr(param, "full_tensor") else param.data
             full = full.detach()
+            if self._vision:  # the servers load the checkpoint's names
+                name = vision.checkpoint_name(name)
             yield name, (full.to(dtype) if dtype is not None else full)
             del full
 

@@ -47,6 +47,20 @@ COUNT_KEY = "image_counts"
 VISION_PREFIX = "model.visual."
 
 
+# In memory transformers nests the text model under ``model.language_model`` and the tower under ``model.visual``;
+# Qwen2-VL / Qwen2.5-VL checkpoints (and so the servers' weight names) keep ``model.`` and ``visual.``.
+_CHECKPOINT_PREFIXES = (("model.language_model.", "model."), (VISION_PREFIX, "visual."))
+
+
+def checkpoint_name(name: str) -> str:
+    """A parameter's name in the checkpoint layout the servers load (``model.language_model.layers.0...`` ->
+    ``model.layers.0...``, ``model.visual.blocks.0...`` -> ``visual.blocks.0...``; ``lm_head`` as is)."""
+    for memory, disk in _CHECKPOINT_PREFIXES:
+        if name.startswith(memory):
+            return disk + name[len(memory) :]
+    return name
+
+
 def is_vision_config(config: Any) -> bool:
     """Whether an HF config describes a vision-language model (it has a vision tower's config)."""
     return getattr(config, "vision_config", None) is not None
