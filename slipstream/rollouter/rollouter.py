@@ -421,6 +421,8 @@ class Rollouter:
             for k, seg in enumerate(out.earlier_segments):  # same reward and group; its own sequence
                 trajectories.append(self._trajectory(gid, i, seg, score.result(), segment=k))
         cfg = self.settings
+        if cfg.return_routes:
+            _require_routes(gid, trajectories)
         provenance = Provenance(
             prompt_index=work.ref.index,
             epoch=work.ref.epoch,
@@ -611,6 +613,18 @@ class Rollouter:
             self.stats.count("groups_dropped")
         if metas:
             self._changed.set()
+
+
+def _require_routes(gid: str, trajectories: list[Trajectory]) -> None:
+    """With routing replay on, a group none of whose trajectories carries routes fails (and, failing again
+    and again, ends the run naming why) rather than being trained with the trainer's own routing unnoticed.
+    A group where some carry them and some do not is refused by ``TrajectoryGroup.from_trajectories``."""
+    if all(t.routed_experts is None for t in trajectories):
+        raise ValueError(
+            f"group {gid}: trainer.moe.routing_replay is `rollout`, but the server returned no routes for "
+            f"its samples (a dense model, a server that does not return routes, or an agent loop that "
+            f"drops them)"
+        )
 
 
 def _padded_routes(routes: Any, rows: int) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -236,6 +237,45 @@ def test_failing_group_is_retried_then_fails_the_run(tok):
         rollouter, client, queue = make(tok, config(**{"rollout.n": 1}), prompts(1), client=Flaky())
         with pytest.raises(RuntimeError, match="group e0-p0 failed 3 times; last error: ConnectionError"):
             await asyncio.wait_for(rollouter.run(), 10)
+
+    asyncio.run(main())
+
+
+def test_routing_replay_without_routes_from_the_server_fails_the_run_naming_the_key(tok):
+    """trainer.moe.routing_replay `rollout`: groups whose server returned routes go to the queue with them;
+    a server that returns none fails each group until the run ends, naming the key (never trained
+    without replay unnoticed)."""
+
+    class Routing(ControlledClient):
+        async def generate(self, input_ids, sampling, *, rid=None, session_id=None):
+            assert sampling.return_routed_experts
+            out = await super().generate(input_ids, sampling, rid=rid, session_id=session_id)
+            rows = len(input_ids) + len(out.output_ids) - 1
+            out.routed_experts = np.zeros((rows, 2, 2), dtype=np.uint8)
+            return out
+
+    replay = {"rollout.n": 1, "trainer.batch_groups": 1, "trainer.moe.routing_replay": "rollout"}
+
+    async def main():
+        rollouter, client, queue = make(tok, config(**replay), prompts(1), client=Routing())
+        task = asyncio.create_task(rollouter.run())
+        while not task.done():
+            await asyncio.sleep(0.01)
+            await finish_all(client)
+        await asyncio.wait_for(task, 10)
+        assert queue.groups["e0-p0"].tensors["response_routes"].shape[1:] == (2, 2)
+
+        rollouter, client, queue = make(tok, config(**replay), prompts(1))
+        task = asyncio.create_task(rollouter.run())
+        while not task.done():
+            await asyncio.sleep(0.01)
+            await finish_all(client)
+        with pytest.raises(RuntimeError, match="failed 3 times") as failed:
+            await asyncio.wait_for(task, 10)
+        assert "trainer.moe.routing_replay is `rollout`, but the server returned no routes" in str(
+            failed.value
+        )
+        assert not queue.groups
 
     asyncio.run(main())
 
