@@ -43,6 +43,10 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
             "slipstream.system.bench_moe",
             "routing replay on a tiny MoE: logprob error with and without, route mismatch, step overhead",
         ),
+        "multimodal": (
+            "slipstream.system.bench_multimodal",
+            "vision-language RL on a tiny Qwen2-VL: logprob error vs vLLM, image bytes per group, a short run",
+        ),
         "served-dtype": (
             "slipstream.system.bench_served_dtype",
             "vLLM's CPU decode tokens/s per dtype, and whether rollout.vllm.dtype auto picks the faster",
