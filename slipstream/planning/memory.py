@@ -80,26 +80,44 @@ class ModelShape:
     experts: int = 0  # MoE: routed experts per layer (0: dense MLP)
     experts_per_token: int = 0
     expert_intermediate: int = 0
+    shared_intermediate: int = 0  # MoE: an always-active shared expert's width (Qwen2-MoE), 0: none
+    dense_layers: int = 0  # MoE: layers whose MLP is dense, `intermediate` wide (Qwen3-MoE's mlp_only_layers)
 
     @property
     def layer_params(self) -> int:
-        attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
-        if self.experts:
-            mlp = self.experts * 3 * self.hidden * self.expert_intermediate + self.hidden * self.experts
-        else:
-            mlp = 3 * self.hidden * self.intermediate
-        return attn + mlp + 2 * self.hidden
+        """One decoder layer's parameters; an MoE's sparse layer (its largest)."""
+        if not self.experts:
+            return self._dense_layer_params
+        mlp = self.experts * 3 * self.hidden * self.expert_intermediate + self.hidden * self.experts
+        if self.shared_intermediate:
+            mlp += 3 * self.hidden * self.shared_intermediate + self.hidden  # and its sigmoid gate
+        return self._attn_params + mlp + 2 * self.hidden
+
+    @property
+    def _attn_params(self) -> int:
+        return self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+
+    @property
+    def _dense_layer_params(self) -> int:
+        return self._attn_params + 3 * self.hidden * self.intermediate + 2 * self.hidden
 
     @property
     def params(self) -> int:
         embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
-        return embeddings + self.layers * self.layer_params + self.hidden
+        sparse = self.layers - self.dense_layers
+        return (
+            embeddings
+            + sparse * self.layer_params
+            + self.dense_layers * self._dense_layer_params
+            + self.hidden
+        )
 
     @property
     def expert_params(self) -> int:
-        """The routed experts' weights of every layer (gate, up and down projections; not the routers): the
-        share of :attr:`params` a token mostly does not run through. 0 for a dense model."""
-        return self.layers * self.experts * 3 * self.hidden * self.expert_intermediate
+        """The routed experts' weights of every sparse layer (gate, up and down projections; not the routers
+        nor a shared expert): the share of :attr:`params` a token mostly does not run through. 0 for a
+        dense model."""
+        return (self.layers - self.dense_layers) * self.experts * 3 * self.hidden * self.expert_intermediate
 
     @property
     def active_params(self) -> int:
@@ -123,7 +141,10 @@ class ModelShape:
         norms = 2 * (4 + 2 * compute) * self.hidden
         attn = self.head_dim * (2 * self.heads + 2 * self.kv_heads) + self.heads
         if self.experts:
-            mlp = 4 * self.experts_per_token * self.expert_intermediate + self.experts
+            mlp = (
+                4 * (self.experts_per_token * self.expert_intermediate + self.shared_intermediate)
+                + self.experts
+            )
         else:
             mlp = 4 * self.intermediate
         return norms + compute * (attn + mlp)
@@ -158,7 +179,18 @@ def shape_from_hf(config: dict) -> ModelShape:
         expert_intermediate=(config.get("moe_intermediate_size") or config.get("intermediate_size", 0))
         if experts
         else 0,
+        shared_intermediate=(config.get("shared_expert_intermediate_size") or 0) if experts else 0,
+        dense_layers=_dense_layers(config) if experts else 0,
     )
+
+
+def _dense_layers(config: dict) -> int:
+    """Layers of an MoE config whose MLP is dense: Qwen-MoE's ``mlp_only_layers`` and the layers
+    ``decoder_sparse_step`` skips (layer i is sparse when (i + 1) % step == 0), as transformers builds them."""
+    only = set(config.get("mlp_only_layers") or [])
+    step = config.get("decoder_sparse_step") or 1
+    layers = config["num_hidden_layers"]
+    return sum(1 for i in range(layers) if i in only or (i + 1) % step != 0)
 
 
 def model_shape(path: str) -> ModelShape:

@@ -75,4 +75,41 @@ def test_the_plan_holds_every_experts_weights_and_adamw_moments_sharded(tmp_path
     assert "sharded experts: parameters, AdamW moments" in items
     main(["configs/quickstart.yaml", *keys])
     text = capsys.readouterr().out
-    assert "B active per token; routed experts" in text and "sharded experts: parameters, AdamW moments" in text
+    assert (
+        "B active per token; routed experts" in text and "sharded experts: parameters, AdamW moments" in text
+    )
+
+
+def _hf_params(config: dict) -> dict:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    keys = {k: v for k, v in config.items() if k not in ("architectures", "transformers_version")}
+    return dict(AutoModelForCausalLM.from_config(AutoConfig.for_model(**keys)).named_parameters())
+
+
+def test_dense_layers_and_a_shared_expert_are_counted_as_transformers_builds_them(tmp_path):
+    # Qwen3-MoE with a dense layer among three (mlp_only_layers): one layer of attention + a dense MLP
+    config = json.loads(
+        (make_tiny_moe_model(tmp_path / "q", "qwen3_moe", num_layers=3) / "config.json").read_text()
+    )
+    config["mlp_only_layers"] = [1]
+    shape = shape_from_hf(config)
+    dense_layer = ATTENTION + 3 * HIDDEN * config["intermediate_size"] + NORMS
+    assert shape.dense_layers == 1
+    assert shape.params == EMBEDDINGS + 2 * (ATTENTION + 4 * EXPERT + ROUTER + NORMS) + dense_layer
+    named = _hf_params(config)
+    qk_norms = sum(p.numel() for n, p in named.items() if n.endswith(("q_norm.weight", "k_norm.weight")))
+    assert sum(p.numel() for p in named.values()) - qk_norms == shape.params
+    assert shape_from_hf({**config, "mlp_only_layers": [], "decoder_sparse_step": 3}).dense_layers == 2
+    # Qwen2-MoE: a shared expert (and its gate) every token runs through, beside the routed ones
+    qwen2 = {"model_type": "qwen2_moe", "vocab_size": VOCAB, "hidden_size": HIDDEN, "num_hidden_layers": 2,
+             "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 96,
+             "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, "num_experts": 4,
+             "num_experts_per_tok": 2, "tie_word_embeddings": False}  # fmt: skip
+    shape = shape_from_hf(qwen2)
+    shared = 3 * HIDDEN * 48 + HIDDEN
+    assert shape.params == HAND_TOTAL + LAYERS * shared and shape.expert_params == HAND_EXPERTS
+    assert shape.active_params == HAND_ACTIVE + LAYERS * shared
+    named = _hf_params(qwen2)
+    biases = sum(p.numel() for n, p in named.items() if n.endswith("bias"))  # q, k, v biases: not planned
+    assert sum(p.numel() for p in named.values()) - biases == shape.params
