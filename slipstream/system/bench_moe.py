@@ -20,6 +20,10 @@ holds the FSDP engine against them:
   machine spread the ratio from 0.9 to 1.15 between runs. ``step_s_replay`` and ``step_s_no_replay``
   are the two sides' medians.
 
+With ``--vllm`` it also serves the model with real vLLM (fp32; its CPU build returns no routes) and reports
+``vllm_no_replay_logprob_max_abs_err``: the trainer at vLLM's version, routing freely, against vLLM's
+logprobs of its own samples, which shows whether vLLM's kernels route as the trainer does at one version.
+
 The end-to-end test of the replay (``tests/trainer/test_moe_replay_served.py``) and the bench's own test
 call the same functions (:func:`serve`, :func:`batch_of`, :func:`route_mismatch`, :func:`measure`).
 
@@ -59,6 +63,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per sample")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps between generation and training")
     add_key_option(p, Config, "trainer.lr", default=1e-4)
+    p.add_argument(
+        "--vllm",
+        action="store_true",
+        help="also serve the model with real vLLM (fp32, no routes) and report vllm_no_replay_logprob_max_abs_err",
+    )
     p.add_argument("--reps", type=int, default=12, help="timed steps with replay and as many without")
     add_json_flag(p)
     return p
@@ -256,6 +265,49 @@ def measure(
             dist.destroy_process_group()
 
 
+def vllm_no_replay_err(
+    model_path: str | Path, prompts: Sequence[list[int]], max_new_tokens: int, log: Path
+) -> float:
+    """The largest |trainer - vLLM| logprob of vLLM's own samples, the trainer at vLLM's version and routing
+    freely: vLLM (its CPU build here) returns no routes, so this is what its kernels' routing costs without
+    replay at the same version."""
+    import torch.distributed as dist
+
+    from slipstream.agents.protocol import SamplingParams
+    from slipstream.rollouter.config import RolloutConfig, VLLMServerConfig
+    from slipstream.rollouter.launch import launch_server
+    from slipstream.serverkinds import server_kind
+    from slipstream.serverkinds.vllm import VLLMClient
+
+    v = VLLMServerConfig(dtype="float32", max_model_len=1024, max_num_seqs=16, cpu_kv_cache_gib=1)
+    with launch_server(
+        server_kind("vllm"), model_path, cfg=RolloutConfig(backend="vllm", vllm=v), log_path=log
+    ) as server:
+        server.wait_healthy(900)
+
+        async def generate() -> list:
+            client = VLLMClient(server.url, api="generate", timeout_s=300)
+            params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+            try:
+                return await asyncio.gather(*(client.generate(p, params) for p in prompts))
+            finally:
+                await client.aclose()
+
+        outs = asyncio.run(generate())
+    batch = batch_of(prompts, outs)
+    owned_group = not dist.is_initialized()
+    try:
+        got = (
+            _engine(model_path, 1e-4)
+            .forward_backward_batch(batch, None, forward_only=True)
+            .tokens["logprobs"]
+        )
+        return _max_err(got, batch["old_logprobs"], batch["loss_mask"].bool())
+    finally:
+        if owned_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def main(argv: list[str]) -> int:
     from slipstream.utils.tiny_models import make_tiny_moe_model
 
@@ -271,6 +323,10 @@ def main(argv: list[str]) -> int:
     out = measure(
         path, prompts, max_new_tokens=args.max_new_tokens, steps=args.steps, lr=args.lr, reps=args.reps
     )
+    if args.vllm:
+        out["vllm_no_replay_logprob_max_abs_err"] = vllm_no_replay_err(
+            path, prompts, args.max_new_tokens, root / "vllm.log"
+        )
     out = {k: round(v, 7) if isinstance(v, float) else v for k, v in out.items()}
     if args.json:
         print(json.dumps(out))
