@@ -13,7 +13,7 @@ make shapes``: 112 x 112 PNGs, 16 image tokens each), and reports:
   ``pixel_bytes_per_image`` is what the model's fp32 ``pixel_values`` of one image would weigh instead;
 * ``steps_completed``: trainer steps of a short fully asynchronous pipeline run on those prompts (the
   quickstart's layout, vLLM and the trainer on one core each, a push every step; goal 3), with its mean
-  reward and pushes.
+  reward and the pushes the server applied (``pushes_applied``) and refused (``pushes_failed``).
 
     slipstream bench multimodal --json
 """
@@ -191,6 +191,9 @@ def pipeline_run(model: Path, data: Path, out: Path, steps: int) -> dict[str, An
         "steps_completed": len(records),
         "reward_mean": round(sum(rewards) / max(1, len(rewards)), 4),
         "versions": [r.get("trainer/version") for r in records],
+        # servers that applied each push, and that refused or missed it
+        "pushes_applied": int(sum(r.get("sync/servers_ok", 0.0) for r in records)),
+        "pushes_failed": int(sum(r.get("sync/servers_failed", 0.0) for r in records)),
         "pipeline_s": round(time.monotonic() - t0, 1),
     }
 
