@@ -68,7 +68,9 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also serve the model with real vLLM (fp32, no routes) and report vllm_no_replay_logprob_max_abs_err",
     )
-    p.add_argument("--reps", type=int, default=12, help="timed steps with replay and as many without")
+    p.add_argument(
+        "--reps", type=int, default=12, help="timed pairs of steps, one with replay and one without"
+    )
     add_json_flag(p)
     return p
 
