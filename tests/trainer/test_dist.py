@@ -1,5 +1,6 @@
-"""The step batch crosses ranks whole: fixed keys, the optional reference logprobs and extra per-token
-tensors an agent added (any dtype, any trailing shape), over a real 2-rank gloo group."""
+"""The step batch crosses ranks whole: fixed keys, the optional reference logprobs, extra per-token tensors an
+agent added (any dtype, any trailing shape) and an image batch's pixel inputs (per patch, per image, per
+sample), over a real 2-rank gloo group."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ def _batch():
     batch["token_bonus"] = torch.arange(t, dtype=torch.float32) / 7
     batch["features"] = torch.arange(t * 3, dtype=torch.bfloat16).reshape(t, 3)
     batch["is_tool"] = torch.arange(t) % 2 == 0
+    batch["pixel_values"] = torch.linspace(-1, 1, 20 * 6).reshape(20, 6)  # 20 patches over 2 images
+    batch["image_grid_thw"] = torch.tensor([[1, 2, 4], [1, 4, 3]], dtype=torch.int32)
+    batch["image_counts"] = torch.tensor([1, 0, 1], dtype=torch.int32)
     return batch
 
 
