@@ -1,7 +1,8 @@
 """Image prompts through the FSDP engine: the Qwen2-VL family's vision tower and multi-modal rotary positions.
 
 A packed batch of a vision-language model carries, next to its token tensors, the images of its samples as
-the model's forward takes them (``queue/batch.py`` collates them; :class:`ImageProcessor` makes them):
+the model's forward takes them (the queue carries the encoded images once per group, ``queue/batch.py``;
+:func:`attach_pixels` turns them into these with the model's :class:`ImageProcessor`):
 
 * ``pixel_values`` [patches, C x T x P x P]: every image's flattened patches, images in sample order;
 * ``image_grid_thw`` [images, 3]: each image's (temporal, height, width) patch grid;
@@ -41,14 +42,13 @@ from typing import Any
 
 import torch
 
-PIXEL_KEYS = ("pixel_values", "image_grid_thw")
 COUNT_KEY = "image_counts"
 # The vision tower's module, under the HF names of Qwen2-VL / Qwen2.5-VL (Qwen2VLForConditionalGeneration).
 VISION_PREFIX = "model.visual."
 
 
-# In memory transformers nests the text model under ``model.language_model`` and the tower under ``model.visual``;
-# Qwen2-VL / Qwen2.5-VL checkpoints (and so the servers' weight names) keep ``model.`` and ``visual.``.
+# In memory transformers nests the text model under ``model.language_model`` and the tower under
+# ``model.visual``; Qwen2-VL / Qwen2.5-VL checkpoints (so the servers' weight names) keep ``model.``, ``visual.``.
 _CHECKPOINT_PREFIXES = (("model.language_model.", "model."), (VISION_PREFIX, "visual."))
 
 
