@@ -171,6 +171,43 @@ def data_url(image: Image) -> str:
     return f"data:{image.mime_type};base64,{base64.b64encode(image.data).decode('ascii')}"
 
 
+class ImageTokens(msgspec.Struct, frozen=True, kw_only=True):
+    """How many prompt tokens an image becomes on a Qwen2-VL-family model: its processor resizes it to a
+    multiple of ``patch * merge`` pixels a side within [min_pixels, max_pixels] and the server expands its
+    pad to one token per merged patch, so a prompt's length is known before any request (the rollouter's
+    ``data.max_prompt_tokens`` check counts them)."""
+
+    patch: int = 14
+    merge: int = 2
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+
+    @classmethod
+    def from_model(cls, path: str | Path) -> ImageTokens | None:
+        """The model's image processor settings (``preprocessor_config.json``), or None without one."""
+        import json
+
+        file = Path(path).expanduser() / "preprocessor_config.json"
+        if not file.is_file():
+            return None
+        cfg = json.loads(file.read_text())
+        size = cfg.get("size") or {}
+        return cls(
+            patch=int(cfg.get("patch_size", 14)),
+            merge=int(cfg.get("merge_size", 2)),
+            min_pixels=int(cfg.get("min_pixels") or size.get("shortest_edge") or cls.min_pixels),
+            max_pixels=int(cfg.get("max_pixels") or size.get("longest_edge") or cls.max_pixels),
+        )
+
+    def count(self, image: Image) -> int:
+        """Tokens ``image`` takes in the prompt (its pad expanded), by the processor's own resize."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        factor = self.patch * self.merge
+        h, w = smart_resize(image.height, image.width, factor, self.min_pixels, self.max_pixels)
+        return (h // factor) * (w // factor)
+
+
 def content_parts(images: list[Image]) -> list[dict[str, str]]:
     """``images`` as vLLM's native route takes them (``content_parts``: data URLs, no network), in order."""
     return [{"type": "image_url", "url": data_url(image)} for image in images]

@@ -62,6 +62,7 @@ import numpy as np
 
 from slipstream.agents.base import AgentLoopOutput
 from slipstream.agents.data import PromptRef, PromptSource, Sample, load_samples
+from slipstream.agents.multimodal import ImageTokens
 from slipstream.agents.protocol import InferenceClient, SamplingParams
 from slipstream.agents.registry import make_agent_loop
 from slipstream.agents.rewards.overlong import shape
@@ -136,6 +137,7 @@ class Rollouter:
             client, max_in_flight=settings.rollout.max_concurrent_per_server * num_servers
         )
         self.agent = make_agent_loop(settings.agent, self.client, tokenizer)
+        self._images: ImageTokens | None = None  # the model's image token counts, read at the first image
         self.rewards = RewardRunner(settings.reward)
         self.rewards.check({s.data_source for s in prompts.samples})
         # The settings hold the mode's preset already (slipstream/config.py: rollouter_settings).
@@ -352,6 +354,8 @@ class Rollouter:
 
     def _prompt_fits(self, sample: Sample) -> bool:
         length = len(self.agent.prompt_ids(sample))
+        if sample.images:  # each image's one pad becomes its tokens on the server
+            length += sum(self._image_tokens().count(image) - 1 for image in sample.images)
         if length <= self.settings.data.max_prompt_tokens:
             return True
         log.warning(
@@ -361,6 +365,11 @@ class Rollouter:
             self.settings.data.max_prompt_tokens,
         )
         return False
+
+    def _image_tokens(self) -> ImageTokens:
+        if self._images is None:
+            self._images = ImageTokens.from_model(self.settings.model.path) or ImageTokens()
+        return self._images
 
     async def _wait_for_change(self) -> None:
         self._changed.clear()

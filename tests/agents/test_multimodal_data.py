@@ -213,3 +213,27 @@ def test_image_data_runs_on_vllms_native_route_only(tmp_path):
         with pytest.raises(ConfigError, match=rf"data.train_files: 4 of 4 prompts have images .*{reason}"):
             check_data(cfg)
     check_data(load_config(overrides=[*base, "rollout.backend=vllm", "rollout.vllm.route=generate"]))
+
+
+def test_image_tokens_are_counted_as_the_processor_expands_them(tmp_path):
+    """The rollouter's prompt-length check counts each image's tokens before any request: the numbers the HF
+    processor (and vLLM, tests/vllm/test_vllm_multimodal.py) expand a pad to, within the model's resize bounds."""
+    import io
+
+    from PIL import Image as PILImage
+
+    from slipstream.agents.multimodal import ImageTokens, decode_image
+    from slipstream.utils.tiny_vlm import make_tiny_qwen2_vl
+
+    tokens = ImageTokens.from_model(make_tiny_qwen2_vl(tmp_path / "vlm"))
+    assert tokens == ImageTokens(min_pixels=56 * 56, max_pixels=224 * 224)
+    assert ImageTokens.from_model(tmp_path) is None
+
+    def sized(width: int, height: int) -> int:
+        buf = io.BytesIO()
+        PILImage.new("RGB", (width, height), "red").save(buf, format="PNG")
+        return tokens.count(decode_image(buf.getvalue(), limits=ImageLimits()))
+
+    # 112 x 112: 4 x 4 merged patches; 100 x 80 resizes to 112 x 84; tiny ones grow to 56 x 56, big ones
+    # shrink to max_pixels (224 x 224: 8 x 8)
+    assert [sized(112, 112), sized(100, 80), sized(20, 20), sized(448, 448)] == [16, 12, 4, 64]

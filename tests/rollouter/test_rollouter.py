@@ -303,6 +303,29 @@ def test_too_long_prompts_are_skipped(tok):
     asyncio.run(main())
 
 
+def test_a_prompts_length_counts_its_image_tokens(tok):
+    """Each image's one pad becomes its tokens on the server (the model's resize; Qwen2-VL's defaults here,
+    as model.path has no image processor): a 448 x 448 image is 256 tokens, a 56 x 56 one 4."""
+    import io
+
+    from PIL import Image as PILImage
+
+    from slipstream.agents.multimodal import ImageLimits, decode_image
+
+    def with_image(index: int, side: int) -> Sample:
+        buf = io.BytesIO()
+        PILImage.new("RGB", (side, side), "red").save(buf, format="PNG")
+        image = decode_image(buf.getvalue(), limits=ImageLimits())
+        messages = [{"role": "user", "content": "<image>q"}]
+        return Sample(
+            index=index, messages=messages, data_source="arithmetic", ground_truth="1", images=[image]
+        )
+
+    small, big = with_image(0, 56), with_image(1, 448)
+    rollouter, _, _ = make(tok, config(**{"data.max_prompt_tokens": 100}), PromptSource([small, big]))
+    assert rollouter._prompt_fits(small) and not rollouter._prompt_fits(big)
+
+
 def test_unknown_data_source_fails_at_construction(tok):
     bad = Sample(
         index=0, messages=[{"role": "user", "content": "q"}], data_source="mystery", ground_truth="1"
