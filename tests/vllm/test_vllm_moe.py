@@ -65,6 +65,8 @@ def test_the_pipeline_trains_a_tiny_moe_on_vllm_without_replay(moe_server, moe_m
         assert "trainer/moe_replayed_token_share" not in rec
     out = generate(moe_server.url)
     assert out.versions == [2] * len(out.output_ids)
+    # the module's later tests hold vLLM against the checkpoint: serve its weights again
+    assert publish(moe_server.url, 3, Policy(moe_model).tensors()).ok == [moe_server.url]
 
 
 def test_vllm_serves_a_tiny_moe_with_the_hf_models_logprobs(moe_server, moe_model):
