@@ -73,6 +73,7 @@ from slipstream.rollouter.vllm_moe import (
     repack_cpu_experts,
     split_fused,
 )
+from slipstream.rollouter.vllm_shadow import Shadow, shadow_supported
 from slipstream.serverapi.vllm import SWITCH_UPDATE
 from slipstream.utils.logging import get_logger
 
@@ -166,6 +167,10 @@ class VLLMTarget:
     fused: dict[str, FusedExperts] = field(default_factory=dict)
     held: dict[str, torch.Tensor] = field(default_factory=dict)
     to_hold: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Double-buffering (rollouter/vllm_shadow.py): a second copy loaded off the pause, where the model allows.
+    double_buffer: bool = True
+    shadow: Shadow | None = None
+    prepared: tuple[int, dict[str, torch.Tensor]] | None = None  # checked by prepare_weights, not applied yet
 
     @property
     def weight_version(self) -> int:
@@ -174,10 +179,32 @@ class VLLMTarget:
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return self.specs
 
-    def apply_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+    def prepare_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Check ``version`` and, where the model can be double-buffered, load it into the shadow copy while
+        the old version serves (``rollouter/vllm_shadow.py``), so :meth:`apply_weights` only swaps."""
+        self.prepared = None
+        weights = self._version_weights(named_tensors)
+        shadow = self._shadow()
+        if shadow is not None:
+            shadow.load(self.vllm_config, list(split_fused(weights.items(), self.fused)), version)
+        self.prepared = (version, weights)
 
+    def apply_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        prepared, self.prepared = self.prepared, None
+        if prepared is not None and prepared[0] == version:
+            weights = prepared[1]
+        else:
+            weights = self._version_weights(named_tensors)
+        if self.shadow is not None and self.shadow.version == version:
+            self.shadow.swap()  # the copy loaded off the pause serves now; the old one is the next shadow
+        else:
+            self._reload_in_place(weights)
+        self.to_hold = {n: t for n, t in weights.items() if self.held.get(n) is not t}
+        self.version = version
+
+    def _version_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Every tensor of the served checkpoint for a version: the ones sent (names and shapes checked, in the
+        served dtype), the rest from what this target holds (class docstring)."""
         dtype = self.vllm_config.model_config.dtype
         weights: dict[str, torch.Tensor] = {}
         for name, tensor in named_tensors:
@@ -192,12 +219,30 @@ class VLLMTarget:
         from_disk = self._read_checkpoint(unheld) if unheld else {}
         for name in missing:
             weights[name] = self.held[name] if name in self.held else from_disk[name].to(dtype)
+        return weights
+
+    def _reload_in_place(self, weights: dict[str, torch.Tensor]) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
         loaded = list(split_fused(weights.items(), self.fused))  # the checkpoint's names, as vLLM loads them
         with torch.no_grad(), set_current_vllm_config(self.vllm_config):
             reload_weights(self.vllm_config, self.model, loaded, None, is_checkpoint_format=True)
             repack_cpu_experts(self.model)  # the step vLLM's reload skips for CPU MoE kernels (vllm_moe.py)
-        self.to_hold = {n: t for n, t in weights.items() if self.held.get(n) is not t}
-        self.version = version
+
+    def _shadow(self) -> Shadow | None:
+        """The model's shadow copy, made at the first version that can use one (None where it cannot)."""
+        if self.shadow is None and self.double_buffer:
+            why = shadow_supported(self.model, self.vllm_config)
+            if not why:
+                try:
+                    self.shadow = Shadow(self.model)
+                except Exception as err:  # an attribute that cannot be copied: reload in place instead
+                    why = f"the model could not be copied ({type(err).__name__}: {err})"
+            if why:
+                log.info("weight switches reload the model in place inside the pause: %s", why)
+                self.double_buffer = False
+        return self.shadow
 
     def _read_checkpoint(self, names: list[str]) -> dict[str, torch.Tensor]:
         """``names`` (the specs' names) from the served checkpoint, fused expert tensors joined from its parts."""

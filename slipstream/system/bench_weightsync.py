@@ -13,15 +13,21 @@ One warm-up version goes first, with the server idle (it builds the group). Per 
     timed it; ``longest_stall_s`` is the same seen from vLLM's side, the longest time inside the push during
     which its generated-token counter (``/metrics``) did not move, which includes one ordinary engine step;
   * ``tokens_during_push``: tokens vLLM generated between the push's start and its end;
+  * ``send_s``: of the push, the buckets on their way (the publisher's send, packing pipelined with the wire),
+    without vLLM's calls, its preparation of the version (the reload into its shadow copy,
+    ``rollouter/vllm_shadow.py``) or the switch;
   * ``raw_s``: the same number of bytes as one broadcast of one buffer over the same transport (gloo on
     loopback, to a receiver process), the physical limit, measured in the same run with the server idle.
 
 Versions alternate between ``weightsync.verify`` on and off (the digests, ``weightsync/digest.py``), ``--reps``
-of each; ``verify_overhead`` is the median verified push over the median unverified one, less one.
+of each; ``verify_overhead`` is the median verified send over the median unverified one, less one (the
+digests are computed while packing and checked while staging, both inside ``send_s``; the whole push's
+spread, vLLM's reload on a shared core, would hide them), and ``verify_push_overhead`` the same for the
+whole push.
 
 Figures are medians over the verified versions. The last line of ``--json`` is one object: ``{"transfer_s",
-"pause_s", "longest_stall_s", "tokens_during_push", "raw_s", "raw_over_transfer", "pause_over_transfer",
-"verify_overhead", "unverified_transfer_s", "bytes", "dtype", ...}``.
+"pause_s", "send_s", "longest_stall_s", "tokens_during_push", "raw_s", "raw_over_transfer", "raw_over_send",
+"pause_over_transfer", "verify_overhead", "verify_push_overhead", "unverified_send_s", "bytes", "dtype", ...}``.
 
     slipstream bench weightsync --target vllm --json
 """
@@ -234,7 +240,8 @@ def vllm_main(argv: list[str]) -> int:
                     end = time.monotonic()
                     time.sleep(0.1)  # the counter's next sample
                     tokens, stall = counter.window(start, end)
-                    row = {"transfer_s": end - start, "pause_s": report.paused_s, "verify": cfg.verify}
+                    row = {"transfer_s": end - start, "pause_s": report.paused_s, "send_s": report.send_s}
+                    row |= {"verify": cfg.verify}
                     row |= {"longest_stall_s": stall, "tokens_during_push": tokens, "bytes": report.bytes}
                     rows.append(row)
                     print(f"version {version}: " + json.dumps(_rounded(row)), file=sys.stderr, flush=True)
@@ -244,11 +251,12 @@ def vllm_main(argv: list[str]) -> int:
         finally:
             publisher.close()
     raw = _raw_s(cfg, nbytes, reps=max(3, args.reps))
-    unverified = statistics.median(r["transfer_s"] for r in rows if not r["verify"])
+    unverified = {k: statistics.median(r[k] for r in rows if not r["verify"]) for k in ("transfer_s", "send_s")}
     rows = [r for r in rows if r.pop("verify")]
     out = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-    out |= {"unverified_transfer_s": unverified, "verify_overhead": out["transfer_s"] / unverified - 1}
-    out |= {"raw_s": raw, "raw_over_transfer": raw / out["transfer_s"]}
+    out |= {"unverified_send_s": unverified["send_s"], "verify_overhead": out["send_s"] / unverified["send_s"] - 1}
+    out |= {"verify_push_overhead": out["transfer_s"] / unverified["transfer_s"] - 1}
+    out |= {"raw_s": raw, "raw_over_transfer": raw / out["transfer_s"], "raw_over_send": raw / out["send_s"]}
     out |= {"pause_over_transfer": out["pause_s"] / out["transfer_s"], "dtype": dtype}
     out |= {"requests": args.requests, "pause_mode": args.pause_mode, "bucket_mb": args.bucket_mb}
     out |= {"load_errors": len(load.errors), "versions": 2 * len(rows)}

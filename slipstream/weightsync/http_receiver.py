@@ -83,6 +83,7 @@ from slipstream.weightsync.types import (
     InitInfo,
     InitWeightsUpdateGroupReq,
     PausableTarget,
+    PreparingTarget,
     ReceiverStatus,
     Rendezvous,
     StreamConnectReq,
@@ -125,6 +126,8 @@ class _Session:
     active: float = field(default_factory=time.monotonic)
     receive_s: float = 0.0
     stream_task: asyncio.Task | None = None
+    # A version received in band, checked and rebuilt (and prepared, on a PreparingTarget) before its switch.
+    prepared: Rebuilt | None = None
 
 
 class WeightReceiver:
@@ -272,29 +275,17 @@ class WeightReceiver:
         if session.stream_task is not None:
             try:
                 await asyncio.wait_for(session.stream_task, self.wait_s)
-            except (TransferError, TimeoutError) as err:
-                self._fail(session, f"stream: {err or 'timed out'}")
+            except (TransferError, RequestError, TimeoutError) as err:
+                self._fail(session, f"stream: {err or 'timed out'}")  # a no-op for one that failed its checks
         if session.error is not None:
             raise TransferError(f"version {session.version} was discarded: {session.error}")
         if version is not None and session.version is not None and version != session.version:
             self._fail(session, f"end names version {version} but version {session.version} was staged")
             raise RequestError(self.last_error)
         version = session.version if session.version is not None else version
-        problem = self._check_complete(session, version)
-        if problem:
-            self._fail(session, problem)
-            raise RequestError(problem)
+        rebuilt = session.prepared or await self._prepare(session, version)
         assert version is not None and session.staging is not None
-        try:  # delta and LoRA entries become full tensors here, so every target gets them (send_less.py)
-            rebuilt = await asyncio.to_thread(self._rebuild, session.staging, version)
-        except SendLessError as err:
-            self._fail(session, str(err))
-            raise RequestError(self.last_error) from err
-        problem = self._check_all_weights(rebuilt, version)
-        if problem:
-            self._fail(session, problem)
-            raise RequestError(problem)
-        staged = rebuilt.tensors
+        staged, session.prepared = rebuilt.tensors, None
         start = time.perf_counter()
         try:
             await asyncio.to_thread(self.target.apply_weights, staged, version)
@@ -310,6 +301,31 @@ class WeightReceiver:
             f"applied version {version}: {len(staged)} tensors, {mb:.1f} MiB, apply {self.last_apply_s:.3f} s"
         )
         return WeightUpdateResp(success=True, message=msg, weight_version=version)
+
+    async def _prepare(self, session: _Session, version: int | None) -> Rebuilt:
+        """The version whole, checked and rebuilt into full tensors, and prepared on a :class:`PreparingTarget`
+        (RequestError, the version failed, otherwise)."""
+        problem = self._check_complete(session, version)
+        if problem:
+            self._fail(session, problem)
+            raise RequestError(problem)
+        assert version is not None and session.staging is not None
+        try:  # delta and LoRA entries become full tensors here, so every target gets them (send_less.py)
+            rebuilt = await asyncio.to_thread(self._rebuild, session.staging, version)
+        except SendLessError as err:
+            self._fail(session, str(err))
+            raise RequestError(self.last_error) from err
+        problem = self._check_all_weights(rebuilt, version)
+        if problem:
+            self._fail(session, problem)
+            raise RequestError(problem)
+        if isinstance(self.target, PreparingTarget):
+            try:
+                await asyncio.to_thread(self.target.prepare_weights, rebuilt.tensors, version)
+            except Exception as err:
+                self._fail(session, f"apply_weights refused version {version}: {err}")
+                raise RequestError(self.last_error) from err
+        return rebuilt
 
     def status(self) -> ReceiverStatus:
         return ReceiverStatus(
@@ -358,11 +374,11 @@ class WeightReceiver:
 
     def _stream_end(self, req: BeginWeightUpdateReq) -> Transport:
         """The receiving end a version streams in on: a prepared ``ipc``/``nixl`` end, or a joined torch_dist
-        group (``group_name``, or the one group this server is in) whose buckets carry their own metadata."""
+        group (``group_name``, or the group joined last) whose buckets carry their own metadata."""
         if req.stream == GROUP_STREAM:
             name = req.group_name
-            if name is None and len(self.groups) == 1:
-                name = next(iter(self.groups))
+            if name is None and self.groups:
+                name = next(reversed(self.groups))  # the group joined last: the sender's current link
             group = self.groups.get(name) if name is not None else None
             if group is None:
                 joined = ", ".join(sorted(self.groups)) or "none"
@@ -390,15 +406,43 @@ class WeightReceiver:
     async def _receive_stream(self, session: _Session, end: Transport) -> None:
         start = time.perf_counter()
         stream = end.receive_weights()
-        staged = await stream.collect()
-        end.check_version(stream.version)  # ends that cannot refuse at the first bucket (torch_dist) refuse here
-        if session.version is not None and stream.version != session.version:
-            raise TransferError(f"received version {stream.version}, expected {session.version}")
-        session.version = stream.version
-        area = stream.staging
-        parts, info = (dict(area.parts), area.info) if area is not None else ({}, None)
-        session.staging = _Collected(staged, stream.nbytes, parts, info)
-        session.receive_s = time.perf_counter() - start
+        try:
+            staged = await stream.collect()
+            end.check_version(stream.version)  # ends that cannot refuse at the first bucket (torch_dist) refuse here
+            if session.version is not None and stream.version != session.version:
+                raise TransferError(f"received version {stream.version}, expected {session.version}")
+            session.version = stream.version
+            area = stream.staging
+            parts, info = (dict(area.parts), area.info) if area is not None else ({}, None)
+            session.staging = _Collected(staged, stream.nbytes, parts, info)
+            session.receive_s = time.perf_counter() - start
+            # Whole: check, rebuild and prepare it now, while the old version still serves, so the switch only
+            # switches (the target's prepare runs here; ``_apply`` prepares a version that arrived otherwise).
+            session.prepared = await self._prepare(session, session.version)
+        except (TransferError, RequestError, BucketError) as err:
+            failure: tuple[type[Exception], str] | None = (type(err), str(err) or type(err).__name__)
+        else:
+            failure = None
+        version = stream.version
+        if failure is None:
+            if isinstance(end, TorchDistTransport):
+                await self._answer_group(end, version, "")
+            return
+        # Raised afresh, without the failure's traceback, whose frames hold the version's tensors: a refused
+        # version's staging memory goes with its session.
+        staged = stream = area = parts = info = None  # noqa: F841
+        if isinstance(end, TorchDistTransport) and version is not None:
+            await self._answer_group(end, version, failure[1])
+            if session.staging is None:  # it left the version's broadcasts: make the sender fail, not hang
+                await asyncio.to_thread(end.fail)
+        raise failure[0](failure[1])
+
+    async def _answer_group(self, end: TorchDistTransport, version: int, refusal: str) -> None:
+        """Tell a group's sender the version is prepared (it then switches it in), or why it is refused."""
+        try:
+            await asyncio.to_thread(end.mark_prepared, version, refusal)
+        except TransferError as err:
+            log.debug("could not answer for version %d: %s", version, err)
 
     # -- helpers
 
@@ -509,7 +553,7 @@ class WeightReceiver:
 
     def _release(self, session: _Session) -> None:
         """Drop the staging memory of a failed version (the next version allocates afresh)."""
-        staging, session.staging = session.staging, None
+        staging, session.staging, session.prepared = session.staging, None, None
         for key, area in list(self._staging.items()):
             if area is staging:
                 del self._staging[key]

@@ -64,6 +64,9 @@ class PublishReport(msgspec.Struct, kw_only=True):
     bytes: int = 0
     buckets: int = 0
     seconds: float = 0.0
+    # Of ``seconds``, the buckets on their way (packing pipelined with the wire), without the servers' calls,
+    # their preparation of the version or its switch.
+    send_s: float = 0.0
     retried: bool = False
     # What travelled: ``full``, ``delta`` (against version ``base``), ``lora`` (base weights and adapters),
     # ``adapters`` (adapters only) or ``merged`` (a LoRA version as whole weights, W + scale B A); for a
@@ -427,7 +430,7 @@ class WeightPublisher:
         report.ok = members
         for url in members:
             self.held[url] = version
-        report.bytes, report.buckets = stats.bytes, stats.buckets
+        report.bytes, report.buckets, report.send_s = stats.bytes, stats.buckets, stats.seconds
         report.seconds = time.perf_counter() - start
 
     async def _ensure_link(self, report: PublishReport) -> list[str]:

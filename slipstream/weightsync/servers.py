@@ -54,6 +54,7 @@ from slipstream.weightsync.buckets import BufferPool
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.errors import TransferError
 from slipstream.weightsync.groups import backend_for_device
+from slipstream.weightsync.torch_dist import TorchDistTransport
 from slipstream.weightsync.types import BucketMeta, Rendezvous, VersionInfo
 
 log = get_logger(__name__)
@@ -149,7 +150,7 @@ class ServerLink:
             return await self.transport.send_weights(named_tensors, version, info=info)
         layout = adapters[0].layout()  # None: one tensor per bucket (``naive``)
         if all(a.in_band for a in adapters):  # group members that read the metadata beside the bytes
-            return await self.transport.send_weights(named_tensors, version, layout=layout, info=info)
+            return await self._push_in_band(named_tensors, version, layout, info)
 
         async def announce(meta: BucketMeta) -> None:
             await _all(adapters, lambda a: a.update(meta))
@@ -157,6 +158,21 @@ class ServerLink:
         return await self.transport.send_weights(
             named_tensors, version, layout=layout, announce=announce, info=info
         )
+
+    async def _push_in_band(self, named_tensors: Iterable, version: int, layout, info) -> SendStats:
+        """Send a version to group members that read its metadata from the group, then wait until each has
+        prepared it, so their switch is only a switch. A failure names what a receiver refused, if it did."""
+        transport = self.transport
+        assert isinstance(transport, TorchDistTransport)
+        try:
+            stats = await transport.send_weights(named_tensors, version, layout=layout, info=info)
+            await asyncio.to_thread(transport.wait_prepared, version)
+        except TransferError as err:
+            refused = await asyncio.to_thread(transport.refusals, version)
+            if refused and not str(err).startswith(f"version {version} refused"):
+                raise TransferError(f"{err}; refused: {'; '.join(refused)}") from err
+            raise
+        return stats
 
     def fail(self) -> None:
         """Tear the transport down at once (peers blocked in a receive then fail instead of waiting)."""

@@ -111,6 +111,47 @@ class MetaChannel:
         except msgspec.DecodeError as err:
             raise TransferError(f"undecodable bucket metadata: {err}") from err
 
+    def post_ready(self, version: int, rank: int, refusal: str = "") -> None:
+        """A receiver has prepared ``version`` (``refusal``: why it will not apply it), so the sender may
+        switch it in without the switch waiting for the receiver's own preparation."""
+        try:
+            self.store.set(f"ready/{version}/{rank}", b"R" + refusal.encode()[:4000])
+        except RuntimeError as err:
+            raise TransferError(f"posting that version {version} is ready: {err}") from err
+
+    def wait_ready(self, version: int, ranks: range) -> None:
+        """Wait until every receiver rank posted :meth:`post_ready` for ``version``; TransferError naming the
+        refusals, or the ranks that did not answer in time."""
+        keys = [f"ready/{version}/{rank}" for rank in ranks]
+        try:
+            self.store.wait(keys, self.timeout)
+            answers = [bytes(self.store.get(key))[1:].decode(errors="replace") for key in keys]
+        except RuntimeError as err:
+            raise TransferError(f"waiting for the receivers to prepare version {version}: {err}") from err
+        for key in keys:
+            try:
+                self.store.delete_key(key)
+            except RuntimeError as err:
+                log.debug("deleting %s: %s", key, err)
+        refusals = [f"rank {rank}: {why}" for rank, why in zip(ranks, answers, strict=True) if why]
+        if refusals:
+            raise TransferError(f"version {version} refused: " + "; ".join(refusals))
+
+    def refusals(self, version: int, ranks: range) -> list[str]:
+        """The refusals of ``version`` posted so far, without waiting (after a send that failed: a receiver
+        that refused a bucket leaves the broadcast, and its reason is the one worth reporting)."""
+        out = []
+        for rank in ranks:
+            key = f"ready/{version}/{rank}"
+            try:
+                if self.store.check([key]):
+                    why = bytes(self.store.get(key))[1:].decode(errors="replace")
+                    if why:
+                        out.append(f"rank {rank}: {why}")
+            except RuntimeError as err:
+                log.debug("reading %s: %s", key, err)
+        return out
+
     def _set(self, value: bytes) -> None:
         key = str(self.seq)
         try:
@@ -253,7 +294,25 @@ class TorchDistTransport(Transport):
         except TransferError as post_err:
             log.warning("could not tell receivers to drop the version: %s", post_err)
 
+    def wait_prepared(self, version: int) -> None:
+        """Sender: wait until every receiver prepared ``version`` (:meth:`MetaChannel.wait_ready`)."""
+        group = self._require_group()
+        assert self.meta is not None
+        self.meta.wait_ready(version, range(1, group.world_size))
+
+    def refusals(self, version: int) -> list[str]:
+        """Sender: the receivers' refusals of ``version`` posted so far (:meth:`MetaChannel.refusals`)."""
+        if self.group is None or self.meta is None:
+            return []
+        return self.meta.refusals(version, range(1, self.group.world_size))
+
     # -- receiving
+
+    def mark_prepared(self, version: int, refusal: str = "") -> None:
+        """Receiver: tell the sender ``version`` is prepared (or why it is refused)."""
+        group = self._require_group()
+        assert self.meta is not None
+        self.meta.post_ready(version, group.rank, refusal)
 
     def receive_weights(self) -> WeightStream:
         return WeightStream(self._receive)

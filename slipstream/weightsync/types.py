@@ -46,6 +46,17 @@ class WeightTarget(Protocol):
 
 
 @runtime_checkable
+class PreparingTarget(WeightTarget, Protocol):
+    """A target that can do most of a version's apply before the switch, while it still serves the old one."""
+
+    def prepare_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Check and stage ``version`` so that a later ``apply_weights`` of it only switches (not serving it
+        yet). Raises, as ``apply_weights`` would, on a name or shape it refuses; a version prepared and never
+        applied is dropped by the next prepare."""
+        ...
+
+
+@runtime_checkable
 class PausableTarget(WeightTarget, Protocol):
     """A target that can also pause generation itself (``/end_weight_update {abort_running: true}``)."""
 
@@ -217,7 +228,7 @@ class BeginWeightUpdateReq(msgspec.Struct, kw_only=True):
     # Extension: the version about to arrive (SGLang learns it from the update calls).
     weight_version: str | int | None = None
     # Extension: the whole version arrives in band: from a connected ``ipc``/``nixl`` sender (stream mode), or
-    # over a joined ``torch_dist`` group (``group_name``; the server's only group when omitted).
+    # over a joined ``torch_dist`` group (``group_name``; the group joined last when omitted).
     stream: str | None = None
     group_name: str | None = None
 

@@ -92,6 +92,8 @@ def test_a_pushed_expert_version_serves_with_the_trainers_logprobs(moe_server, m
     err = float((torch.tensor(out.logprobs) - policy.logprobs(out.output_ids)).abs().max())
     assert err < 1e-4, err
     assert out.output_ids != before.output_ids or out.logprobs != before.logprobs
+    # vLLM's CPU MoE kernel keeps its packed experts where a shadow copy cannot swap them: reloaded in place
+    assert "reload the model in place inside the pause: fused experts" in moe_server.log_path.read_text()
 
     # only the experts move in the next version: the served logprobs follow them alone
     with torch.no_grad():

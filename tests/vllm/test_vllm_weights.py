@@ -84,14 +84,20 @@ def publish(url: str, version: int, tensors, **cfg) -> object:
 
 
 def test_a_pushed_version_serves_with_the_trainers_logprobs(vllm_server, policy):
-    v = served_version(vllm_server.url) + 1
-    policy.step(seed=1)
-    report = publish(vllm_server.url, v, policy.tensors())
-    assert report.ok == [vllm_server.url], report.failed
-    assert served_version(vllm_server.url) == v
-    out = generate(vllm_server.url)
-    assert out.versions == [v] * len(out.output_ids)
-    assert torch.allclose(torch.tensor(out.logprobs), policy.logprobs(out.output_ids), atol=1e-4, rtol=0)
+    """Served from the shadow copy loaded while the old version served (``rollouter/vllm_shadow.py``):
+    swapped in at the switch, then swapped back out for the next version, each with the trainer's logprobs."""
+    for step in (1, 2):
+        v = served_version(vllm_server.url) + 1
+        policy.step(seed=step)
+        report = publish(vllm_server.url, v, policy.tensors())
+        assert report.ok == [vllm_server.url], report.failed
+        assert served_version(vllm_server.url) == v
+        out = generate(vllm_server.url)
+        assert out.versions == [v] * len(out.output_ids)
+        assert torch.allclose(torch.tensor(out.logprobs), policy.logprobs(out.output_ids), atol=1e-4, rtol=0)
+    log = (vllm_server.log_dir / f"vllm-{vllm_server.starts}.log").read_text(errors="replace")
+    assert "switched to the staged version" in log
+    assert "reload the model in place" not in log  # the dense model on a CPU is double-buffered
 
 
 def test_a_push_that_fails_part_way_leaves_the_old_version_serving(vllm_server, policy):
