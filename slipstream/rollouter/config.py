@@ -195,6 +195,18 @@ class VLLMServerConfig(ConfigStruct):
             "one thread per free core (VLLM_CPU_OMP_THREADS_BIND=auto).",
         ),
     ] = 1
+    double_buffer: Annotated[
+        bool,
+        Meta(
+            description="CPU build, `slipstream` engine: load each pushed version into a second copy of the "
+            "model while the old one serves, so the switch only swaps them (vLLM paused ~0.1 s instead of its "
+            "reload, 0.3-1.4 s for SmolLM2-135M), at the cost of one more copy of the weights in host memory "
+            "and the reload's CPU time beside generation, which the trainer waits for. Pays where the servers "
+            "are the bottleneck; where the trainer is and shares their cores, as in the quickstart, it costs "
+            'the trainer more than the pause costs the servers (docs/benchmarks.md, "Pushes into vLLM"). '
+            "MoE and LoRA-serving models reload in place either way.",
+        ),
+    ] = False
 
 
 class DynamicSamplingConfig(ConfigStruct):

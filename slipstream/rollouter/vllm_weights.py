@@ -54,6 +54,7 @@ Worked example (what ``serverkinds/vllm.py``'s ``VLLMAdapter`` sends when the se
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import Coroutine, Iterable
@@ -73,8 +74,9 @@ from slipstream.rollouter.vllm_moe import (
     repack_cpu_experts,
     split_fused,
 )
+from slipstream.rollouter.vllm_readback import ReadBack, read_back
 from slipstream.rollouter.vllm_shadow import Shadow, shadow_supported
-from slipstream.serverapi.vllm import SWITCH_UPDATE
+from slipstream.serverapi.vllm import DOUBLE_BUFFER_ENV, SWITCH_UPDATE
 from slipstream.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -167,10 +169,12 @@ class VLLMTarget:
     fused: dict[str, FusedExperts] = field(default_factory=dict)
     held: dict[str, torch.Tensor] = field(default_factory=dict)
     to_hold: dict[str, torch.Tensor] = field(default_factory=dict)
-    # Double-buffering (rollouter/vllm_shadow.py): a second copy loaded off the pause, where the model allows.
-    double_buffer: bool = True
+    # Double-buffering (rollouter/vllm_shadow.py, rollout.vllm.double_buffer): a second copy loaded off the
+    # pause, where the model allows.
+    double_buffer: bool = False
     shadow: Shadow | None = None
     prepared: tuple[int, dict[str, torch.Tensor]] | None = None  # checked by prepare_weights, not applied yet
+    last_read_back: ReadBack | None = None  # what the last version's read-back compared (vllm_readback.py)
 
     @property
     def weight_version(self) -> int:
@@ -187,6 +191,7 @@ class VLLMTarget:
         shadow = self._shadow()
         if shadow is not None:
             shadow.load(self.vllm_config, list(split_fused(weights.items(), self.fused)), version)
+            self._read_back(shadow.copy, weights)  # off the pause: a mismatch refuses the version unserved
         self.prepared = (version, weights)
 
     def apply_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
@@ -199,6 +204,7 @@ class VLLMTarget:
             self.shadow.swap()  # the copy loaded off the pause serves now; the old one is the next shadow
         else:
             self._reload_in_place(weights)
+            self._read_back(self.model, weights)  # refused before vLLM publishes it; the trainer retries it
         self.to_hold = {n: t for n, t in weights.items() if self.held.get(n) is not t}
         self.version = version
 
@@ -229,6 +235,13 @@ class VLLMTarget:
         with torch.no_grad(), set_current_vllm_config(self.vllm_config):
             reload_weights(self.vllm_config, self.model, loaded, None, is_checkpoint_format=True)
             repack_cpu_experts(self.model)  # the step vLLM's reload skips for CPU MoE kernels (vllm_moe.py)
+
+    def _read_back(self, model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+        """Compare what ``model``'s parameters hold with the version (``rollouter/vllm_readback.py``)."""
+        report = read_back(model, weights, getattr(self.model, "packed_modules_mapping", None) or {})
+        log.debug("%s", report.summary())
+        self.last_read_back = report
+        report.raise_if_mismatched()
 
     def _shadow(self) -> Shadow | None:
         """The model's shadow copy, made at the first version that can use one (None where it cannot)."""
@@ -311,7 +324,8 @@ class SlipstreamWeightEngine(_Base):  # type: ignore[misc, valid-type]
         super().__init__(config, vllm_config, device, model)
         dtype = vllm_config.model_config.dtype
         specs, fused = served_specs(vllm_config.model_config, dtype)
-        self.target = VLLMTarget(model, vllm_config, specs, fused=fused)
+        double_buffer = os.environ.get(DOUBLE_BUFFER_ENV) == "1"  # rollout.vllm.double_buffer, via the launcher
+        self.target = VLLMTarget(model, vllm_config, specs, fused=fused, double_buffer=double_buffer)
         # Whole or nothing, as on the embedded server: a version that should cover every parameter (all but a
         # LoRA adapter-only one) and lacks one is refused, never completed from an older version.
         self.receiver = WeightReceiver(self.target, WeightSyncConfig(require_all_weights=True))
@@ -368,7 +382,12 @@ class SlipstreamWeightEngine(_Base):  # type: ignore[misc, valid-type]
         _raise_failed(self._loop.run(self.receiver.end(EndWeightUpdateReq())))
         # The host copy, after the pause (VLLMTarget.hold): waited for by the next version's start only.
         self._holding = self._holder.submit(self.target.hold)
-        log.info("switched to the staged version in %.3f s", time.perf_counter() - started)
+        checked = self.target.last_read_back
+        log.info(
+            "switched to the staged version in %.3f s (%s)",
+            time.perf_counter() - started,
+            checked.summary() if checked is not None else "not read back",
+        )
 
     def finish_weight_update(self) -> None:
         """Nothing left to do after a switch; a version never switched to is discarded (module docstring)."""

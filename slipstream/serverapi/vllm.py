@@ -35,6 +35,8 @@ from slipstream.serverapi.spec import Call, GenerateRoute, PauseMode, ServerAPI,
 # the version it staged while vLLM generated: sent with generation paused, between the buckets and
 # ``/finish_weight_update``.
 SWITCH_UPDATE = {"slipstream_switch": True}
+# Set by the launcher for ``rollout.vllm.double_buffer``; read by our engine in vLLM's worker.
+DOUBLE_BUFFER_ENV = "SLIPSTREAM_VLLM_DOUBLE_BUFFER"
 
 # Paused in abort or wait mode, 0.33 answers new requests 503 until resume (the client retries them); 0.32,
 # the CPU build, holds them instead (docs/contracts.md). In keep mode both hold them. Every mode clears the

@@ -71,7 +71,7 @@ from slipstream.rollouter.clients.base import (
 )
 from slipstream.rollouter.server_stats import parse_prometheus
 from slipstream.serverapi import VLLM, ServerAPI
-from slipstream.serverapi.vllm import SWITCH_UPDATE
+from slipstream.serverapi.vllm import DOUBLE_BUFFER_ENV, SWITCH_UPDATE
 from slipstream.serverkinds import ServerKind, args_or_checkpoint_dtype
 from slipstream.utils.cpu import native_bf16
 from slipstream.utils.logging import get_logger
@@ -529,6 +529,8 @@ def vllm_gate(host: str) -> str:
 def vllm_env(cfg: RolloutConfig) -> dict[str, str]:
     """Dev mode (pause, abort and the weight-transfer routes exist only there) and the CPU build's knobs."""
     env = {"VLLM_SERVER_DEV_MODE": "1"}
+    if cfg.vllm.double_buffer:
+        env[DOUBLE_BUFFER_ENV] = "1"  # read by our engine in vLLM's worker (rollouter/vllm_weights.py)
     if vllm_build() == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.vllm.cpu_kv_cache_gib)
         if cfg.vllm.cpu_threads:

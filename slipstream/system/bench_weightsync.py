@@ -74,6 +74,12 @@ def _parser() -> argparse.ArgumentParser:
     add_key_option(p, WeightSyncConfig, "bucket_mb", section="weightsync", default=64)
     add_key_option(p, WeightSyncConfig, "timeout_s", section="weightsync", default=300.0)
     add_key_option(p, WeightSyncConfig, "pause_mode", section="weightsync", default="abort")
+    p.add_argument(
+        "--double-buffer",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="rollout.vllm.double_buffer: versions load into a shadow copy, the switch swaps it in",
+    )
     p.add_argument("--log", default="", help="vLLM's log file (default: a temporary file)")
     add_json_flag(p)
     return p
@@ -209,7 +215,9 @@ def vllm_main(argv: list[str]) -> int:
 
     args = _parser().parse_args(argv)
     path = resolve_model_path(args.model)
-    v = VLLMServerConfig(max_model_len=512, max_num_seqs=args.requests, cpu_threads=args.threads)
+    v = VLLMServerConfig(
+        max_model_len=512, max_num_seqs=args.requests, cpu_threads=args.threads, double_buffer=args.double_buffer
+    )
     rollout = RolloutConfig(backend="vllm", vllm=v)
     dtype = vllm_dtype(rollout, str(path))
     tensors = _trainer_tensors(path, dtype)
@@ -259,6 +267,7 @@ def vllm_main(argv: list[str]) -> int:
     out |= {"raw_s": raw, "raw_over_transfer": raw / out["transfer_s"], "raw_over_send": raw / out["send_s"]}
     out |= {"pause_over_transfer": out["pause_s"] / out["transfer_s"], "dtype": dtype}
     out |= {"requests": args.requests, "pause_mode": args.pause_mode, "bucket_mb": args.bucket_mb}
+    out |= {"double_buffer": args.double_buffer}
     out |= {"load_errors": len(load.errors), "versions": 2 * len(rows)}
     out = _rounded(out)
     if args.json:

