@@ -8,6 +8,7 @@ The server is this module's own (a vision model), started once; about a minute o
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import httpx
@@ -209,8 +210,14 @@ def test_the_rollout_sends_images_and_a_resumed_request_keeps_them(vlm):
         partial = PartialRolloutClient(c, max_in_flight=4)
         try:
             task = await start_long(url, lambda: partial.generate(ids, greedy, rid="img", images=images))
-            await c.abort("img")  # the server ends the piece; the wrapper resumes it
-            await until(lambda: partial.resumes >= 1)
+            # the server ends the piece; the wrapper resumes it. Aborted again until it is: the server's tokens
+            # that start_long saw may be another request's, with this one's images still being processed.
+            for _ in range(120):
+                await c.abort("img")
+                with contextlib.suppress(TimeoutError):
+                    await until(lambda: partial.resumes >= 1, timeout_s=1.0)
+                    break
+            await until(lambda: partial.resumes >= 1, timeout_s=1.0)
             await wait_for_tokens(url, generated(url) + 8)
             await partial.abort("img")
             resumed = await task
