@@ -62,16 +62,13 @@ def sampled_batch(url: str, model: Path, rows: list[dict], max_new_tokens: int) 
     """vLLM's samples of ``rows`` (temperature 1) as a packed batch with its images, and vLLM's logprobs
     aligned with the batch's tokens (0 on prompts)."""
     import httpx
-    import torch
-    from tensordict import TensorDict
     from transformers import AutoTokenizer
 
     from slipstream.agents.multimodal import ImageLimits, content_parts, decode_image
-    from slipstream.trainer.engine.vision import ImageProcessor
 
     tok = AutoTokenizer.from_pretrained(model)
     pad = tok.convert_tokens_to_ids("<|image_pad|>")
-    ids, pos, mask, cu, prompt_lens, served, images = [], [], [], [0], [], [], []
+    replies = []
     for i, row in enumerate(rows):
         imgs = [decode_image(item["bytes"], limits=ImageLimits()) for item in row["images"]]
         chat = tok.apply_chat_template(row["prompt"], add_generation_prompt=True)
@@ -84,10 +81,25 @@ def sampled_batch(url: str, model: Path, rows: list[dict], max_new_tokens: int) 
         reply = httpx.post(url + "/inference/v1/generate", json=body, timeout=300)
         reply.raise_for_status()
         out = reply.json()
-        response = [t for t in out["choices"][0]["token_ids"]]
-        if pad in response:  # the engine refuses a generated pad; a random model may sample one
+        if (
+            pad in out["choices"][0]["token_ids"]
+        ):  # the engine refuses a generated pad; a random model may sample one
             continue
-        prompt = out["prompt_token_ids"]
+        replies.append((out, imgs))
+    return packed_replies(replies, str(model))
+
+
+def packed_replies(replies: list[tuple[dict, list]], model: str) -> tuple[Any, Any]:
+    """vLLM native-route replies (each with its prompt's images) packed into one batch the FSDP engine scores,
+    and vLLM's logprobs aligned with the batch's tokens (0 on prompts)."""
+    import torch
+    from tensordict import TensorDict
+
+    from slipstream.trainer.engine.vision import ImageProcessor
+
+    ids, pos, mask, cu, prompt_lens, served, images = [], [], [], [0], [], [], []
+    for out, imgs in replies:
+        prompt, response = out["prompt_token_ids"], out["choices"][0]["token_ids"]
         ids += prompt + response
         pos += list(range(len(prompt) + len(response)))
         mask += [0] * len(prompt) + [1] * len(response)
@@ -102,7 +114,7 @@ def sampled_batch(url: str, model: Path, rows: list[dict], max_new_tokens: int) 
             "loss_mask": torch.tensor(mask),
             "cu_seqlens": torch.tensor(cu, dtype=torch.int32),
             "prompt_lens": torch.tensor(prompt_lens),
-            **ImageProcessor(str(model))(images),
+            **ImageProcessor(model)(images),
         },
         batch_size=[],
     )

@@ -134,11 +134,8 @@ def test_trainer_logprobs_of_image_prompts_equal_vllms(vlm):
     """vLLM samples at temperature 1 on image prompts; the FSDP engine, given vLLM's expanded prompt ids, the
     same encoded images through the model's own image processor and the sampled tokens, scores each sampled
     token as vLLM did (fp32 on both sides): the vision tower, the multi-modal positions and packing agree."""
-    import torch
-    from tensordict import TensorDict
-
+    from slipstream.system.bench_multimodal import packed_replies
     from slipstream.trainer.engine.fsdp import FSDPEngine
-    from slipstream.trainer.engine.vision import ImageProcessor
     from tests.trainer.conftest import trainer_settings
 
     url, tok = vlm
@@ -150,30 +147,12 @@ def test_trainer_logprobs_of_image_prompts_equal_vllms(vlm):
         ("<image> then <image>: which is red?", [picture(100, 80, "red"), picture(56, 84, "blue")]),
         ("no picture at all", []),
     ]
-    ids, pos, mask, cu, prompt_lens, served, images = [], [], [], [0], [], [], []
+    replies = []
     for i, (text, imgs) in enumerate(prompts):
         out = generate(url, prompt_ids(tok, text), imgs, max_tokens=8, temperature=1.0, seed=7 + i)
-        response = out["choices"][0]["token_ids"]
-        assert pad not in response  # a generated pad is not scored (engine/vision.py)
-        prompt = out["prompt_token_ids"]
-        ids += prompt + response
-        pos += list(range(len(prompt) + len(response)))
-        mask += [0] * len(prompt) + [1] * len(response)
-        cu.append(len(ids))
-        prompt_lens.append(len(prompt))
-        served += [0.0] * len(prompt) + [e["logprob"] for e in out["choices"][0]["logprobs"]["content"]]
-        images.append([im.data for im in imgs])
-    batch = TensorDict(
-        {
-            "input_ids": torch.tensor(ids),
-            "position_ids": torch.tensor(pos),
-            "loss_mask": torch.tensor(mask),
-            "cu_seqlens": torch.tensor(cu, dtype=torch.int32),
-            "prompt_lens": torch.tensor(prompt_lens),
-            **ImageProcessor(path)(images),
-        },
-        batch_size=[],
-    )
+        assert pad not in out["choices"][0]["token_ids"]  # a generated pad is not scored (engine/vision.py)
+        replies.append((out, imgs))
+    batch, served = packed_replies(replies, path)
     import torch.distributed as dist
 
     engine = FSDPEngine(trainer_settings(path, "trainer.micro_batch_tokens=4096"))
@@ -184,7 +163,7 @@ def test_trainer_logprobs_of_image_prompts_equal_vllms(vlm):
         if dist.is_initialized():
             dist.destroy_process_group()
     scored = batch["loss_mask"].bool()
-    err = (got[scored] - torch.tensor(served)[scored]).abs().max().item()
+    err = (got[scored] - served[scored]).abs().max().item()
     assert err <= 1e-4, err
 
 
