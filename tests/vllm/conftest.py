@@ -146,7 +146,15 @@ async def start_long(url: str, generate: Callable[[], Awaitable[GenerateOutput]]
     The request then runs until the test aborts it (or a pause or push it is testing does), so nothing
     the test does next races its end.
     """
+    # Tokens the server makes while another request is still on it would pass for this one's: wait until it
+    # holds none (a request another test ended may still be leaving it).
+    await until(lambda: busy(url) == 0)
     before = generated(url)
     task = asyncio.create_task(generate())
     await wait_for_tokens(url, before)
     return task
+
+
+def busy(url: str) -> float:
+    """Requests the server holds: running or waiting to run."""
+    return metric(url, "vllm:num_requests_running") + metric(url, "vllm:num_requests_waiting")
