@@ -98,7 +98,7 @@ def check_config(cfg: Config, *, environment: bool = True) -> None:
     checks = [_check_registries, _check_trainer, _check_sampling, _check_faults, _check_lengths, check_layout,
               _check_memory, _check_autotune]  # fmt: skip
     if environment:
-        checks += [_check_model, _check_backends, _check_judge, _check_routing_replay, _check_vision_tower]
+        checks += [_check_model, _check_backends, _check_judge, _check_routing_replay]
     else:
         checks.append(_check_pairing)
     for check in checks:
@@ -211,19 +211,6 @@ def _check_routing_replay(cfg: Config) -> None:
         raise ConfigError(f"{key}: `rollout` needs a mixture-of-experts model; model.path is a dense model")
     if cfg.trainer.sequence_parallel_size > 1:
         raise ConfigError(f"{key}: `rollout` with trainer.sequence_parallel_size > 1 is not supported yet")
-
-
-def _check_vision_tower(cfg: Config) -> None:
-    """A frozen vision tower is left out of the pushes, which the servers' receivers refuse: they apply whole
-    versions only (every weight they serve), so the run would train on while the servers kept version 0."""
-    if not cfg.trainer.freeze_vision_tower:
-        return
-    path = Path(cfg.model.path).expanduser() / "config.json"
-    if path.is_file() and json.loads(path.read_text()).get("vision_config") is not None:
-        raise ConfigError(
-            "trainer.freeze_vision_tower: a frozen tower is left out of the weight pushes, and the servers "
-            "apply whole versions only (a version without the tower is refused); train it (false) in a run"
-        )
 
 
 def _check_backends(cfg: Config) -> None:

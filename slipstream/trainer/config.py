@@ -389,8 +389,9 @@ class TrainerConfig(ConfigStruct):
         bool,
         Meta(
             description="Vision-language models (Qwen2-VL family): keep the vision tower (patch embedding, "
-            "vision blocks, merger) at the checkpoint's weights; the optimizer holds the language model alone "
-            "and weight pushes leave the tower out (the servers keep the one they loaded). false trains it "
+            "vision blocks, merger) at the checkpoint's weights; the optimizer holds the language model alone. "
+            "Weight pushes still carry the unchanged tower, so every version is whole (the servers' receivers "
+            "apply whole versions only); with weightsync.delta it travels as an empty delta. false trains it "
             "and pushes it with the rest. Ignored for text models.",
         ),
     ] = False

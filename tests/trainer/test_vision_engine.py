@@ -1,6 +1,7 @@
 """The FSDP engine on image prompts (tiny random Qwen2-VL): packed micro-batches of image and text samples give
 the per-sample HF forward's logprobs, images follow their samples into micro-batches, and
-trainer.freeze_vision_tower keeps the tower out of the gradients and the weight pushes."""
+trainer.freeze_vision_tower keeps the tower out of the optimizer and at the checkpoint's weights while the
+pushes still carry it (every version whole)."""
 
 from __future__ import annotations
 
@@ -119,8 +120,20 @@ def test_packed_image_prompts_give_the_per_sample_logprobs(tiny_vlm, single_proc
     torch.testing.assert_close(got[scored], want[scored], atol=1e-5, rtol=0)
 
 
+def checkpoint_tensors(path) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under its own names (the names the servers load and pushes carry)."""
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
 @pytest.mark.parametrize("freeze", [False, True], ids=["tower-trains", "tower-frozen"])
-def test_freeze_vision_tower_keeps_it_out_of_gradients_and_pushes(tiny_vlm, single_process_group, freeze):
+def test_a_frozen_tower_stays_at_the_checkpoint_and_every_push_carries_it(
+    tiny_vlm, single_process_group, freeze
+):
+    """Frozen: the optimizer holds no tower parameter, two steps move the language model and leave the tower
+    at the checkpoint's bits, and each push still carries the tower (a whole version, which the servers'
+    receivers require). Trained: the tower moves and is pushed as it now is."""
     from slipstream.trainer.engine.fsdp import FSDPEngine
     from tests.trainer.conftest import trainer_settings
 
@@ -129,25 +142,30 @@ def test_freeze_vision_tower_keeps_it_out_of_gradients_and_pushes(tiny_vlm, sing
     )
     engine.initialize()
     batch = image_batch(tiny_vlm, SAMPLES)
+    params = dict(engine.model.named_parameters())
+    tower = [n for n in params if n.startswith("model.visual.")]
+    in_optimizer = {id(p) for group in engine.optimizer.param_groups for p in group["params"]}
+    assert tower and {id(params[n]) for n in tower}.isdisjoint(in_optimizer) == freeze
+    assert id(params["lm_head.weight"]) in in_optimizer
 
     def loss(outputs, mb):
         return -(outputs["logprobs"] * mb["loss_mask"].float()).sum() / 9.0, {}
 
-    engine.forward_backward_batch(batch, loss)
-    grads = {n: p.grad for n, p in engine.model.named_parameters()}
-    tower = [n for n in grads if n.startswith("model.visual.")]
-    assert tower and grads["lm_head.weight"] is not None
+    stored = checkpoint_tensors(tiny_vlm)
+    for _ in range(2):
+        engine.forward_backward_batch(batch, loss)
+        if freeze:
+            assert all(params[n].grad is None for n in tower)
+        engine.optimizer_step()
+    pushed = dict(engine.get_per_tensor_param())
+    assert set(pushed) == set(stored)
+    moved = {n for n, t in pushed.items() if not torch.equal(t, stored[n])}
+    tower_names = {n for n in stored if n.startswith("visual.")}
+    assert moved - tower_names, "the language model did not train"
     if freeze:
-        assert all(grads[n] is None for n in tower)
+        assert not moved & tower_names
     else:
-        assert grads["model.visual.patch_embed.proj.weight"].full_tensor().abs().max() > 0
-    pushed = [name for name, _ in engine.get_per_tensor_param()]
-    from safetensors import safe_open
-
-    with safe_open(str(tiny_vlm / "model.safetensors"), "pt") as f:  # the servers load the checkpoint's names
-        stored = set(f.keys())
-    tower = {n for n in stored if n.startswith("visual.")}
-    assert set(pushed) == (stored - tower if freeze else stored)
+        assert "visual.patch_embed.proj.weight" in moved
 
 
 def test_a_generated_image_pad_is_refused_naming_the_sample(tiny_vlm, single_process_group):

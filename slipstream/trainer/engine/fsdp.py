@@ -50,9 +50,9 @@ load-balancing loss to the policy loss (``engine/moe.py``). A micro-batch that c
 
 Vision-language models (Qwen2-VL family, ``engine/vision.py``) load as ``AutoModelForImageTextToText``, the
 vision tower with plain sdpa; a micro-batch's ``pixel_values`` / ``image_grid_thw`` go through the HF forward
-with multi-modal rotary positions computed per sample. ``trainer.freeze_vision_tower`` freezes the tower and
-leaves it out of ``get_per_tensor_param`` (the pushes). Packed micro-batches only, without shared-prompt rows
-or sequence parallelism.
+with multi-modal rotary positions computed per sample. ``trainer.freeze_vision_tower`` takes the tower out of
+the optimizer; ``get_per_tensor_param`` still yields it, unchanged, so every push is a whole version. Packed
+micro-batches only, without shared-prompt rows or sequence parallelism.
 
 Checkpoints are torch DCP (sharded model + optimizer, any world size can load them), plus the scheduler on
 rank 0 and each rank's RNG state in its own small file.
@@ -586,10 +586,9 @@ class FSDPEngine(ModelEngine):
         if self._lora is not None:  # the merged model, under the base model's names
             yield from lora.merged_named_tensors(self.model, dtype)
             return
-        frozen_tower = self._vision and self.tcfg.freeze_vision_tower
+        # A frozen vision tower goes too: every receiver applies whole versions only (each weight it serves),
+        # and a server that loaded another tower (a resumed run that trained it before) must get this one.
         for name, param in self.model.named_parameters():
-            if frozen_tower and name.startswith(vision.VISION_PREFIX):
-                continue  # the servers keep the tower they loaded: it never changes
             full = param.full_tensor() if hasattr(param, "full_tensor") else param.data
             full = full.detach()
             if self._vision:  # the servers load the checkpoint's names
