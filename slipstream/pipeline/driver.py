@@ -162,6 +162,8 @@ class StepDriver:
             "sync/paused_s": report.publish.paused_s if report.publish is not None else 0.0,
             # refusals for bytes that failed verification (weightsync.verify): corruption on the way
             "sync/verify_failed": float(report.publish.verify_failed if report.publish is not None else 0),
+            # the trainer's share of verification: digesting what it sent
+            "sync/verify_s": report.publish.verify_s if report.publish is not None else 0.0,
         })  # fmt: skip
         return out
 

@@ -19,6 +19,7 @@ Worked example::
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -32,6 +33,7 @@ class ReadBack:
     compared: int = 0  # checkpoint tensors compared
     unreadable: list[str] = field(default_factory=list)  # the model's parameters that could not be read back
     mismatched: list[str] = field(default_factory=list)  # checkpoint tensors whose served bits differ
+    seconds: float = 0.0  # what the comparison took
 
     def raise_if_mismatched(self) -> None:
         if self.mismatched:
@@ -40,14 +42,17 @@ class ReadBack:
             raise ValueError(f"{names}{more} {VERIFY_FAILED}: read back from the served parameters, they differ")
 
     def summary(self) -> str:
-        return f"read back {self.compared} tensors ({len(self.unreadable)} parameters not readable)"
+        return (
+            f"read back {self.compared} tensors ({len(self.unreadable)} parameters not readable) "
+            f"in {self.seconds:.3f} s"
+        )
 
 
 def read_back(
     model: torch.nn.Module, weights: Mapping[str, torch.Tensor], packed: Mapping[str, list[str]]
 ) -> ReadBack:
     """Compare ``model``'s parameters with ``weights`` (checkpoint names; module docstring)."""
-    report = ReadBack()
+    report, began = ReadBack(), time.perf_counter()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.is_meta or param.numel() == 0:
@@ -66,6 +71,7 @@ def read_back(
                     report.mismatched.append(part)
                 start += rows
                 report.compared += 1
+    report.seconds = time.perf_counter() - began
     return report
 
 

@@ -384,8 +384,9 @@ class SlipstreamWeightEngine(_Base):  # type: ignore[misc, valid-type]
         self._holding = self._holder.submit(self.target.hold)
         checked = self.target.last_read_back
         log.info(
-            "switched to the staged version in %.3f s (%s)",
+            "switched to the staged version in %.3f s (digests checked in %.3f s; %s)",
             time.perf_counter() - started,
+            self.receiver.last_verify_s,
             checked.summary() if checked is not None else "not read back",
         )
 

@@ -23,11 +23,16 @@ Versions alternate between ``weightsync.verify`` on and off (the digests, ``weig
 of each; ``verify_overhead`` is the median verified send over the median unverified one, less one (the
 digests are computed while packing and checked while staging, both inside ``send_s``; the whole push's
 spread, vLLM's reload on a shared core, would hide them), and ``verify_push_overhead`` the same for the
-whole push.
+whole push. Those two differences of medians are as noisy as the pushes; ``verify_share`` times the checks
+themselves, in every verified push: the trainer's digests (``PublishReport.verify_s``) plus vLLM's digest
+checks and read-back of the version (from its log's switch line), over the push's ``transfer_s``. It is an
+upper bound of what verification adds to a push: it counts the receiver's checks as if none overlapped the
+trainer's packing of the next bucket.
 
 Figures are medians over the verified versions. The last line of ``--json`` is one object: ``{"transfer_s",
 "pause_s", "send_s", "longest_stall_s", "tokens_during_push", "raw_s", "raw_over_transfer", "raw_over_send",
-"pause_over_transfer", "verify_overhead", "verify_push_overhead", "unverified_send_s", "bytes", "dtype", ...}``.
+"pause_over_transfer", "verify_share", "verify_overhead", "verify_push_overhead", "unverified_send_s", "bytes",
+"dtype", ...}``.
 
     slipstream bench weightsync --target vllm --json
 """
@@ -37,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import statistics
 import sys
 import threading
@@ -249,7 +255,7 @@ def vllm_main(argv: list[str]) -> int:
                     time.sleep(0.1)  # the counter's next sample
                     tokens, stall = counter.window(start, end)
                     row = {"transfer_s": end - start, "pause_s": report.paused_s, "send_s": report.send_s}
-                    row |= {"verify": cfg.verify}
+                    row |= {"verify": cfg.verify, "sender_verify_s": report.verify_s}
                     row |= {"longest_stall_s": stall, "tokens_during_push": tokens, "bytes": report.bytes}
                     rows.append(row)
                     print(f"version {version}: " + json.dumps(_rounded(row)), file=sys.stderr, flush=True)
@@ -258,6 +264,12 @@ def vllm_main(argv: list[str]) -> int:
                 counter.stop()
         finally:
             publisher.close()
+    checks = receiver_checks(log.read_text(errors="replace"))[1:]  # after the warm-up version's
+    if len(checks) != len(rows):
+        raise RuntimeError(f"vLLM's log has {len(checks)} switches for {len(rows)} pushes: {log}")
+    for row, (digests_s, read_back_s) in zip(rows, checks, strict=True):
+        row |= {"receiver_verify_s": digests_s + read_back_s}
+        row |= {"verify_share": (row["sender_verify_s"] + digests_s + read_back_s) / row["transfer_s"]}
     raw = _raw_s(cfg, nbytes, reps=max(3, args.reps))
     unverified = {k: statistics.median(r[k] for r in rows if not r["verify"]) for k in ("transfer_s", "send_s")}
     rows = [r for r in rows if r.pop("verify")]
@@ -276,6 +288,17 @@ def vllm_main(argv: list[str]) -> int:
         for key, value in out.items():
             print(f"{key:>20}: {value}")
     return 0
+
+
+_SWITCH = re.compile(
+    r"switched to the staged version in \S+ s \(digests checked in (\S+) s; (?:read back .*? in (\S+) s|not read back)\)"
+)
+
+
+def receiver_checks(log: str) -> list[tuple[float, float]]:
+    """Per switch in vLLM's log, in order: the seconds its receiver spent checking digests and reading the
+    version back (``rollouter/vllm_weights.py``'s switch line)."""
+    return [(float(m.group(1)), float(m.group(2) or 0.0)) for m in _SWITCH.finditer(log)]
 
 
 def _check(report):

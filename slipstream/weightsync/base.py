@@ -96,6 +96,7 @@ class SendStats(msgspec.Struct, kw_only=True):
     bytes: int = 0
     seconds: float = 0.0
     pack_s: float = 0.0
+    digest_s: float = 0.0  # of ``seconds``, digesting the tensors (``weightsync.verify``)
 
 
 def resolve_device(cfg: WeightSyncConfig) -> torch.device:
@@ -286,6 +287,7 @@ class Transport(ABC):
                 raise
             raise SourceFailed(f"version {version}: packing failed ({err}); receivers dropped it") from err
         stats.seconds = time.perf_counter() - began
+        stats.digest_s = buckets.digest_s if isinstance(buckets, BucketPacker) else 0.0
         return stats
 
     def _release(self, bucket: PackedBucket) -> None:

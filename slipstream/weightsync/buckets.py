@@ -36,6 +36,7 @@ Worked example::
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -283,6 +284,7 @@ class BucketPacker:
         self._held: int | None = None  # the slot of the bucket being filled, until it is handed out
         self.tensors = 0
         self.bytes = 0
+        self.digest_s = 0.0  # spent digesting (``verify``): what verification costs the sender
 
     def __iter__(self) -> BucketPacker:
         return self
@@ -334,7 +336,11 @@ class BucketPacker:
         name, tensor, kind = split_item(item)
         self.tensors += 1
         data = as_bytes(tensor)
-        stamp = digest(data, self.digest) if self.digest else None
+        stamp = None
+        if self.digest:
+            began = time.perf_counter()
+            stamp = digest(data, self.digest)
+            self.digest_s += time.perf_counter() - began
         return _Pending(name, data, tensor.dtype, list(tensor.shape), kind, stamp)
 
     def _peek_end(self) -> bool:
@@ -505,6 +511,7 @@ class StagingArea:
         self.version: int | None = None
         self.nbytes = 0
         self.saw_last = False
+        self.verify_s = 0.0  # this version's digest checks (``weightsync.verify``): what they cost the receiver
 
     def begin(self, version: int) -> None:
         self.version = version
@@ -515,6 +522,7 @@ class StagingArea:
         self._direct = set()
         self.nbytes = 0
         self.saw_last = False
+        self.verify_s = 0.0
 
     @property
     def complete(self) -> bool:
@@ -559,7 +567,7 @@ class StagingArea:
             if not self._is_chunk(entry):
                 assert buf is not None
                 raw = buf[entry.offset : entry.offset + entry.nbytes]
-                _verify(entry, raw, meta.digest)
+                self._verify(entry, raw, meta.digest)
                 self._stage(entry, _typed_view(raw, dtype, entry.shape), done)
                 continue
             full = self._full_tensor(entry)
@@ -573,7 +581,7 @@ class StagingArea:
             got = self._partial.get(key, 0) + entry.nbytes
             if got >= tensor_nbytes(entry.shape, dtype):
                 self._partial.pop(key, None)
-                _verify(entry, full.reshape(-1).view(torch.uint8), meta.digest)
+                self._verify(entry, full.reshape(-1).view(torch.uint8), meta.digest)
                 self._stage(entry, full, done)
             else:
                 self._partial[key] = got
@@ -582,6 +590,15 @@ class StagingArea:
         return done
 
     # -- helpers
+
+    def _verify(self, entry: TensorEntry, raw: torch.Tensor, algo: str) -> None:
+        if entry.digest is None or not algo:
+            return
+        began = time.perf_counter()
+        try:
+            _verify(entry, raw, algo)
+        finally:
+            self.verify_s += time.perf_counter() - began
 
     def _stage(self, entry: TensorEntry, tensor: torch.Tensor, done: list) -> None:
         if entry.kind == DENSE:

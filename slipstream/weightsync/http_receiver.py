@@ -125,6 +125,7 @@ class _Session:
     started: float = field(default_factory=time.perf_counter)
     active: float = field(default_factory=time.monotonic)
     receive_s: float = 0.0
+    verify_s: float = 0.0  # checking the staged bytes against the sender's digests (``weightsync.verify``)
     stream_task: asyncio.Task | None = None
     # A version received in band, checked and rebuilt (and prepared, on a PreparingTarget) before its switch.
     prepared: Rebuilt | None = None
@@ -153,6 +154,7 @@ class WeightReceiver:
         self.last_error = ""
         self.last_apply_s = 0.0
         self.last_receive_s = 0.0
+        self.last_verify_s = 0.0
         # How long any wait lasts: the trainer's limit once it has said so (init_weights_update_group).
         self.wait_s = self.cfg.timeout_s
         # What delta and LoRA versions are rebuilt from, before the target sees them (send_less.py).
@@ -295,6 +297,8 @@ class WeightReceiver:
         self.last_apply_s = time.perf_counter() - start
         await asyncio.to_thread(self.rebuilder.applied, rebuilt, version)
         self.last_receive_s = session.receive_s
+        staging = session.staging
+        self.last_verify_s = staging.verify_s if isinstance(staging, StagingArea) else session.verify_s
         self.applied_versions += 1
         mb = session.staging.nbytes / 2**20
         msg = (
@@ -337,6 +341,7 @@ class WeightReceiver:
             last_error=self.last_error,
             last_apply_s=self.last_apply_s,
             last_receive_s=self.last_receive_s,
+            last_verify_s=self.last_verify_s,
             delta_base=self.rebuilder.base_version,
             lora_base=len(self.rebuilder.lora_base),
             kept_bytes=self.rebuilder.kept_bytes,
@@ -416,6 +421,7 @@ class WeightReceiver:
             parts, info = (dict(area.parts), area.info) if area is not None else ({}, None)
             session.staging = _Collected(staged, stream.nbytes, parts, info)
             session.receive_s = time.perf_counter() - start
+            session.verify_s = area.verify_s if area is not None else 0.0
             # Whole: check, rebuild and prepare it now, while the old version still serves, so the switch only
             # switches (the target's prepare runs here; ``_apply`` prepares a version that arrived otherwise).
             session.prepared = await self._prepare(session, session.version)

@@ -67,6 +67,9 @@ class PublishReport(msgspec.Struct, kw_only=True):
     # Of ``seconds``, the buckets on their way (packing pipelined with the wire), without the servers' calls,
     # their preparation of the version or its switch.
     send_s: float = 0.0
+    # Of ``send_s``, digesting the tensors for verification (``weightsync.verify``; the receivers' checks are
+    # their own: ``last_verify_s`` in their status).
+    verify_s: float = 0.0
     retried: bool = False
     # What travelled: ``full``, ``delta`` (against version ``base``), ``lora`` (base weights and adapters),
     # ``adapters`` (adapters only) or ``merged`` (a LoRA version as whole weights, W + scale B A); for a
@@ -431,6 +434,7 @@ class WeightPublisher:
         for url in members:
             self.held[url] = version
         report.bytes, report.buckets, report.send_s = stats.bytes, stats.buckets, stats.seconds
+        report.verify_s = stats.digest_s
         report.seconds = time.perf_counter() - start
 
     async def _ensure_link(self, report: PublishReport) -> list[str]:

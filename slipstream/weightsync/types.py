@@ -295,6 +295,7 @@ class ReceiverStatus(msgspec.Struct, kw_only=True):
     # Seconds the last applied version took to apply (generation paused) and to receive (it was not).
     last_apply_s: float = 0.0
     last_receive_s: float = 0.0
+    last_verify_s: float = 0.0  # of the last version applied, checking its bytes against the sender's digests
     # Send-less: the version deltas may apply to (None: a delta is refused), how many adapted base
     # weights are kept for LoRA versions, and the bytes both take (send_less.py).
     delta_base: int | None = None

@@ -293,7 +293,10 @@ def test_bytes_corrupted_in_flight_fail_verification_and_the_version_is_refused(
     url = servers.start()
     pub = WeightPublisher(config(keep_last=keep_last), [url], server_kind("embedded"))
     try:
-        assert pub.publish(1, iter(mixed_tensors(1))).ok == [url]
+        first = pub.publish(1, iter(mixed_tensors(1)))
+        assert first.ok == [url]
+        # what the checks cost is timed on both sides (sync/verify_s; the receiver's status)
+        assert 0 < first.verify_s < first.send_s and status(url)["last_verify_s"] > 0
         corrupt = corrupt_once(monkeypatch, version=2)
         report = pub.publish(2, iter(mixed_tensors(2)))
         assert corrupt.name is not None and report.verify_failed == 1
@@ -314,7 +317,8 @@ def test_without_verification_the_same_corruption_is_served(servers, monkeypatch
     pub = WeightPublisher(config(verify=False), [url], server_kind("embedded"))
     try:
         corrupt_once(monkeypatch, version=1)
-        assert pub.publish(1, iter(mixed_tensors(1))).ok == [url]
+        report = pub.publish(1, iter(mixed_tensors(1)))
+        assert report.ok == [url] and report.verify_s == 0 and status(url)["last_verify_s"] == 0
         assert served(url)["version"] == 1 and served(url)["digest"] != digest(mixed_tensors(1))
     finally:
         pub.close()
