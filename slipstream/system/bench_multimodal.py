@@ -175,13 +175,15 @@ def image_bytes(model: Path, row: dict, n: int) -> dict[str, float]:
     }
 
 
-def pipeline_run(model: Path, data: Path, out: Path, steps: int) -> dict[str, Any]:
-    """A short fully asynchronous run on the image prompts (vLLM and the trainer, one core each)."""
+def pipeline_records(model: Path, data: Path, out: Path, steps: int, *overrides: str) -> list[dict[str, Any]]:
+    """The metrics records of a short fully asynchronous run on the image prompts (the quickstart's layout:
+    vLLM and the trainer, one core each, a push every step), one per step; ``overrides`` are dotted keys
+    applied last (the vLLM test runs it in fp32 and in sync mode, with the tower frozen)."""
     from slipstream.config import load_config
     from slipstream.metrics import read_metrics
     from slipstream.pipeline import Pipeline
 
-    overrides = [
+    keys = [
         f"model.path={model}",
         f"data.train_files=[{data}]",
         "data.val_files=[]",
@@ -194,10 +196,16 @@ def pipeline_run(model: Path, data: Path, out: Path, steps: int) -> dict[str, An
         "trainer.batch_groups=2",
         f"rollout.vllm.max_model_len={MAX_MODEL_LEN}",
         "wandb.mode=disabled",
+        *overrides,
     ]
+    result = Pipeline(load_config(QUICKSTART, keys)).run()
+    return read_metrics(result.run_dir)
+
+
+def pipeline_run(model: Path, data: Path, out: Path, steps: int) -> dict[str, Any]:
+    """The bench's summary of :func:`pipeline_records`."""
     t0 = time.monotonic()
-    result = Pipeline(load_config(QUICKSTART, overrides)).run()
-    records = read_metrics(result.run_dir)
+    records = pipeline_records(model, data, out, steps)
     rewards = [r.get("trainer/reward_mean", 0.0) for r in records]
     return {
         "steps_completed": len(records),
