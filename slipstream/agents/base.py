@@ -25,6 +25,7 @@ import msgspec
 
 from slipstream.agents.config import AgentConfig
 from slipstream.agents.data import Sample
+from slipstream.agents.multimodal import Image
 from slipstream.agents.protocol import GenerateOutput, InferenceClient, SamplingParams
 
 
@@ -54,6 +55,9 @@ class AgentLoopOutput(msgspec.Struct, kw_only=True):
     # `external` loop: a harness that compacted or edited its history started a new one). The rollouter
     # trains each as its own trajectory in the episode's group, with the episode's reward.
     earlier_segments: list[AgentLoopOutput] = []
+    # The images the prompt's pads stand for, in order, when the loop got them from its requests rather than
+    # from the sample (the gateway's image parts); the rollouter carries them as the group's images.
+    images: list[Image] = []
     # MoE routing replay: the last generate's routes (``GenerateOutput.routed_experts``), which cover the
     # whole sequence it was given plus its output but the last token; None without routes.
     routed_experts: Any = None

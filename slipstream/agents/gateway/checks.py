@@ -9,9 +9,11 @@ So, in order:
 2. its text: at most ``max_total_tokens`` times the tokenizer's longest token in characters
    (:func:`check_text_size`, 400), since such a text certainly renders to more tokens than an episode may
    hold; only then is it rendered and tokenised (in a worker thread too);
-3. its fields: ``n``, ``stop``, ``max_tokens``, ``stream``, messages, tools and ``tool_choice`` (400 naming
-   the field), and a token-id prompt within the vocabulary (:func:`check_prompt_ids`, 400 naming the id:
-   an id the model has no embedding for would fail on the server, not in the harness's request).
+3. its fields: ``n``, ``stop``, ``max_tokens``, ``stream``, messages (content parts text or images only),
+   tools and ``tool_choice`` (400 naming the field), and a token-id prompt within the vocabulary
+   (:func:`check_prompt_ids`, 400 naming the id: an id the model has no embedding for would fail on the
+   server, not in the harness's request); the images are decoded and checked with the rendering
+   (gateway/images.py).
 
 Errors are OpenAI-style (``{"error": {"message", "type", "code"}}``, see :class:`GatewayError`).
 """
@@ -25,6 +27,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_REQUEST_BYTES = 8 * 1024 * 1024
 # Nesting levels a body may have: serde_json's default limit; OpenAI tool schemas nest a handful.
 MAX_JSON_DEPTH = 128
+# Content part types a chat message may hold (gateway/images.py decodes the images).
+PART_TYPES = ("text", "image_url")
 # Most replies one request may ask for (`n`), and most stop strings (OpenAI's limit).
 MAX_N = 16
 MAX_STOPS = 4
@@ -61,7 +65,8 @@ def parse_body(raw: bytes) -> tuple[dict[str, Any], int]:
 
 def _measure(value: dict[str, Any]) -> tuple[int, int]:
     """Characters of the strings in ``value`` and its depth, without recursion (the point is to refuse
-    bodies too deep to recurse through); stops descending past ``MAX_JSON_DEPTH``."""
+    bodies too deep to recurse through); stops descending past ``MAX_JSON_DEPTH``. An image part's URL is
+    not text (its tokens are the image's, bounded by gateway/images.py), so it is not counted."""
     chars, deepest = 0, 1
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
@@ -69,7 +74,11 @@ def _measure(value: dict[str, Any]) -> tuple[int, int]:
         deepest = max(deepest, depth)
         if depth > MAX_JSON_DEPTH:
             break
-        items = [*node, *node.values()] if isinstance(node, dict) else node
+        if isinstance(node, dict):
+            image = node.get("type") == "image_url"
+            items = [*node, *(v for k, v in node.items() if not (image and k == "image_url"))]
+        else:
+            items = node
         for item in items:
             if isinstance(item, str):
                 chars += len(item)
@@ -144,7 +153,11 @@ def check_chat(body: dict[str, Any]) -> None:
         if content is None and not (m["role"] == "assistant" and calls):
             raise GatewayError(400, f"messages[{i}].content is missing")
         if content is not None and not isinstance(content, str | list):
-            raise GatewayError(400, f"messages[{i}].content must be a string or a list of text parts")
+            raise GatewayError(
+                400, f"messages[{i}].content must be a string or a list of text and image parts"
+            )
+        if isinstance(content, list):
+            check_parts(i, content)
         if calls is not None and not (
             isinstance(calls, list)
             and all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls)  # fmt: skip
@@ -157,6 +170,28 @@ def check_chat(body: dict[str, Any]) -> None:
     ):
         raise GatewayError(400, 'tools must be a list of {"type": "function", "function": {"name", ...}}')
     check_tool_choice(body.get("tool_choice"), tools or [])
+
+
+def part_url(part: dict[str, Any]) -> Any:
+    """An image part's URL: ``{"image_url": {"url": ...}}``, or a bare string as some clients send it."""
+    value = part.get("image_url")
+    return value.get("url") if isinstance(value, dict) else value
+
+
+def check_parts(i: int, content: list[Any]) -> None:
+    """Refuse a content list with anything but text and image parts (400 naming the part). The images
+    themselves are decoded later, in a worker thread (gateway/images.py)."""
+    for j, part in enumerate(content):
+        where = f"messages[{i}].content[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in PART_TYPES:
+            raise GatewayError(400, f"{where} must be a part of type {' or '.join(PART_TYPES)}, got {kind!r}")
+        if kind == "text" and not isinstance(part.get("text"), str):
+            raise GatewayError(400, f"{where} is a text part without a string `text`")
+        if kind == "image_url" and not isinstance(part_url(part), str):
+            raise GatewayError(
+                400, f'{where} is an image part without {{"image_url": {{"url": "data:..."}}}}'
+            )
 
 
 def check_tool_choice(choice: Any, tools: list[dict[str, Any]]) -> None:

@@ -18,6 +18,11 @@ recipes: Qwen2.5(-Math) and Qwen3 render and emit ``<tool_call>\n{"name": ..., "
 to open with ``<tool_call>`` and a named function with ``<tool_call>{"name": "<name>", "arguments": ``; the
 forced text is inserted tokens (loss_mask 0), the model generates the rest. There is no constrained
 decoding: a forced reply that still does not parse comes back as text.
+
+Image parts (gateway/images.py) reach the template as ``{"type": "image"}`` parts, which vision-language
+templates (Qwen2-VL's and the tiny test model's) render as one ``<|vision_start|><|image_pad|><|vision_end|>``
+each; the server expands each pad to the image's tokens. A message without images keeps its text parts
+joined, as text-only templates expect.
 """
 
 from __future__ import annotations
@@ -78,7 +83,9 @@ class GatewayRenderer:
         out = [self._message(m) for m in messages]
         if tools and not self.native_tools:
             text = tools_system_text(tools)
-            if out and out[0]["role"] == "system":
+            if out and out[0]["role"] == "system" and isinstance(out[0]["content"], list):  # with images
+                out[0] = {**out[0], "content": [*out[0]["content"], {"type": "text", "text": f"\n\n{text}"}]}
+            elif out and out[0]["role"] == "system":
                 out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{text}"}
             else:
                 out.insert(0, {"role": "system", "content": text})
@@ -95,7 +102,10 @@ class GatewayRenderer:
 
     def _message(self, message: dict[str, Any]) -> dict[str, Any]:
         content = message.get("content")
-        if isinstance(content, list):
+        if isinstance(content, list) and any(p.get("type") == "image_url" for p in content):
+            # image parts stay parts, without their bytes: the template renders one image pad for each
+            content = [p if p.get("type") == "text" else {"type": "image"} for p in content]
+        elif isinstance(content, list):
             content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
         out = {k: v for k, v in message.items() if k not in ("content", "tool_calls")}
         out["content"] = content or ""

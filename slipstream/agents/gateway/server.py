@@ -31,6 +31,15 @@ episode ending with replies pending records). Bad requests get OpenAI-style erro
 "type", "code"}}``) and cost nothing but themselves (checks.py: the body's size, depth and text are bounded
 before anything is rendered). The gateway binds loopback unless told otherwise.
 
+Images: a chat message's content may hold ``image_url`` parts with ``data:`` URLs (PNG, JPEG, WebP; any other
+URL is refused, the gateway fetches nothing), decoded and checked in a worker thread (images.py, 400 naming
+the message and part). The template renders one image pad per image, the segment's images go with every
+request (vLLM's native route, as the rollouter sends a dataset's), and the record keeps the prompt as the
+server expanded the pads, the ids the trainer scores with the segment's images
+(``AgentLoopOutput.images``). New messages with images start a new segment (a trained sequence's images
+sit in its prompt). Where the servers take no images (``image_refusal``: the embedded server, SGLang,
+vLLM's /v1/completions) or the model has no image pad, a request with image parts is a 400 saying so.
+
 The event loop serves every session of the rollouter, so nothing proportional to a request's size runs on
 it: the body is parsed and measured, and the chat rendered and tokenised, in worker threads, as the
 embedded server does.
@@ -75,8 +84,10 @@ from slipstream.agents.gateway.checks import (
     check_text_size,
     parse_body,
 )
+from slipstream.agents.gateway.images import IMAGE_PAD, chat_images, image_parts
 from slipstream.agents.gateway.render import GatewayRenderer, cut_at_stop, parse_reply, tool_prefill
 from slipstream.agents.gateway.session import Choice, Session, record
+from slipstream.agents.multimodal import ImageLimits, ImageTokens
 from slipstream.agents.protocol import TOKEN_SINK, GenerateOutput, InferenceClient, SamplingParams
 from slipstream.utils.logging import get_logger
 from slipstream.utils.net import LOOPBACK, is_loopback
@@ -149,7 +160,12 @@ class Gateway:
         host: str = LOOPBACK,
         port: int = 0,
         model_name: str = "slipstream-policy",
+        image_refusal: str | None = None,
+        image_limits: ImageLimits | None = None,
     ) -> None:
+        """``image_refusal``: why the servers behind ``client`` take no images (a request with image parts is
+        answered 400 with it), None where they do; ``image_limits`` bounds a request's images (the
+        dataset's defaults when None)."""
         if not is_loopback(host):
             log.warning("the gateway binds %s: session keys are its only protection beyond this host", host)
         self.client = client
@@ -162,6 +178,10 @@ class Gateway:
         self.max_turns = max_turns
         self.host, self.port = host, port
         self.model_name = model_name
+        self.image_refusal = image_refusal
+        self.image_limits = image_limits or ImageLimits()
+        self.image_pad: int | None = tokenizer.get_vocab().get(IMAGE_PAD)
+        self._image_tokens: ImageTokens | None = None  # read from the model's files at the first image
         self._sessions: dict[str, Session] = {}
         self._by_key: dict[bytes, str] = {}
         self._server: _Server | None = None
@@ -213,6 +233,7 @@ class Gateway:
             async with asyncio.timeout(CLOSE_WAIT_S):
                 async with session.lock:
                     session.settle()
+                    session.drop_unsent()
         return session
 
     # ------------------------------------------------------------------ HTTP
@@ -311,6 +332,8 @@ class Gateway:
                 prompt_ids, tools = await self._prompt(session, body, chat)
                 prefill = self._prefill(body) if chat and tools else []
                 outs = await self._generate(session, prompt_ids + prefill, body)
+                if outs and session.current.images:
+                    prompt_ids = self._expand(session, outs[0], prompt_ids, prefill)
             except BaseException:
                 session.rollback(state)
                 raise
@@ -473,11 +496,16 @@ class Gateway:
             return await _in_thread(session.begin_completion, body["prompt"], encode), None
         messages, tools = body["messages"], body.get("tools") or None
         r = self.renderer
+        if any(image_parts(m.get("content")) for m in messages):
+            self._check_images_served()
 
         def begin() -> list[int]:
+            images = chat_images(messages, self.image_limits)
             key = json.dumps(tools, sort_keys=True) if tools else ""
             delta = lambda new, ended: r.delta_ids(new, tools, key, ended)  # noqa: E731
-            return session.begin_chat(messages, key, lambda m: r.full_ids(m, tools, key), delta)
+            ids = session.begin_chat(messages, key, lambda m: r.full_ids(m, tools, key), delta, images)
+            self._check_pads(ids, len(session.current.images))
+            return ids
 
         try:
             ids = await _in_thread(begin)
@@ -487,11 +515,57 @@ class Gateway:
             raise GatewayError(400, f"cannot render the messages with the chat template: {err}") from err
         return ids, tools
 
+    # ------------------------------------------------------------------ images
+    def _check_images_served(self) -> None:
+        if self.image_refusal:
+            raise GatewayError(400, f"this gateway takes no image parts: {self.image_refusal}")
+        if self.image_pad is None:
+            raise GatewayError(
+                400,
+                f"this gateway takes no image parts: the model's tokenizer has no {IMAGE_PAD} token, so it is "
+                "not a vision-language model the gateway can send images to",
+            )
+
+    def _check_pads(self, ids: list[int], num_images: int) -> None:
+        """Refuse a prompt whose image pads are not one per image: vLLM would fail it with a 500, or read
+        an image into a pad the harness typed as text."""
+        found = ids.count(self.image_pad) if self.image_pad is not None else 0
+        if found != num_images:
+            raise GatewayError(
+                400,
+                f"the prompt renders {found} image placeholders ({IMAGE_PAD}) for {num_images} images: the "
+                "chat template renders no image parts, or the messages' text holds image placeholders",
+            )
+
+    def _expansion(self, session: Session) -> int:
+        """Tokens the server adds to the current segment's prompt when it expands its image pads."""
+        images = session.current.images if session.current is not None else []
+        if not images:
+            return 0
+        if self._image_tokens is None:
+            path = getattr(self.tokenizer, "name_or_path", "")
+            self._image_tokens = (ImageTokens.from_model(path) if path else None) or ImageTokens()
+        return sum(self._image_tokens.count(image) - 1 for image in images)
+
+    def _expand(self, session: Session, out: GenerateOutput, prompt_ids: list[int], prefill: list[int]):
+        """Record the prompt as the server expanded its image pads (what the trainer scores; Session.expand)
+        and return it without the forced prefix: the prompt the server answered, as the harness sees it."""
+        if not out.prompt_ids:
+            raise GatewayError(502, "the server returned no expanded prompt for a request with images",
+                               "server_error")  # fmt: skip
+        try:
+            session.expand(out.prompt_ids, prompt_ids + prefill)
+        except ValueError as err:
+            raise GatewayError(502, str(err), "server_error") from err
+        return list(out.prompt_ids[: len(out.prompt_ids) - len(prefill)])
+
     async def _generate(self, session: Session, prompt_ids: list[int], body: dict[str, Any]):
-        """``n`` replies (sampled concurrently from the same prompt), or none when no turn or token is left."""
+        """``n`` replies (sampled concurrently from the same prompt), or none when no turn or token is left.
+        A segment with images sends them with every request (the prompt holds one pad per image)."""
         if session.turns >= self.max_turns:
             return []
-        budget = min(self.sampling.max_new_tokens, self.max_total_tokens - len(prompt_ids))
+        used = len(prompt_ids) + self._expansion(session)
+        budget = min(self.sampling.max_new_tokens, self.max_total_tokens - used)
         asked = body.get("max_completion_tokens") or body.get("max_tokens")
         if asked is not None:
             budget = min(budget, int(asked))
@@ -501,9 +575,14 @@ class Gateway:
         n = body.get("n") or 1
         rids = [f"{session.uid}-r{session.requests}-{secrets.token_hex(3)}" for _ in range(n)]
         session.active_rids = rids
+        # images only where the segment has some, so text-only clients need not take the keyword
+        media = {"images": session.current.images} if session.current.images else {}
         try:
             outs = await asyncio.gather(
-                *(self.client.generate(prompt_ids, params, rid=rid, session_id=session.uid) for rid in rids)
+                *(
+                    self.client.generate(prompt_ids, params, rid=rid, session_id=session.uid, **media)
+                    for rid in rids
+                )  # fmt: skip
             )
         except Exception as err:  # noqa: BLE001 - the harness gets the reason; the run goes on
             raise GatewayError(

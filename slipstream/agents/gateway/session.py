@@ -40,6 +40,8 @@ from collections.abc import Callable
 from typing import Any
 
 from slipstream.agents.base import AgentLoopOutput
+from slipstream.agents.gateway.images import image_key
+from slipstream.agents.multimodal import Image
 from slipstream.agents.protocol import GenerateOutput
 
 
@@ -61,8 +63,15 @@ def _arguments(value: Any) -> Any:
     return value
 
 
+def _image_keys(content: Any) -> tuple[str, ...]:
+    if not isinstance(content, list):
+        return ()
+    return tuple(image_key(p) for p in content if isinstance(p, dict) and p.get("type") == "image_url")
+
+
 def canonical(message: dict[str, Any]) -> tuple:
-    """What decides whether two messages render the same for the model (ids of tool calls do not)."""
+    """What decides whether two messages render the same for the model (ids of tool calls do not; images,
+    by a digest of their URLs, do)."""
     calls = tuple(
         (
             (c.get("function") or {}).get("name", ""),
@@ -71,7 +80,8 @@ def canonical(message: dict[str, Any]) -> tuple:
         for c in message.get("tool_calls") or []
     )
     name = message.get("name", "") if message.get("role") == "tool" else ""
-    return (message.get("role"), _text(message.get("content")).strip(), calls, name)
+    content = message.get("content")
+    return (message.get("role"), _text(content).strip(), calls, name, _image_keys(content))
 
 
 def _continues(prompt: list[int], recorded: list[int]) -> bool:
@@ -128,6 +138,11 @@ class Session:
         # and whether that request's prompt was text (completions).
         self._choices: list[Choice] = []
         self._choices_text = False
+        # Segments with images (by index): the prompt as rendered, one pad per image, which every request
+        # sends (the server expands the pads itself; an expanded prompt would be expanded again), and
+        # whether the server's expansion replaced it in the record yet.
+        self._compact: dict[int, list[int]] = {}
+        self._expanded: set[int] = set()
 
     @property
     def turns(self) -> int:
@@ -139,8 +154,33 @@ class Session:
         return self.segments[-1] if self.segments else None
 
     def context_ids(self) -> list[int]:
+        """The ids a request sends: the current segment's prompt (compact where it has images) and its
+        response so far."""
         seg = self.current
-        return [] if seg is None else seg.prompt_ids + seg.response_ids
+        if seg is None:
+            return []
+        return self._compact.get(len(self.segments) - 1, seg.prompt_ids) + seg.response_ids
+
+    def expand(self, server_prompt: list[int], sent: list[int]) -> None:
+        """Record the current segment's prompt as the server expanded its image pads (``server_prompt``: the
+        ``sent`` ids, expanded; what followed the compact prompt comes back unchanged). The trainer scores
+        the expanded prompt; requests keep sending the compact one. ValueError when the server's ids do not
+        end with what was sent after the prompt."""
+        index, seg = len(self.segments) - 1, self.current
+        tail = sent[len(self._compact[index]) :]
+        cut = len(server_prompt) - len(tail)
+        if cut <= 0 or server_prompt[cut:] != tail:
+            raise ValueError("the server's expanded prompt does not end with the ids sent after the prompt")
+        seg.prompt_ids = list(server_prompt[:cut])
+        self._expanded.add(index)
+
+    def drop_unsent(self) -> None:
+        """At the episode's end: segments with images whose prompt never reached a server (no turn or token
+        was left) are dropped; their compact prompt holds pads the trainer could not match to images."""
+        keep = [i for i in range(len(self.segments)) if i not in self._compact or i in self._expanded]
+        if len(keep) < len(self.segments):
+            self.segments = [self.segments[i] for i in keep]
+            self._compact, self._expanded = {}, set()
 
     def begin_chat(
         self,
@@ -148,9 +188,12 @@ class Session:
         tools_key: str,
         render_full: Callable[[list[dict[str, Any]]], list[int]],
         render_delta: Callable[[list[dict[str, Any]], bool], list[int]],
+        images: list[Image] = (),  # type: ignore[assignment]
     ) -> list[int]:
         """The prompt ids for a chat request: the segment extended by the new messages' delta, or a new
-        segment rendered from scratch (a divergence when a segment existed)."""
+        segment rendered from scratch (a divergence when a segment existed). ``images``: those of the
+        messages' image parts, in order. New messages with images start a new segment too: a trained
+        sequence's images sit in its prompt (a pad in a response cannot be scored)."""
         canon = [canonical(m) for m in messages]
         k = len(self.history)
         nxt = canon[k] if len(canon) > k and canon[:k] == self.history else None
@@ -162,12 +205,13 @@ class Session:
             and tools_key == self.tools_key
             and len(canon) > k
             and canon[:k] == self.history
+            and not any(c[-1] for c in canon[k:])
         )
         if extends:
             delta = render_delta(messages[k:], self.ended_turn)
             self.current.add_inserted(delta)
         else:
-            self._new_segment(render_full(messages), "chat")
+            self._new_segment(render_full(messages), "chat", images)
             self.tools_key = tools_key
         self.history = canon
         return self.context_ids()
@@ -240,6 +284,8 @@ class Session:
     def rollback(self, state: tuple) -> None:
         count, (size, turns), fields = state
         del self.segments[count:]
+        self._compact = {i: ids for i, ids in self._compact.items() if i < count}
+        self._expanded = {i for i in self._expanded if i < count}
         seg = self.current
         if seg is not None:
             seg.num_turns = turns
@@ -248,10 +294,12 @@ class Session:
         (self.kind, self.history, self.text, self.tools_key, self.ended_turn, self.divergences,
          self._choices, self._choices_text) = fields  # fmt: skip
 
-    def _new_segment(self, prompt_ids: list[int], kind: str) -> None:
+    def _new_segment(self, prompt_ids: list[int], kind: str, images: list[Image] = ()) -> None:  # type: ignore[assignment]
         if self.segments:
             self.divergences += 1
-        self.segments.append(AgentLoopOutput(prompt_ids=list(prompt_ids)))
+        if images:
+            self._compact[len(self.segments)] = list(prompt_ids)
+        self.segments.append(AgentLoopOutput(prompt_ids=list(prompt_ids), images=list(images)))
         self.kind = kind
         self.history = []
         self.text = ""
