@@ -43,6 +43,14 @@ weights, gradients and AdamW moments are all held (sharded like the rest: FSDP2 
 tensors by expert), so a trainer GPU's state follows the total count, its activations the active one, and a
 server's weights the total. ``tests/planning`` checks the per-layer count against
 those hooks and the whole estimate against a measured CPU step (within 1.2x).
+
+Vision-language models (Qwen2-VL, Qwen2.5-VL: a ``vision_config`` block, ``planning/vision.py``): the tower's
+parameters are among the weights everywhere (a server holds them too) and, on a trainer GPU, sharded with their
+AdamW moments and gradients as the rest, or as fp32 weights alone with ``trainer.freeze_vision_tower``; its patch
+embedding and merger join FSDP2's unsharded root module. A micro-batch is planned holding as many of the largest
+images a prompt takes (the image processor's ``max_pixels``, at most ``data.max_prompt_tokens`` tokens) as its
+tokens have room for, and the tower's activations over their patches (``merge**2`` per image token) sit beside
+the text layers'. A vLLM server also gives its encoder's cache and profiled forward out of the KV cache.
 """
 
 from __future__ import annotations
@@ -52,12 +60,23 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from slipstream.agents.multimodal import ImageTokens
 from slipstream.cli_args import (
     JSON_OBJECT,
     add_config_positionals,
     add_json_flag,
     command_parser,
     doc_paragraph,
+)
+from slipstream.planning.vision import (
+    TOWER_ACTIVATIONS,
+    VISION_ENCODER,
+    VisionShape,
+    encoder_bytes,
+    plan_fields,
+    tower_activations,
+    tower_state,
+    vision_shape_from_hf,
 )
 from slipstream.serverkinds import server_kind
 from slipstream.utils.tensors import dtype_bytes
@@ -82,6 +101,7 @@ class ModelShape:
     expert_intermediate: int = 0
     shared_intermediate: int = 0  # MoE: an always-active shared expert's width (Qwen2-MoE), 0: none
     dense_layers: int = 0  # MoE: layers whose MLP is dense, `intermediate` wide (Qwen3-MoE's mlp_only_layers)
+    vision: VisionShape | None = None  # a vision-language model's tower (planning/vision.py)
 
     @property
     def layer_params(self) -> int:
@@ -103,6 +123,7 @@ class ModelShape:
 
     @property
     def params(self) -> int:
+        """Every parameter: the language model's and a vision tower's."""
         embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
         sparse = self.layers - self.dense_layers
         return (
@@ -110,7 +131,13 @@ class ModelShape:
             + sparse * self.layer_params
             + self.dense_layers * self._dense_layer_params
             + self.hidden
+            + self.vision_params
         )
+
+    @property
+    def vision_params(self) -> int:
+        """The vision tower's share of :attr:`params`; 0 for a text model."""
+        return self.vision.params if self.vision else 0
 
     @property
     def expert_params(self) -> int:
@@ -129,8 +156,10 @@ class ModelShape:
 
     @property
     def root_params(self) -> int:
-        """Parameters outside the decoder layers: embeddings, output layer (unless tied) and final norm."""
-        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+        """Parameters outside the decoder layers (and vision blocks): embeddings, output layer (unless tied),
+        final norm, and a vision tower's patch embedding and merger."""
+        tower = self.vision.root_params if self.vision else 0
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden + tower
 
     def activation_bytes_per_token_layer(self, compute: int) -> int:
         """Bytes one token saves for backward in one decoder layer, as listed by autograd's saved-tensor
@@ -157,9 +186,19 @@ KNOWN: dict[str, ModelShape] = {
     "Qwen3-30B-A3B": ModelShape(2048, 48, 32, 4, 128, 6144, 151936, False, 40960, 128, 8, 768),
 }
 KNOWN["Qwen3-30B-A3B-Base"] = KNOWN["Qwen3-30B-A3B"]
+# Qwen2.5-VL-7B-Instruct: config.json's text and vision_config blocks, and its preprocessor's max_pixels
+KNOWN["Qwen2.5-VL-7B-Instruct"] = ModelShape(
+    3584, 28, 28, 4, 128, 18944, 152064, False, 128000,
+    vision=VisionShape(32, 1280, 3420, 16, 14, 2, 2, 3, 3584, gated=True, max_pixels=12845056),
+)  # fmt: skip
 
 
-def shape_from_hf(config: dict) -> ModelShape:
+def shape_from_hf(config: dict, max_pixels: int | None = None) -> ModelShape:
+    """The shape a checkpoint's ``config.json`` describes; a vision-language config's language model may sit
+    under ``text_config`` (as transformers writes it) or at the top (as Qwen's published files do), its tower
+    under ``vision_config``, whose largest image is ``max_pixels`` (the image processor's)."""
+    vision, model_type = config.get("vision_config"), config.get("model_type")
+    config = {**config, **(config.get("text_config") or {})}
     heads = config["num_attention_heads"]
     hidden = config["hidden_size"]
     experts = config.get("num_experts") or config.get("num_local_experts") or 0  # Mixtral: num_local_experts
@@ -181,6 +220,7 @@ def shape_from_hf(config: dict) -> ModelShape:
         else 0,
         shared_intermediate=(config.get("shared_expert_intermediate_size") or 0) if experts else 0,
         dense_layers=_dense_layers(config) if experts else 0,
+        vision=vision_shape_from_hf(vision, max_pixels, model_type) if vision else None,
     )
 
 
@@ -197,8 +237,9 @@ def model_shape(path: str) -> ModelShape:
     """From ``path/config.json`` when it is here, else the table of known models; ValueError otherwise."""
     local = Path(path).expanduser() / "config.json"
     if local.is_file():
+        processor = ImageTokens.from_model(local.parent)
         try:
-            return shape_from_hf(json.loads(local.read_text()))
+            return shape_from_hf(json.loads(local.read_text()), processor.max_pixels if processor else None)
         except KeyError as err:
             raise ValueError(
                 f"model.path: {local} has no {err} (not a decoder config the planner reads)"
@@ -280,21 +321,27 @@ def trainer_gpu(shape: ModelShape, cfg, gpu_bytes: int) -> Part:
     tokens = -(-t.micro_batch_tokens // sp)
     chunk = getattr(t, "logits_chunk_tokens", 0) or tokens
     root = shape.root_params
+    frozen = shape.vision is not None and t.freeze_vision_tower
+    untrained, untrained_root = (shape.vision_params, shape.vision.root_params) if frozen else (0, 0)
+    layer = max(shape.layer_params, shape.vision.block_params if shape.vision else 0)
+    text_dense = shape.params - shape.expert_params - shape.vision_params
     # FSDP2 keeps the root module (embeddings, output layer, final norm) unsharded from its forward to the
     # end of backward; its gradients exist unsharded in the compute dtype and, under mixed precision, in
     # the fp32 reduce dtype before the reduce-scatter
     return Part(
         "trainer process (CPU)" if on_cpu else "trainer GPU",
         {
-            "sharded parameters, AdamW moments": (shape.params - shape.expert_params) * 12 // ranks,
+            "sharded parameters, AdamW moments": text_dense * 12 // ranks,
             # MoE: every expert is trained (each takes the tokens routed to it), so all of them carry
             # fp32 weights and both moments, although a token runs through experts_per_token of them
             "sharded experts: parameters, AdamW moments": shape.expert_params * 12 // ranks,
-            "sharded gradients": shape.params * 4 // ranks,
-            "gathered layers": shape.layer_params * (2 * compute + 4),
+            **tower_state(shape.vision, frozen, ranks),
+            "sharded gradients": (shape.params - untrained) * 4 // ranks,
+            "gathered layers": layer * (2 * compute + 4),
             "unsharded root module (embeddings, output layer)": root * compute,
-            "root module gradients": root * (compute + (4 if compute != 4 else 0)),
+            "root module gradients": (root - untrained_root) * (compute + (4 if compute != 4 else 0)),
             "activations": _activations(shape, tokens, shape.layers, compute, t.activation_checkpointing),
+            **tower_activations(shape.vision, cfg, compute, frozen),
             "logits": _logits(chunk, shape.vocab, shape.hidden, tokens, compute),
             "frozen reference model": shape.params * 4 // ranks
             if t.algorithm.kl_reference == "reference"
@@ -302,7 +349,10 @@ def trainer_gpu(shape: ModelShape, cfg, gpu_bytes: int) -> Part:
             "reserve": 0 if on_cpu else RESERVE_BYTES,
         },
         _machine_memory() if on_cpu else gpu_bytes,
-        phases=(("activations", "logits"), ("root module gradients", "sharded gradients")),
+        phases=(
+            ("activations", *([TOWER_ACTIVATIONS] if shape.vision else []), "logits"),
+            ("root module gradients", "sharded gradients"),
+        ),
     )
 
 
@@ -369,20 +419,19 @@ def inference_gpu(shape: ModelShape, cfg, gpu_bytes: int, served: str) -> tuple[
     kv_heads_per_gpu = max(1, shape.kv_heads // tp)
     per_token = 2 * shape.layers * kv_heads_per_gpu * shape.head_dim * bytes_per_value
     length = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens
+    encoder = encoder_bytes(shape.vision, args, bytes_per_value, tp, length)
     if own_tokens is not None:
         kv_budget = own_tokens(cfg.rollout) * per_token
-        budget = weights + RESERVE_BYTES + kv_budget
+        budget = weights + RESERVE_BYTES + encoder + kv_budget
     else:
         util = float(args.get("--gpu-memory-utilization") or args.get("--mem-fraction-static") or 0.9)
         budget = int(gpu_bytes * util)
-        kv_budget = budget - weights - RESERVE_BYTES
+        kv_budget = budget - weights - RESERVE_BYTES - encoder
     sequences = kv_budget / (per_token * length) if kv_budget > 0 else 0.0
-    part = Part(
-        "inference GPU",
-        {"weights": weights, "reserve": RESERVE_BYTES, "KV cache": max(kv_budget, 0)},
-        budget if not own else gpu_bytes,
-    )
-    return part, sequences
+    items = {"weights": weights, "reserve": RESERVE_BYTES, "KV cache": max(kv_budget, 0)}
+    if shape.vision is not None:
+        items = {"weights": weights, VISION_ENCODER: encoder, **items}
+    return Part("inference GPU", items, budget if not own else gpu_bytes), sequences
 
 
 @dataclass
@@ -396,6 +445,9 @@ class Plan:
     full_length_sequences_per_server: float | None
     active_params: int = 0  # MoE: parameters a token runs through; params for a dense model
     expert_params: int = 0  # MoE: the routed experts' share of params; 0 for a dense model
+    vision_params: int = 0  # vision-language: the tower's share of params; 0 for a text model
+    image_tokens: int = 0  # vision-language: tokens of the largest image a prompt holds
+    images_per_micro_batch: int = 0  # vision-language: images planned in a trainer micro-batch
 
     @property
     def problems(self) -> list[str]:
@@ -445,7 +497,12 @@ class Plan:
             else round(self.full_length_sequences_per_server, 2),
             "fits": not self.problems,
             "problems": self.problems,
+            **(self._vision_dict() if self.vision_params else {}),
         }
+
+    def _vision_dict(self) -> dict:
+        return {"vision": {"params": self.vision_params, "image_tokens": self.image_tokens,
+                           "images_per_micro_batch": self.images_per_micro_batch}}  # fmt: skip
 
 
 def plan(cfg, gpu_gib: float = 80.0) -> Plan:
@@ -477,6 +534,7 @@ def plan(cfg, gpu_gib: float = 80.0) -> Plan:
         full_length_sequences_per_server=sequences,
         active_params=shape.active_params,
         expert_params=shape.expert_params,
+        **plan_fields(shape.vision, cfg),
     )
 
 
@@ -485,6 +543,9 @@ def render(p: Plan) -> str:
            if p.expert_params else "")  # fmt: skip
     lines = [f"model {p.model}: {p.params / 1e9:.2f}B parameters{moe}; "
              f"{p.positions_needed} positions needed of {p.max_positions or '?'}"]  # fmt: skip
+    if p.vision_params:
+        lines.append(f"vision tower {p.vision_params / 1e9:.2f}B parameters; an image up to {p.image_tokens} "
+                     f"tokens, {p.images_per_micro_batch} such images planned per trainer micro-batch")  # fmt: skip
     for part in (p.trainer, p.inference):
         if part is None:
             continue

@@ -16,7 +16,11 @@ CONFIGS = sorted((Path(__file__).parents[2] / "configs").rglob("*.yaml"))
 def test_the_presets_are_there():
     names = {p.name for p in CONFIGS}
     assert "quickstart.yaml" in names
-    assert {"qwen2.5-7b-dapo-math-64x64.yaml", "qwen3-30b-a3b-grpo-math-sglang-fsdp.yaml"} <= names
+    assert {
+        "qwen2.5-7b-dapo-math-64x64.yaml",
+        "qwen3-30b-a3b-grpo-math-sglang-fsdp.yaml",
+        "qwen2.5-vl-7b-grpo-geometry-vllm-fsdp.yaml",
+    } <= names
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
@@ -33,6 +37,9 @@ def test_the_cluster_recipes_split_their_gpus_as_documented():
     moe = load_config(CONFIGS[0].parent / "recipes" / "qwen3-30b-a3b-grpo-math-sglang-fsdp.yaml")
     assert moe.rollout.num_servers * moe.cluster.gpus_per_server == 96
     assert moe.trainer.num_ranks == 32 and (moe.rollout.backend, moe.trainer.engine) == ("sglang", "fsdp")
+    vl = load_config(CONFIGS[0].parent / "recipes" / "qwen2.5-vl-7b-grpo-geometry-vllm-fsdp.yaml")
+    assert vl.rollout.num_servers * vl.cluster.gpus_per_server == 16
+    assert vl.trainer.num_ranks * vl.cluster.gpus_per_trainer_rank == 16
 
 
 def test_a_recipe_with_a_bad_split_names_the_key():
