@@ -159,6 +159,33 @@ def test_prompt_ids_outside_the_vocabulary_are_a_400_naming_the_id(tok, bad):
     assert requests == []
 
 
+def test_a_prompt_over_the_budget_is_a_400_and_one_that_fills_it_an_empty_reply(tok):
+    """A prompt of more tokens than an episode may hold is OpenAI's context_length_exceeded, before any server
+    sees it; one that fills the budget exactly leaves no token to generate: an empty reply cut by length."""
+
+    async def main():
+        gw, client = await _gateway(tok, [])
+        try:
+            session = gw.open_session("ep-long")
+            async with _http(session) as http:
+                over = await http.post("/completions", json={"model": "p", "prompt": [5] * (MAX_TOTAL + 1)})
+                full = await http.post("/completions", json={"model": "p", "prompt": [5] * MAX_TOTAL})
+            return over, full, client.requests
+        finally:
+            await gw.stop()
+
+    over, full, requests = run(main)
+    assert over.status_code == 400 and over.json()["error"]["type"] == "context_length_exceeded"
+    assert (
+        _message(over) == f"the prompt holds {MAX_TOTAL + 1} tokens, more than an episode's {MAX_TOTAL} "
+        "(agent.max_total_tokens)"
+    )
+    assert full.status_code == 200
+    (choice,) = full.json()["choices"]
+    assert choice["text"] == "" and choice["finish_reason"] == "length"
+    assert requests == []
+
+
 def _ids(tok, text: str) -> list[int]:
     return tok.encode(text, add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
 

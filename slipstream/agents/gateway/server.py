@@ -565,6 +565,15 @@ class Gateway:
         if session.turns >= self.max_turns:
             return []
         used = len(prompt_ids) + self._expansion(session)
+        if (
+            used > self.max_total_tokens
+        ):  # OpenAI's answer to a prompt over the context: the harness ends here
+            raise GatewayError(
+                400,
+                f"the prompt holds {used} tokens, more than an episode's {self.max_total_tokens} "
+                "(agent.max_total_tokens)",
+                "context_length_exceeded",
+            )
         budget = min(self.sampling.max_new_tokens, self.max_total_tokens - used)
         asked = body.get("max_completion_tokens") or body.get("max_tokens")
         if asked is not None:
