@@ -40,14 +40,18 @@ def run(coro, timeout_s: float = 300.0):
     return asyncio.run(asyncio.wait_for(coro, timeout_s))
 
 
-# A request the tests act on while it runs (abort, pause, push) asks for this many tokens: thousands of engine
-# steps, so it is still running however fast the machine, and the test ends it itself (see start_long).
-LONG_TOKENS = 12_000
-MAX_MODEL_LEN = 12_288
+# A request the tests act on while it runs (abort, pause, push) asks for this many tokens, and the test ends it
+# itself (see start_long). The session's tiny model decodes 200-600 tokens/s here while vLLM's API process,
+# turning each step's token and logprob into the reply, falls seconds behind the engine: 12,000 tokens ended
+# before an abort sent at the first token was read. 100,000 take the engine minutes, far longer than any
+# control call takes to arrive.
+LONG_TOKENS = 100_000
+LONG_MODEL_LEN = 102_400  # the session's server and model (its KV cache holds one such request: 51 MB)
+MAX_MODEL_LEN = 12_288  # the other servers of these tests
 
 
-def vllm_config(**overrides) -> RolloutConfig:
-    v = VLLMServerConfig(dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=16, cpu_kv_cache_gib=1)
+def vllm_config(max_model_len: int = MAX_MODEL_LEN, **overrides) -> RolloutConfig:
+    v = VLLMServerConfig(dtype="float32", max_model_len=max_model_len, max_num_seqs=16, cpu_kv_cache_gib=1)
     return RolloutConfig(backend="vllm", vllm=v, **overrides)
 
 
@@ -57,7 +61,7 @@ class VLLMServer:
     def __init__(self, model: Path, log_dir: Path) -> None:
         self.model = model
         self.log_dir = log_dir
-        self.cfg = vllm_config()
+        self.cfg = vllm_config(LONG_MODEL_LEN)
         # The session's server switches versions by swapping in its shadow copy (rollout.vllm.double_buffer);
         # the other servers of these tests (MoE, multimodal) reload in place.
         self.cfg.vllm.double_buffer = True
@@ -94,7 +98,7 @@ def vllm_model(tmp_path_factory) -> Path:
         hidden_size=64,
         num_heads=2,
         num_kv_heads=1,
-        max_position_embeddings=MAX_MODEL_LEN,
+        max_position_embeddings=LONG_MODEL_LEN,
     )
 
 
@@ -143,22 +147,27 @@ def metric(url: str, name: str) -> float:
     return sum(values)
 
 
+# Between two reads of the server's /metrics: each read is rendered on vLLM's API process, the one that also
+# turns every engine step into replies, so reading it often slows the replies the tests wait for.
+POLL_S = 0.25
+
+
 async def wait_for_tokens(url: str, more_than: float, timeout_s: float = 120.0) -> None:
     """Until the server has generated more than ``more_than`` tokens in all (a request is under way)."""
     deadline = time.monotonic() + timeout_s
     while generated(url) <= more_than:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{url} generated no token in {timeout_s} s")
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(POLL_S)
 
 
-async def until(condition: Callable[[], bool], timeout_s: float = 120.0) -> None:
-    """Until ``condition()`` holds (checked between the event loop's other work)."""
+async def until(condition: Callable[[], bool], timeout_s: float = 120.0, period_s: float = 0.01) -> None:
+    """Until ``condition()`` holds (checked every ``period_s``, between the event loop's other work)."""
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:
             raise TimeoutError(f"not reached in {timeout_s} s: {condition}")
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(period_s)
 
 
 def generated(url: str) -> float:
@@ -174,7 +183,7 @@ async def start_long(url: str, generate: Callable[[], Awaitable[GenerateOutput]]
     """
     # Tokens the server makes while another request is still on it would pass for this one's: wait until it
     # holds none (a request another test ended may still be leaving it).
-    await until(lambda: busy(url) == 0)
+    await until(lambda: busy(url) == 0, period_s=POLL_S)
     before = generated(url)
     task = asyncio.create_task(generate())
     await wait_for_tokens(url, before)

@@ -19,7 +19,7 @@ from slipstream.serverkinds import server_kind
 from slipstream.serverkinds.vllm import VLLMClient
 from slipstream.weightsync.config import WeightSyncConfig
 from slipstream.weightsync.publisher import WeightPublisher
-from tests.vllm.conftest import LONG_TOKENS, generated, run, start_long, until, wait_for_tokens
+from tests.vllm.conftest import LONG_TOKENS, POLL_S, generated, run, start_long, until, wait_for_tokens
 from tests.weightsync.wsync_helpers import corrupt_once
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 8]
@@ -259,7 +259,7 @@ def test_buckets_stage_while_the_server_generates(vllm_server, policy, monkeypat
         deadline = time.monotonic() + 120
         while generated(url) <= tokens_at_return[0]:
             assert time.monotonic() < deadline, "the server generated nothing while the bucket was pending"
-            time.sleep(0.02)
+            time.sleep(POLL_S)
         return real_broadcast(self, tensor)
 
     monkeypatch.setattr(VLLMAdapter, "before", before)
