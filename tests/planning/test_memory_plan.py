@@ -13,6 +13,7 @@ import pytest
 
 from slipstream.config import load_config
 from slipstream.planning.memory import GIB, KNOWN, main, model_shape, plan
+from tests.planning.saved_activations import saved_bytes
 
 RECIPE = "configs/recipes/qwen2.5-7b-dapo-math-64x64.yaml"
 
@@ -65,20 +66,8 @@ def _saved_bytes_per_layer(dtype, layers: int, tokens: int = 256) -> int:
     config = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=352, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")  # fmt: skip
     model = LlamaForCausalLM(config).to(dtype)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    kept, sizes = [], {}
-
-    def pack(t):
-        kept.append(t)  # alive until the end, so no storage is freed and reused under another tensor
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            sizes[ptr] = t.untyped_storage().nbytes()
-        return t
-
     ids = torch.randint(0, 64, (1, tokens))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.model(input_ids=ids).last_hidden_state.sum()
-    return sum(sizes.values())
+    return saved_bytes(model, lambda: model.model(input_ids=ids).last_hidden_state.sum())
 
 
 @pytest.mark.parametrize("dtype_name, compute", [("float32", 4), ("bfloat16", 2)])

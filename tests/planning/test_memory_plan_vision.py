@@ -11,6 +11,7 @@ import pytest
 from slipstream.config import load_config
 from slipstream.planning.memory import KNOWN, main, model_shape, plan, shape_from_hf
 from slipstream.planning.vision import VisionShape, micro_batch_patches, vision_shape_from_hf
+from tests.planning.saved_activations import saved_bytes
 
 RECIPE = "configs/recipes/qwen2.5-vl-7b-grpo-geometry-vllm-fsdp.yaml"
 TEXT = {"hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
@@ -71,21 +72,9 @@ def _saved_bytes(dtype, depth: int, grid=(1, 8, 8)) -> int:
     config = Qwen2_5_VLConfig(vision_config=vision, text_config={**TEXT, "hidden_size": 64}).vision_config
     config._attn_implementation = "sdpa"
     tower = Qwen2_5_VisionTransformerPretrainedModel._from_config(config).to(dtype)
-    params = {p.untyped_storage().data_ptr() for p in tower.parameters()}
-    kept, sizes = [], {}
-
-    def pack(t):
-        kept.append(t)  # alive until the end, so no storage is freed and reused under another tensor
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            sizes[ptr] = t.untyped_storage().nbytes()
-        return t
-
     patches = grid[0] * grid[1] * grid[2]
     pixels = torch.randn(patches, 3 * 2 * 14 * 14, dtype=dtype)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        tower(pixels, grid_thw=torch.tensor([grid]))
-    return sum(sizes.values())
+    return saved_bytes(tower, lambda: tower(pixels, grid_thw=torch.tensor([grid])))
 
 
 @pytest.mark.parametrize("dtype_name, compute", [("float32", 4), ("bfloat16", 2)])
