@@ -256,13 +256,8 @@ def images_not_served(samples: list[Any], *, backend: str, route: str, agent: st
     if not with_images:
         return None
     have = f"{len(with_images)} of {len(samples)} prompts have images (the first: prompt {with_images[0]})"
-    if backend != "vllm":
-        return (
-            f"{have}, but rollout.backend `{backend}` takes no images (the embedded server runs text models; "
-            "SGLang's client sends none): use rollout.backend=vllm with rollout.vllm.route=generate"
-        )
-    if route != "generate":
-        return f"{have}, but vLLM's /v1/completions takes no images: set rollout.vllm.route=generate"
+    if refused := images_refused(backend, route):
+        return f"{have}, but {refused}"
     if agent not in IMAGE_AGENTS:
         return f"{have}, but agent loop `{agent}` sends no images (only {', '.join(IMAGE_AGENTS)} does)"
     return None

@@ -565,9 +565,8 @@ class Gateway:
         if session.turns >= self.max_turns:
             return []
         used = len(prompt_ids) + self._expansion(session)
-        if (
-            used > self.max_total_tokens
-        ):  # OpenAI's answer to a prompt over the context: the harness ends here
+        # OpenAI's answer to a prompt over the context: the harness ends the episode there
+        if used > self.max_total_tokens:
             raise GatewayError(
                 400,
                 f"the prompt holds {used} tokens, more than an episode's {self.max_total_tokens} "

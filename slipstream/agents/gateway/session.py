@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from slipstream.agents.base import AgentLoopOutput
@@ -188,7 +188,7 @@ class Session:
         tools_key: str,
         render_full: Callable[[list[dict[str, Any]]], list[int]],
         render_delta: Callable[[list[dict[str, Any]], bool], list[int]],
-        images: list[Image] = (),  # type: ignore[assignment]
+        images: Sequence[Image] = (),
     ) -> list[int]:
         """The prompt ids for a chat request: the segment extended by the new messages' delta, or a new
         segment rendered from scratch (a divergence when a segment existed). ``images``: those of the
@@ -294,7 +294,7 @@ class Session:
         (self.kind, self.history, self.text, self.tools_key, self.ended_turn, self.divergences,
          self._choices, self._choices_text) = fields  # fmt: skip
 
-    def _new_segment(self, prompt_ids: list[int], kind: str, images: list[Image] = ()) -> None:  # type: ignore[assignment]
+    def _new_segment(self, prompt_ids: list[int], kind: str, images: Sequence[Image] = ()) -> None:
         if self.segments:
             self.divergences += 1
         if images:
