@@ -81,9 +81,8 @@ def sampled_batch(url: str, model: Path, rows: list[dict], max_new_tokens: int) 
         reply = httpx.post(url + "/inference/v1/generate", json=body, timeout=300)
         reply.raise_for_status()
         out = reply.json()
-        if (
-            pad in out["choices"][0]["token_ids"]
-        ):  # the engine refuses a generated pad; a random model may sample one
+        # the engine refuses a generated pad; a random model may sample one
+        if pad in out["choices"][0]["token_ids"]:
             continue
         replies.append((out, imgs))
     return packed_replies(replies, str(model))
